@@ -1,0 +1,1 @@
+"""archspec: a declarative architecture-search toolkit for linear-RNN sequence mixers."""

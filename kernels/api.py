@@ -1,0 +1,210 @@
+"""The public kernel entry points: argument checks, then dispatch to a backend.
+
+Every backend (`naive`, `torch`, `triton`) computes exactly `RECURRENCE.md`; this module
+owns the shape contract so that each backend can assume well-formed inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .naive import linear_recurrence_naive, osdn_write_keys_naive
+
+Tensor = torch.Tensor
+
+BACKENDS = ("naive", "torch", "triton", "auto")
+
+# Backends register themselves here (name -> function with the public signature), so
+# that this module does not import a backend that cannot load on the current machine.
+_RECURRENCE_BACKENDS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
+    "naive": linear_recurrence_naive,
+}
+_OSDN_BACKENDS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
+    "naive": osdn_write_keys_naive,
+}
+
+
+def register_backend(
+    name: str,
+    *,
+    recurrence: Callable[..., tuple[Tensor, Tensor | None]] | None = None,
+    osdn: Callable[..., tuple[Tensor, Tensor]] | None = None,
+) -> None:
+    """Make `backend=name` available to `linear_recurrence` / `osdn_write_keys`."""
+    if recurrence is not None:
+        _RECURRENCE_BACKENDS[name] = recurrence
+    if osdn is not None:
+        _OSDN_BACKENDS[name] = osdn
+
+
+def _load_backend(name: str) -> None:
+    """Import the module that registers `name` on first use."""
+    if name == "torch":
+        from . import chunked  # noqa: F401  (registers "torch")
+    elif name == "triton":
+        from . import triton as _triton  # noqa: F401  (registers "triton")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """`auto` is the Triton kernel on CUDA tensors and the chunked torch path elsewhere."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def _get(table: dict[str, Callable], name: str) -> Callable:
+    if name not in table:
+        _load_backend(name)
+    if name not in table:
+        raise NotImplementedError(f"backend {name!r} is not available on this machine")
+    return table[name]
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(f"linear_recurrence: {message}")
+
+
+def check_recurrence_inputs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None,
+    beta: Tensor | None,
+    write_key: Tensor | None,
+    erase: Tensor | None,
+    n_h: int,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+) -> None:
+    """Raise a ValueError that names the argument and the expected shape."""
+    _check(q.dim() == 4, f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    _check(isinstance(n_h, int) and n_h >= 1, f"n_h must be a positive int, got {n_h!r}")
+    TN = T * n_h
+    _check(tuple(k.shape) == (B, TN, H, K), f"k must be [B, T*n_h, H, K] = {(B, TN, H, K)}, got {tuple(k.shape)}")
+    _check(v.dim() == 4 and tuple(v.shape[:3]) == (B, TN, H), f"v must be [B, T*n_h, H, V] with B, T*n_h, H = {(B, TN, H)}, got {tuple(v.shape)}")
+    V = v.shape[-1]
+    for name, t in (("write_key", write_key), ("erase", erase)):
+        if t is not None:
+            _check(tuple(t.shape) == (B, TN, H, K), f"{name} must be [B, T*n_h, H, K] = {(B, TN, H, K)}, got {tuple(t.shape)}")
+    if beta is not None:
+        _check(tuple(beta.shape) == (B, TN, H), f"beta must be [B, T*n_h, H] = {(B, TN, H)}, got {tuple(beta.shape)}")
+    if g is not None:
+        _check(
+            tuple(g.shape) in ((B, T, H), (B, T, H, K)),
+            f"g must be [B, T, H] (scalar gate) or [B, T, H, K] (channel gate), got {tuple(g.shape)}",
+        )
+    N = B
+    if cu_seqlens is not None:
+        _check(B == 1, f"with cu_seqlens the batch must be 1 (packed), got B={B}")
+        _check(cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 2, "cu_seqlens must be a 1-D tensor of N+1 offsets")
+        _check(int(cu_seqlens[0]) == 0 and int(cu_seqlens[-1]) == T, f"cu_seqlens must start at 0 and end at T={T}")
+        _check(bool((cu_seqlens[1:] >= cu_seqlens[:-1]).all()), "cu_seqlens must be non-decreasing")
+        N = cu_seqlens.numel() - 1
+    if initial_state is not None:
+        _check(
+            tuple(initial_state.shape) == (N, H, K, V),
+            f"initial_state must be [{'N' if cu_seqlens is not None else 'B'}, H, K, V] = {(N, H, K, V)}, got {tuple(initial_state.shape)}",
+        )
+
+
+def linear_recurrence(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    g: Tensor | None = None,
+    beta: Tensor | None = None,
+    write_key: Tensor | None = None,
+    erase: Tensor | None = None,
+    n_h: int = 1,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """Run the recurrence of `RECURRENCE.md`.
+
+    Per token `t`: decay the state by `exp(g_t)` (scalar or per key channel), then `n_h`
+    sub-steps `i = t*n_h + j`, each with `w_i = write_key_i if given else k_i`:
+
+    - `beta is None and erase is None`: `S <- S + w_i v_i^T`
+    - `beta` given, no `erase`:          `S <- S + beta_i w_i (v_i - S^T k_i)^T`
+    - `erase` given:                     `S <- S - erase_i (S^T k_i)^T + b_i w_i v_i^T`
+
+    then read out `o_t = S^T (scale * q_t)`. Returns `o` `[B, T, H, V]` in the dtype of `v`
+    and, if `output_final_state`, the final state `[B, H, K, V]` (float32).
+    """
+    check_recurrence_inputs(q, k, v, g, beta, write_key, erase, n_h, initial_state, cu_seqlens)
+    name = resolve_backend(backend, q.device)
+    fn = _get(_RECURRENCE_BACKENDS, name)
+    return fn(
+        q,
+        k,
+        v,
+        g=g,
+        beta=beta,
+        write_key=write_key,
+        erase=erase,
+        n_h=n_h,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+    )
+
+
+def osdn_write_keys(
+    k: Tensor,
+    beta: Tensor | None,
+    *,
+    eta: float = 0.003,
+    d_min: float = 0.5,
+    d_max: float = 2.0,
+    retain: Tensor | None = None,
+    beta_aware: bool = True,
+    d0: Tensor | None = None,
+    eps: float = 1e-6,
+    cu_seqlens: Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """OSDN phase 1: the preconditioned write keys `w_i = d_i * k_i` and the final `d`.
+
+    `k` `[B, T*n_h, H, K]`; `beta` `[B, T*n_h, H]`; `retain` `[B, T, H]` (APF, applied at
+    the first sub-step of each token); `d0` `[B, H, K]` or `[H, K]` (default ones).
+    Differentiable with respect to `k`, `beta`, `retain` and `d0`.
+    """
+    if k.dim() != 4:
+        raise ValueError(f"osdn_write_keys: k must be [B, T*n_h, H, K], got shape {tuple(k.shape)}")
+    B, TN, H, K = k.shape
+    if beta is not None and tuple(beta.shape) != (B, TN, H):
+        raise ValueError(f"osdn_write_keys: beta must be [B, T*n_h, H] = {(B, TN, H)}, got {tuple(beta.shape)}")
+    if beta_aware and beta is None:
+        raise ValueError("osdn_write_keys: beta_aware=True needs beta (or pass beta_aware=False)")
+    if retain is not None:
+        if retain.dim() != 3 or retain.shape[0] != B or retain.shape[2] != H or retain.shape[1] == 0 or TN % retain.shape[1]:
+            raise ValueError(f"osdn_write_keys: retain must be [B, T, H] with T dividing {TN}, got {tuple(retain.shape)}")
+    if d0 is not None and tuple(d0.shape) not in ((H, K), (B, H, K)) and cu_seqlens is None:
+        raise ValueError(f"osdn_write_keys: d0 must be [H, K] or [B, H, K], got {tuple(d0.shape)}")
+    if not (0 < d_min <= d_max):
+        raise ValueError(f"osdn_write_keys: need 0 < d_min <= d_max, got [{d_min}, {d_max}]")
+    name = resolve_backend(backend, k.device)
+    fn = _get(_OSDN_BACKENDS, name)
+    return fn(
+        k,
+        beta,
+        eta=eta,
+        d_min=d_min,
+        d_max=d_max,
+        retain=retain,
+        beta_aware=beta_aware,
+        d0=d0,
+        eps=eps,
+        cu_seqlens=cu_seqlens,
+    )

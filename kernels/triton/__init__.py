@@ -1,0 +1,1 @@
+"""The common Triton chunk kernel (see the Triton kernel issue)."""

@@ -1,0 +1,200 @@
+"""The one mixer layer: every `RecurrencePlan` becomes this module.
+
+Per token `x_t` (`[B, T, d_model]` in, same out), following flash-linear-attention's
+DeltaNet / GatedDeltaNet / GatedDeltaProduct / KDA / GLA layers:
+
+1. Streams: `q` (H*K), `k` (n_h*H*K), `v` (n_h*H*V) and, for an untied write key, `w`
+   (n_h*H*K): a linear map each, then the optional short causal conv, then SiLU. The k, v
+   (and w, beta, erase) projections are n_h times wider: one set per sub-step (DeltaProduct).
+2. Householder and RWKV-7 transitions L2-normalise `q`, `k` (and `w`) per head: the kernel
+   does not, and the delta rule needs unit keys for its eigenvalues to stay in `[-1, 1]`.
+   The diagonal transition (GLA-like, `S += k v^T`) does not: GLA feeds raw q, k to its
+   kernel (no feature map, scale K^-0.5), and with no erase there is no eigenvalue to keep.
+3. `beta = beta_scale * sigmoid(W_b x)` per sub-step and head (householder only).
+4. RWKV-7: erase `e = a * k` with `a = beta_scale * sigmoid(low-rank(x))` per key channel,
+   an untied write key `w` (its own projection) and write strength `b = 1`.
+5. OSDN (`write_key = preconditioned`): `w = d * k` from `osdn_write_keys`.
+6. The gate chosen by the plan (`scalar`: Mamba2 per head; `channel`: KDA per channel),
+   whatever the backbone: the backbone only fixes the defaults and the read-out below.
+7. `linear_recurrence`, then the backbone's output: DeltaNet `RMSNorm(o)`; Gated DeltaNet
+   `RMSNorm(o) * SiLU(W_g x)`; KDA `RMSNorm(o) * sigmoid(low-rank(x))`; then `o_proj`.
+
+Decoding state (`MixerState`): the matrix state S, the conv tails, OSDN's d. Calling the
+mixer on a sequence in one piece or in several, carrying the state, gives the same output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from archspec.kernels import linear_recurrence
+
+from .conv import ShortConv
+from .gates import ChannelGate, ScalarGate
+from .lowrank import LowRankLinear
+from .norm import GatedRMSNorm
+from .plan import RecurrencePlan
+from .preconditioner import OSDNPreconditioner
+
+Tensor = torch.Tensor
+
+L2_EPS = 1e-6
+
+
+@dataclass
+class MixerState:
+    """One layer's decoding state."""
+
+    recurrent: Tensor  # S [B, H, K, V]; float32 (float64 in a float64 model)
+    conv: dict[str, Tensor] = field(default_factory=dict)  # stream -> tail [B, W-1, C]
+    d: Tensor | None = None  # OSDN's preconditioner [B, H, K]
+
+
+def check_plan(plan: RecurrencePlan) -> None:
+    """Refuse plans the mixer cannot build; the spec validator should never produce one."""
+    problems = []
+    if plan.transition == "diagonal" and (plan.n_h != 1 or plan.write_key != "tied"):
+        problems.append("the diagonal transition writes S += k v^T: n_h must be 1 and the write key tied")
+    if plan.transition == "householder" and (plan.beta_scale is None or plan.write_key == "untied"):
+        problems.append("householder needs a beta_scale and a tied or preconditioned write key")
+    if plan.transition == "rwkv7" and (plan.beta_scale is None or plan.write_key != "untied" or not plan.erase):
+        problems.append("rwkv7 needs a beta_scale (erase range), an untied write key and erase=True")
+    if plan.erase and plan.transition != "rwkv7":
+        problems.append("erase is the rwkv7 transition's")
+    if (plan.write_key == "preconditioned") != (plan.preconditioner is not None):
+        problems.append("a preconditioned write key and a preconditioner go together")
+    if min(plan.heads, plan.head_dim, plan.value_dim, plan.n_h) < 1 or plan.short_conv < 0:
+        problems.append("sizes must be positive (short_conv >= 0)")
+    if problems:
+        raise ValueError("invalid RecurrencePlan: " + "; ".join(problems))
+
+
+class Mixer(nn.Module):
+    def __init__(self, plan: RecurrencePlan, d_model: int, norm_eps: float = 1e-6):
+        super().__init__()
+        check_plan(plan)
+        self.plan = plan
+        H, K, V, n = plan.heads, plan.head_dim, plan.value_dim, plan.n_h
+        self.backend = "auto"
+        self.capture = False  # set True: the next forward stores `captured` (then resets)
+        self.captured: dict | None = None
+
+        widths = {"q": H * K, "k": n * H * K, "v": n * H * V}
+        if plan.write_key == "untied":
+            widths["w"] = n * H * K
+        self.proj = nn.ModuleDict({s: nn.Linear(d_model, w, bias=False) for s, w in widths.items()})
+        self.conv = nn.ModuleDict({s: ShortConv(w, plan.short_conv) for s, w in widths.items()}) if plan.short_conv else None
+
+        self.b_proj = nn.Linear(d_model, n * H, bias=False) if plan.transition == "householder" else None
+        # RWKV-7's per-channel erase strength, low rank like its a-LoRA (rank K here).
+        self.a_proj = LowRankLinear(d_model, K, n * H * K, bias=True) if plan.transition == "rwkv7" else None
+        self.gate: nn.Module | None = None
+        if plan.gate == "scalar":
+            self.gate = ScalarGate(d_model, H)
+        elif plan.gate == "channel":
+            self.gate = ChannelGate(d_model, H, K, rank=V)  # rank = head_v_dim, as in KDA
+        self.preconditioner = (
+            OSDNPreconditioner(plan.preconditioner, d_model, H, K) if plan.preconditioner is not None else None
+        )
+
+        if plan.backbone == "deltanet":
+            self.o_norm: nn.Module = nn.RMSNorm(V, eps=norm_eps)
+            self.g_proj = None
+        elif plan.backbone == "gdn":
+            self.o_norm = GatedRMSNorm(V, "silu", eps=norm_eps)
+            self.g_proj = nn.Linear(d_model, H * V, bias=False)
+        else:  # kda
+            self.o_norm = GatedRMSNorm(V, "sigmoid", eps=norm_eps)
+            self.g_proj = LowRankLinear(d_model, V, H * V, bias=True)
+        self.o_proj = nn.Linear(H * V, d_model, bias=False)
+
+    @property
+    def scale(self) -> float:
+        return self.plan.head_dim**-0.5
+
+    def init_state(self, batch_size: int, device: torch.device | str | None = None) -> MixerState:
+        """The state of a sequence that has not started (what `state=None` means)."""
+        p = self.o_proj.weight
+        device = p.device if device is None else torch.device(device)
+        acc = torch.float64 if p.dtype == torch.float64 else torch.float32
+        H, K, V = self.plan.heads, self.plan.head_dim, self.plan.value_dim
+        conv = {} if self.conv is None else {s: c.empty_tail(batch_size, device, p.dtype) for s, c in self.conv.items()}
+        d = None if self.preconditioner is None else self.preconditioner.start_state(batch_size, device, acc)
+        return MixerState(torch.zeros(batch_size, H, K, V, device=device, dtype=acc), conv, d)
+
+    def _stream(self, name: str, x: Tensor, state: MixerState | None, tails: dict[str, Tensor]) -> Tensor:
+        """Projection, optional short conv (its new tail goes to `tails`), SiLU."""
+        h = self.proj[name](x)
+        if self.conv is not None:
+            h, tails[name] = self.conv[name](h, None if state is None else state.conv[name])
+        return F.silu(h)
+
+    def forward(
+        self, x: Tensor, state: MixerState | None = None, return_state: bool = False
+    ) -> tuple[Tensor, MixerState | None]:
+        plan = self.plan
+        B, T, _ = x.shape
+        H, K, V, n = plan.heads, plan.head_dim, plan.value_dim, plan.n_h
+        tails: dict[str, Tensor] = {}
+
+        q = self._stream("q", x, state, tails).reshape(B, T, H, K)
+        # (t, n, h, d) order: the n_h sub-steps of token t are rows t*n_h .. t*n_h + n_h - 1.
+        k = self._stream("k", x, state, tails).reshape(B, T * n, H, K)
+        v = self._stream("v", x, state, tails).reshape(B, T * n, H, V)
+        if plan.transition != "diagonal":
+            q, k = F.normalize(q, dim=-1, eps=L2_EPS), F.normalize(k, dim=-1, eps=L2_EPS)
+
+        beta = erase = write_key = None
+        if self.b_proj is not None:
+            beta = plan.beta_scale * torch.sigmoid(self.b_proj(x)).reshape(B, T * n, H)
+        if self.a_proj is not None:
+            erase = plan.beta_scale * torch.sigmoid(self.a_proj(x)).reshape(B, T * n, H, K) * k
+        if "w" in self.proj:
+            write_key = F.normalize(self._stream("w", x, state, tails).reshape(B, T * n, H, K), dim=-1, eps=L2_EPS)
+
+        d_final, osdn_inputs = None, None
+        if self.preconditioner is not None:
+            write_key, d_final, osdn_inputs = self.preconditioner(
+                x, k, beta, None if state is None else state.d, backend=self.backend
+            )
+
+        kwargs = dict(
+            q=q,
+            k=k,
+            v=v,
+            g=None if self.gate is None else self.gate(x),
+            beta=beta,
+            write_key=write_key,
+            erase=erase,
+            n_h=n,
+            scale=self.scale,
+            initial_state=None if state is None else state.recurrent,
+            output_final_state=return_state,
+        )
+        o, final = linear_recurrence(**kwargs, backend=self.backend)
+        if self.capture:
+            self._store_capture(kwargs, osdn_inputs)
+
+        if self.g_proj is None:
+            o = self.o_norm(o)
+        else:
+            o = self.o_norm(o, self.g_proj(x).reshape(B, T, H, V))
+        y = self.o_proj(o.reshape(B, T, H * V))
+        if not return_state:
+            return y, None
+        return y, MixerState(final, tails, d_final)
+
+    def _store_capture(self, kwargs: dict, osdn_inputs: dict | None) -> None:
+        """Diagnostics (docs/interfaces.md): the kernel's exact inputs, detached."""
+
+        def detach(d: dict) -> dict:
+            return {k: v.detach() if isinstance(v, Tensor) else v for k, v in d.items()}
+
+        self.captured = detach(kwargs)
+        if osdn_inputs is not None:
+            self.captured["osdn_inputs"] = detach(osdn_inputs)
+        self.capture = False

@@ -285,7 +285,9 @@ def merge_extends(
         return doc
     raw = doc.data[key]
     where = doc.values.get((key,))
-    if isinstance(raw, str):
+    if raw is None:
+        targets = []
+    elif isinstance(raw, str):
         targets = [((key,), raw)]
     elif isinstance(raw, list) and all(isinstance(t, str) for t in raw):
         targets = [((key, i), t) for i, t in enumerate(raw)]
@@ -318,8 +320,7 @@ def merge_extends(
         keys={p: l for p, l in doc.keys.items() if p[0] != key},
         source=doc.source,
     )
-    assert merged is not None
-    return deep_merge(merged, own)
+    return own if merged is None else deep_merge(merged, own)
 
 
 # --------------------------------------------------------------------------- overrides
@@ -507,26 +508,15 @@ def _message(err: Mapping[str, Any], path: PathKey, owner: type[BaseModel] | Non
     return msg
 
 
-def locate_problems(doc: LocatedDocument, problems: Iterable[tuple[PathKey, str]], title: str) -> ArchspecError:
-    """Problems given as (data path, message) -> one located `ArchspecError`."""
-    located = [(doc.locate(path), dotted(path) or None, message) for path, message in problems]
-    return ArchspecError(title, _sorted(located))
+def locate_problems(doc: LocatedDocument, problems: Iterable[tuple[PathKey, str]]) -> list[Problem]:
+    """Problems given as (data path, message) -> located problems."""
+    return [(doc.locate(path), dotted(path) or None, message) for path, message in problems]
 
 
-def _sorted(problems: list[Problem]) -> list[Problem]:
-    def order(problem: Problem):
-        loc = problem[0]
-        if loc is None or loc.origin is not None:
-            return (1, 0, 0)
-        return (0, loc.line or 0, loc.column or 0)
-
-    return sorted(problems, key=order)
-
-
-def validation_error_to_archspec_error(
-    error: ValidationError, doc: LocatedDocument, *, model: type[BaseModel] | None = None, title: str | None = None
-) -> ArchspecError:
-    """Map every problem of a pydantic `ValidationError` onto file:line:column and a dotted field.
+def validation_problems(
+    error: ValidationError, doc: LocatedDocument, *, model: type[BaseModel] | None = None
+) -> list[Problem]:
+    """Every problem of a pydantic `ValidationError`, located in `doc`.
 
     `model` is the root model that was validated (for "did you mean" on unknown keys).
     """
@@ -536,6 +526,24 @@ def validation_error_to_archspec_error(
         value = err.get("input") if err["type"] != "missing" else None
         location = doc.locate(path, key=err["type"] == "extra_forbidden")
         problems.append((location, dotted(path) or None, _message(err, path, owner, value)))
+    return problems
+
+
+def error_from_problems(title: str, problems: list[Problem]) -> ArchspecError:
+    """One error for all problems, in file order, with a count in the headline."""
+
+    def order(problem: Problem):
+        loc = problem[0]
+        if loc is None or loc.origin is not None:
+            return (1, 0, 0)
+        return (0, loc.line or 0, loc.column or 0)
+
     count = len(problems)
-    head = title or f"invalid {doc.source or 'input'}"
-    return ArchspecError(f"{head} ({count} problem{'s' if count != 1 else ''})", _sorted(problems))
+    return ArchspecError(f"{title} ({count} problem{'s' if count != 1 else ''})", sorted(problems, key=order))
+
+
+def validation_error_to_archspec_error(
+    error: ValidationError, doc: LocatedDocument, *, model: type[BaseModel] | None = None, title: str | None = None
+) -> ArchspecError:
+    """Map a pydantic `ValidationError` onto file:line:column and dotted fields."""
+    return error_from_problems(title or f"invalid {doc.source or 'input'}", validation_problems(error, doc, model=model))

@@ -1,0 +1,81 @@
+"""`load_spec`: a spec file, dict or `Spec`, plus overrides -> a validated `Spec`.
+
+The steps are the ones search specs share (`yaml_source`): read with positions, resolve
+`extends:`, apply `--set` overrides, validate; every problem is reported with its place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from archspec.errors import ArchspecError
+from archspec.spec.models import DEFER_RULES, MixerSpec, Spec
+from archspec.spec.rules import mixer_problems, spec_problems
+from archspec.spec.yaml_source import (
+    LocatedDocument,
+    Override,
+    apply_overrides,
+    error_from_problems,
+    load_yaml_with_locations,
+    locate_problems,
+    merge_extends,
+    validation_problems,
+)
+
+SpecSource = Spec | Mapping[str, Any] | str | os.PathLike[str]
+
+
+def spec_document(source: SpecSource, overrides: Iterable[Override] = ()) -> LocatedDocument:
+    """The spec's data with positions: extends resolved, overrides applied."""
+    if isinstance(source, Spec):
+        doc = LocatedDocument(data=source.model_dump(mode="python"))
+    elif isinstance(source, Mapping):
+        doc = LocatedDocument(data=dict(source))
+    elif isinstance(source, (str, os.PathLike)):
+        doc = load_yaml_with_locations(source, what="spec")
+    else:
+        raise ArchspecError(f"cannot load a spec from a {type(source).__name__}; give a path, a dict or a Spec")
+    doc = merge_extends(doc, what="spec")
+    return apply_overrides(doc, overrides)
+
+
+def validate_document(doc: LocatedDocument) -> Spec:
+    """Validate the data; all structural and rule problems are raised together, located."""
+    title = f"invalid spec {doc.source or '(from Python data)'}"
+    try:
+        spec = Spec.model_validate(doc.data, context={DEFER_RULES: True})
+    except ValidationError as exc:
+        problems = validation_problems(exc, doc, model=Spec)
+        problems += locate_problems(doc, _mixer_rules_alone(doc.data))
+        raise error_from_problems(title, problems) from None
+    rule_problems = spec_problems(spec)
+    if rule_problems:
+        raise error_from_problems(title, locate_problems(doc, rule_problems))
+    return spec
+
+
+def _mixer_rules_alone(data: Any) -> list[tuple[tuple[str, ...], str]]:
+    """When another section is broken, the mixer's rules can still be checked."""
+    mixer = data.get("mixer") if isinstance(data, dict) else None
+    if not isinstance(mixer, (dict, type(None))):
+        return []
+    try:
+        valid = MixerSpec.model_validate(mixer or {})
+    except ValidationError:
+        return []  # its field problems are already reported
+    return [(("mixer",) + path, message) for path, message in mixer_problems(valid)]
+
+
+def load_spec(source: SpecSource, overrides: Iterable[Override] = ()) -> Spec:
+    """A validated `Spec` from a YAML path, a dict or a `Spec`, with `dotted.key=value` overrides.
+
+    Raises `ArchspecError` naming file:line:column (or the override) and the dotted field
+    of every problem.
+    """
+    if isinstance(source, Spec) and not overrides:
+        return source
+    return validate_document(spec_document(source, list(overrides)))

@@ -1,0 +1,41 @@
+"""`estimate`: what a spec costs, before anything is built or trained.
+
+A thin wrapper over the analytic model in `archspec.blocks.cost` (which mirrors the
+modules term by term and is tested against them): it accepts a spec as well as a plan
+and bundles the three numbers that `archspec compile` prints and a search optimizes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from archspec.blocks import cost as block_cost
+from archspec.blocks.plan import ModelPlan
+from archspec.lowering import lower
+from archspec.spec.models import Spec
+
+DEFAULT_SEQ_LEN = 2048  # FLOPs per token depend on the length through the chunked recurrence
+
+
+@dataclass(frozen=True)
+class CostReport:
+    params: int  # exact parameter count of the built module
+    flops_per_token: float  # analytic forward FLOPs per token at `seq_len`
+    state_bytes: int  # recurrent decoding state of one sequence, all layers
+    seq_len: int
+
+
+def estimate(
+    spec_or_plan: ModelPlan | Spec | Mapping[str, Any] | str | os.PathLike[str], *, seq_len: int = DEFAULT_SEQ_LEN
+) -> CostReport:
+    """Parameters, forward FLOPs per token and state bytes of a spec or plan."""
+    plan = spec_or_plan if isinstance(spec_or_plan, ModelPlan) else lower(spec_or_plan)
+    return CostReport(
+        params=block_cost.count_params(plan),
+        flops_per_token=block_cost.flops_per_token(plan, seq_len),
+        state_bytes=block_cost.state_bytes(plan),
+        seq_len=seq_len,
+    )

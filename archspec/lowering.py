@@ -56,8 +56,8 @@ def _stability(mixer: MixerSpec, beta_scale: float | None, pre: PreconditionerPl
         low = 1 - beta_scale * pre.d_max
         return False, (
             f"OSDN's write key w = d * k makes each factor I - beta (d * k) k^T non-normal: its "
-            f"eigenvalue along the key, 1 - beta <d, k*k>, stays in [{low:g}, 1] (inside [-1, 1] since "
-            f"beta_max * d_max = {beta_scale * pre.d_max:g} <= 2), but its spectral norm can exceed 1 "
+            f"eigenvalue along the key, 1 - beta <d, k*k>, stays in [{low:g}, 1] because beta_max * "
+            f"d_max = {beta_scale * pre.d_max:g} <= 2, but its spectral norm can exceed 1 "
             "(about 1.19 seen for beta <= 1, d in [0.5, 2], K = 8), so the |A| <= 1 guarantee of the "
             "tied delta rule does not hold.",
         )

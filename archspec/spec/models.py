@@ -35,13 +35,6 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _shorthand(value: Any) -> Any:
-    """`transition: householder` / `preconditioner: osdn` mean `{type: ...}`."""
-    if isinstance(value, str):
-        return {"type": value}
-    return value
-
-
 class TransitionSpec(_Section):
     """What each sub-step does to the state (RECURRENCE.md, "Sub-steps")."""
 
@@ -56,13 +49,8 @@ class TransitionSpec(_Section):
         None,
         description="[0, 1] or [0, 2] (default [0, 1]). Range of beta (householder) or of the erase "
         "vector a (rwkv7). [0, 2] lets each factor's eigenvalues reach -1 (reflections). Not for diagonal.",
-        json_schema_extra={"enum": [[0, 1], [0, 2]]},
+        json_schema_extra={"enum": [[0, 1], [0, 2], None]},
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_string(cls, value: Any) -> Any:
-        return _shorthand(value)
 
     @field_validator("beta_range")
     @classmethod
@@ -94,11 +82,6 @@ class PreconditionerSpec(_Section):
     )
     beta_aware: bool | None = Field(None, description="Use beta in d's update (paper's main rule); false is the 1.3B run's beta-free rule. Default true.")
     init: Literal["ones", "learned"] | None = Field(None, description="d at the start of a sequence: ones, or a learned per-head vector. Default ones.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_string(cls, value: Any) -> Any:
-        return {"type": "none"} if value is None else _shorthand(value)
 
     @field_validator("eta")
     @classmethod

@@ -1,0 +1,97 @@
+"""The language commands: `archspec validate`, `archspec compile`, `archspec schema`.
+
+`search/cli.py` is the entry point and calls `register`. Errors the user can fix are
+`ArchspecError`s: printed as located messages, exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+
+from archspec.atomic import write_text_atomic
+from archspec.errors import ArchspecError
+
+
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a field by its dotted key, value parsed as YAML (repeatable), e.g. --set mixer.heads=8",
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    validate = subparsers.add_parser("validate", help="check spec files; one line per file")
+    validate.add_argument("specs", nargs="+", metavar="SPEC", help="model spec YAML files")
+    _add_overrides(validate)
+    validate.set_defaults(func=run_validate)
+
+    compile_ = subparsers.add_parser("compile", help="lower and build a spec; print plan, cost and caveats")
+    compile_.add_argument("spec", metavar="SPEC", help="model spec YAML file")
+    _add_overrides(compile_)
+    compile_.add_argument("--save", metavar="FILE", help="write the module (state_dict and resolved spec) to FILE")
+    compile_.add_argument("--seq-len", type=int, default=2048, metavar="T", help="sequence length for FLOPs/token (default 2048)")
+    compile_.set_defaults(func=run_compile)
+
+    schema = subparsers.add_parser("schema", help="write the JSON Schema of model specs (for editors)")
+    schema.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
+    schema.set_defaults(func=run_schema)
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from archspec.spec.loader import load_spec
+
+    failed = 0
+    for path in args.specs:
+        try:
+            spec = load_spec(path, args.overrides)
+        except ArchspecError as exc:
+            failed += 1
+            print(f"error: {exc}", file=sys.stderr)
+            continue
+        m = spec.mixer
+        extra = ", osdn" + (" apf" if m.preconditioner.setting("apf") else "") if m.preconditioner.enabled else ""
+        print(f"ok  {path}  ({spec.name}: {m.backbone}, {m.transition.type} n_h={m.transition.n_h}, gate {m.resolved_gate}{extra})")
+    return 2 if failed else 0
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    from archspec.blocks import build_model
+    from archspec.compiler import save_compiled
+    from archspec.cost import estimate
+    from archspec.lowering import lower
+    from archspec.report import compile_report
+    from archspec.spec.loader import load_spec
+
+    if args.seq_len < 1:
+        raise ArchspecError(f"--seq-len must be >= 1, got {args.seq_len}")
+    spec = load_spec(args.spec, args.overrides)
+    plan = lower(spec)
+    model = build_model(plan)
+    cost = estimate(plan, seq_len=args.seq_len)
+    console = Console(file=sys.stdout)
+    console.print(compile_report(plan, cost))
+    built = sum(p.numel() for p in model.parameters())
+    if built != cost.params:  # the cost model mirrors the modules; say so if it ever drifts
+        console.print(f"[red]warning: the built module has {built:,} parameters, the cost model says {cost.params:,}[/red]")
+    if args.save:
+        save_compiled(model, spec, args.save)
+        console.print(f"saved {args.save}")
+    return 0
+
+
+def run_schema(args: argparse.Namespace) -> int:
+    from archspec.spec.schema import spec_json_schema_text
+
+    text = spec_json_schema_text()
+    if args.output:
+        try:
+            write_text_atomic(args.output, text)
+        except OSError as exc:
+            raise ArchspecError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+        print(f"wrote {args.output}")
+    else:
+        sys.stdout.write(text)
+    return 0

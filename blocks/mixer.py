@@ -73,6 +73,15 @@ def check_plan(plan: RecurrencePlan) -> None:
         raise ValueError("invalid RecurrencePlan: " + "; ".join(problems))
 
 
+def stream_widths(plan: RecurrencePlan) -> dict[str, int]:
+    """Output width of each projected stream (q, k, v, and w for an untied write key)."""
+    H, K, V, n = plan.heads, plan.head_dim, plan.value_dim, plan.n_h
+    widths = {"q": H * K, "k": n * H * K, "v": n * H * V}
+    if plan.write_key == "untied":
+        widths["w"] = n * H * K
+    return widths
+
+
 class Mixer(nn.Module):
     def __init__(self, plan: RecurrencePlan, d_model: int, norm_eps: float = 1e-6):
         super().__init__()
@@ -83,9 +92,7 @@ class Mixer(nn.Module):
         self.capture = False  # set True: the next forward stores `captured` (then resets)
         self.captured: dict | None = None
 
-        widths = {"q": H * K, "k": n * H * K, "v": n * H * V}
-        if plan.write_key == "untied":
-            widths["w"] = n * H * K
+        widths = stream_widths(plan)
         self.proj = nn.ModuleDict({s: nn.Linear(d_model, w, bias=False) for s, w in widths.items()})
         self.conv = nn.ModuleDict({s: ShortConv(w, plan.short_conv) for s, w in widths.items()}) if plan.short_conv else None
 

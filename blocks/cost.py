@@ -1,0 +1,164 @@
+"""The analytic cost model: parameters, forward FLOPs per token, decoding state bytes.
+
+Everything here is computed from the plan alone (no module is built), so a search can
+price a spec before training it. Each count mirrors the modules in this package term by
+term; `tests/blocks/test_cost.py` checks them against the built modules and against
+`torch.utils.flop_counter.FlopCounterMode` on the `torch` backend.
+
+FLOPs are `2 x` multiply-adds of matmul-type work (contractions): projections, short
+convs, the MLP, the head and the recurrence in the chunked form of
+`archspec.kernels.chunked` at its chunk size. Elementwise work (norms, activations, gate
+and beta formulas, decay factors, the OSDN scan, which is O(K) per sub-step) is not
+counted, as is usual for FLOP counts of language models.
+"""
+
+from __future__ import annotations
+
+import math
+
+from archspec.kernels.chunked import tokens_per_chunk
+
+from .mixer import stream_widths
+from .mlp import mlp_hidden_size
+from .plan import ModelPlan, RecurrencePlan
+
+# Terms of `flops_breakdown` that FlopCounterMode does not see: it counts aten matmuls
+# and convolutions, but `torch.linalg.solve_triangular` has no flop formula there, and
+# with a channel gate the chunk's score matrices are elementwise products summed over K.
+NOT_SEEN_BY_FLOP_COUNTER = ("recurrence_solve", "recurrence_channel_scores")
+
+STATE_BYTES_PER_ELEMENT = 4  # the matrix state and OSDN's d are kept in float32
+
+
+def _mixer_matrices(plan: RecurrencePlan, d_model: int) -> list[tuple[int, int]]:
+    """`(d_in, d_out)` of every matrix weight of one `Mixer`, as its `__init__` creates
+    them (a low-rank map is two matrices). Each is used once per token."""
+    H, K, V, n = plan.heads, plan.head_dim, plan.value_dim, plan.n_h
+    mats = [(d_model, w) for w in stream_widths(plan).values()]
+    if plan.transition == "householder":
+        mats.append((d_model, n * H))  # beta
+    if plan.transition == "rwkv7":
+        mats += [(d_model, K), (K, n * H * K)]  # erase strength a, low rank K
+    if plan.gate == "scalar":
+        mats.append((d_model, H))
+    elif plan.gate == "channel":
+        mats += [(d_model, V), (V, H * K)]  # low rank V
+    if plan.preconditioner is not None and plan.preconditioner.apf:
+        mats.append((d_model, H))  # retain gate
+    if plan.backbone == "gdn":
+        mats.append((d_model, H * V))  # output gate
+    elif plan.backbone == "kda":
+        mats += [(d_model, V), (V, H * V)]  # low-rank output gate
+    mats.append((H * V, d_model))  # o_proj
+    return mats
+
+
+def _mixer_vectors(plan: RecurrencePlan) -> int:
+    """Parameters of one `Mixer` that are not matrices: biases, A_log, dt_bias, d_0, the
+    output norm's weight. They take no multiply-adds."""
+    H, K, V, n = plan.heads, plan.head_dim, plan.value_dim, plan.n_h
+    total = V  # output RMSNorm weight
+    total += n * H * K if plan.transition == "rwkv7" else 0  # erase bias
+    total += {"none": 0, "scalar": 2 * H, "channel": H + H * K}[plan.gate]  # A_log, dt_bias
+    if plan.preconditioner is not None:
+        total += H if plan.preconditioner.apf else 0  # retain bias
+        total += H * K if plan.preconditioner.init == "learned" else 0  # d_0
+    total += H * V if plan.backbone == "kda" else 0  # output gate bias
+    return total
+
+
+def _conv_weights(plan: RecurrencePlan) -> int:
+    """Depthwise short-conv weights (no bias): kernel size x channels of every stream."""
+    return plan.short_conv * sum(stream_widths(plan).values())
+
+
+def mixer_params(plan: RecurrencePlan, d_model: int) -> int:
+    """Parameters of one `Mixer`."""
+    matrices = sum(i * o for i, o in _mixer_matrices(plan, d_model))
+    return matrices + _mixer_vectors(plan) + _conv_weights(plan)
+
+
+def _mlp_matrices(plan: ModelPlan) -> int:
+    """Weights of one block's MLP (every one of them is a d_model x hidden matrix)."""
+    if plan.mlp == "none":
+        return 0
+    hidden = mlp_hidden_size(plan.mlp, plan.d_model, plan.mlp_ratio)
+    return (3 if plan.mlp == "swiglu" else 2) * plan.d_model * hidden
+
+
+def count_params(plan: ModelPlan) -> int:
+    """Exactly `sum(p.numel() for p in build_model(plan).parameters())`."""
+    d = plan.d_model
+    norms = d * (2 if plan.mlp != "none" else 1)
+    block = norms + mixer_params(plan.mixer, d) + _mlp_matrices(plan)
+    embed = plan.vocab_size * d
+    head = 0 if plan.tie_embeddings else plan.vocab_size * d
+    return embed + plan.layers * block + d + head
+
+
+def _recurrence_flops(plan: RecurrencePlan, seq_len: int) -> dict[str, float]:
+    """Multiply-add work of `kernels/chunked.py` per token, summed over heads, x 2.
+
+    Per chunk of `Ct` tokens and `L = Ct * n_h` sub-steps, per head (the numbered steps of
+    the module docstring of `archspec.kernels.chunked`); a sequence of `seq_len` tokens is
+    zero-padded to whole chunks, and the padding is paid for, as the backend does.
+    """
+    K, V, n = plan.head_dim, plan.value_dim, plan.n_h
+    channel = plan.gate == "channel"
+    ct = tokens_per_chunk(n, channel)
+    L = ct * n
+    delta = plan.transition != "diagonal"
+    if delta:
+        scores = 2 * L * L * K + 2 * ct * K * L  # A_ka, A_kw; M_qa, M_qw
+        matmul = (
+            L * L * V  # A_kw U
+            + K * L * K  # a_end^T Tk
+            + 2 * K * L * V  # w_end^T U, a_end^T Tu
+            + ct * L * K  # M_qa Tk
+            + 2 * ct * L * V  # M_qw U, M_qa Tu
+            + K * K * V  # state chain M S
+            + ct * K * V  # read-out Q_eff S
+        )
+        solve = L * (L - 1) // 2 * (K + V)  # unit lower-triangular solve, K + V columns
+    else:
+        scores = ct * K * L  # M_qw
+        matmul = K * L * V + ct * L * V + ct * K * V  # w_end^T U, M_qw U, read-out
+        solve = 0
+    per_chunk_to_token = 2 * plan.heads * math.ceil(seq_len / ct) / seq_len
+    return {
+        "recurrence_matmul": per_chunk_to_token * (matmul + (0 if channel else scores)),
+        "recurrence_channel_scores": per_chunk_to_token * (scores if channel else 0),
+        "recurrence_solve": per_chunk_to_token * solve,
+    }
+
+
+def flops_breakdown(plan: ModelPlan, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs per token by kind, for sequences of `seq_len` tokens."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    layers = plan.layers
+    terms = {
+        "projections": 2.0 * layers * sum(i * o for i, o in _mixer_matrices(plan.mixer, plan.d_model)),
+        "short_conv": 2.0 * layers * _conv_weights(plan.mixer),
+        "mlp": 2.0 * layers * _mlp_matrices(plan),
+        "head": 2.0 * plan.vocab_size * plan.d_model,
+    }
+    for name, value in _recurrence_flops(plan.mixer, seq_len).items():
+        terms[name] = layers * value
+    return terms
+
+
+def flops_per_token(plan: ModelPlan, seq_len: int) -> float:
+    """Analytic forward FLOPs per token (see the module docstring for what counts)."""
+    return float(sum(flops_breakdown(plan, seq_len).values()))
+
+
+def state_bytes(plan: ModelPlan, activation_bytes: int = 4) -> int:
+    """Decoding state of one sequence, all layers: the matrix state S (float32), the short
+    convs' tails (`W - 1` inputs per stream, in the activations' dtype of
+    `activation_bytes`) and OSDN's `d` (float32)."""
+    m = plan.mixer
+    matrix = m.heads * m.head_dim * m.value_dim * STATE_BYTES_PER_ELEMENT
+    tails = max(m.short_conv - 1, 0) * sum(stream_widths(m).values()) * activation_bytes
+    osdn = m.heads * m.head_dim * STATE_BYTES_PER_ELEMENT if m.preconditioner is not None else 0
+    return plan.layers * (matrix + tails + osdn)

@@ -59,14 +59,25 @@ def validate_document(doc: LocatedDocument) -> Spec:
 
 
 def _mixer_rules_alone(data: Any) -> list[tuple[tuple[str, ...], str]]:
-    """When another section is broken, the mixer's rules can still be checked."""
+    """When the spec does not validate, the mixer's rules can still be checked.
+
+    Mixer fields that are themselves invalid (already reported) are left at their
+    defaults for this check, so that e.g. a bad `heads` does not hide a broken rule.
+    """
     mixer = data.get("mixer") if isinstance(data, dict) else None
     if not isinstance(mixer, (dict, type(None))):
         return []
+    mixer = dict(mixer or {})
     try:
-        valid = MixerSpec.model_validate(mixer or {})
-    except ValidationError:
-        return []  # its field problems are already reported
+        valid = MixerSpec.model_validate(mixer)
+    except ValidationError as exc:
+        for err in exc.errors():
+            if err["loc"]:
+                mixer.pop(err["loc"][0], None)
+        try:
+            valid = MixerSpec.model_validate(mixer)
+        except ValidationError:
+            return []
     return [(("mixer",) + path, message) for path, message in mixer_problems(valid)]
 
 

@@ -87,7 +87,13 @@ def _yaml_error(exc: yaml.YAMLError, file: str | None, origin: str | None) -> Ar
     if isinstance(exc, yaml.MarkedYAMLError):
         mark = exc.problem_mark or exc.context_mark
         where = Location(origin=origin) if origin else _mark_location(mark, file)
-        detail = " ".join(p for p in (exc.context, exc.problem) if p)
+        detail = exc.problem or exc.context or "syntax error"
+        if exc.context and exc.problem:
+            # e.g. an unclosed `[` is noticed at the end of the file; say where it opened
+            context = exc.context
+            if exc.context_mark is not None and exc.context_mark is not exc.problem_mark:
+                context += f" at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1}"
+            detail += f" ({context})"
     else:
         where = Location(origin=origin) if origin else Location(file=file)
         detail = str(exc)

@@ -75,7 +75,7 @@ def test_merge_keys_and_anchors_are_plain_data():
 @pytest.mark.parametrize(
     "text, line, column, words",
     [
-        ("a: [1, 2\nb: 3\n", 2, 2, "expected ',' or ']'"),
+        ("a: [1, 2\nb: 3\n", 2, 2, "expected ',' or ']', but got ':' (while parsing a flow sequence at line 1, column 4)"),
         ("a: b: c\n", 1, 5, "mapping values are not allowed"),
         ("a:\n\t- 1\n", 2, 1, "cannot start any token"),
     ],

@@ -1,0 +1,105 @@
+"""`archspec search` (run or resume a search) and `archspec pareto` (read and compare runs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+
+HELP_SEARCH = """\
+Search a space of model specs with Ray Tune and Optuna for the Pareto front of the
+objectives (docs/search.md). Everything goes to the run directory --out: the resolved
+search spec, every trial's spec, metrics and status, the Optuna study (study.db, open it
+with optuna-dashboard). --resume continues a search that crashed, was interrupted or
+was killed, without redoing finished trials.
+"""
+
+HELP_PARETO = """\
+The non-dominated trials of each run as a table; for several runs, hypervolume and IGD+
+against a shared reference point (objectives normalised over the union of the fronts).
+Works on a search that is still running.
+"""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    search = subparsers.add_parser("search", help="search a space of specs (Ray Tune + Optuna)", description=HELP_SEARCH)
+    search.add_argument("search", nargs="?", metavar="SEARCH", help="the search spec (YAML); optional with --resume")
+    search.add_argument("--out", required=True, metavar="DIR", help="the run directory")
+    search.add_argument("--trials", type=_positive, metavar="N", help="trials to train (overrides budget.trials)")
+    search.add_argument("--resume", action="store_true", help="continue the search in DIR")
+    search.add_argument("--address", metavar="HOST:PORT", help="join this Ray cluster instead of starting a local Ray")
+    search.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a search-spec field, e.g. --set budget.steps=50 (repeatable)")
+    search.add_argument("--no-live", dest="live", action="store_false", help="no live view (one line per finished trial)")
+    search.set_defaults(func=run_search_command)
+
+    pareto = subparsers.add_parser("pareto", help="Pareto fronts of search runs; hypervolume and IGD+ between them",
+                                   description=HELP_PARETO)
+    pareto.add_argument("runs", nargs="+", metavar="DIR", help="run directories of `archspec search`")
+    pareto.add_argument("--json", action="store_true", help='print {"front": [...], "trials_completed": N, ...} instead of tables')
+    pareto.add_argument("--plot", metavar="FILE.png", help="write a plot overlaying the fronts")
+    pareto.set_defaults(func=run_pareto_command)
+
+
+def run_search_command(args: argparse.Namespace) -> int:
+    from archspec.errors import ArchspecError
+    from archspec.search.pareto import read_run
+    from archspec.search.runner import run_search
+    from archspec.search.space import load_search_spec
+    from archspec.search.tables import run_front_table
+
+    console = Console()
+    if args.search is None and not args.resume:
+        raise ArchspecError("archspec search: give the search spec (SEARCH), or --resume --out DIR to continue a run")
+    if args.search is None and args.overrides:
+        raise ArchspecError("--set applies to a search spec file; a resumed run keeps the spec it started with")
+    loaded = load_search_spec(args.search, args.overrides) if args.search else None
+    outcome = run_search(loaded, args.out, resume=args.resume, trials=args.trials, address=args.address, live=args.live)
+    run = read_run(outcome.run.path)
+    console.print(run_front_table(run))
+    console.print(f"run directory: {outcome.run.path}  (study: optuna-dashboard {outcome.run.study_url})",
+                  markup=False, highlight=False)
+    if outcome.stopped_because:
+        print(f"error: the search stopped: {outcome.stopped_because}", file=sys.stderr)
+        return 1
+    if not outcome.complete:
+        print(f"interrupted: {outcome.trained} of {outcome.target} trials trained; continue with "
+              f"`archspec search --resume --out {args.out}`", file=sys.stderr)
+        return 130
+    return 0
+
+
+def run_pareto_command(args: argparse.Namespace) -> int:
+    from archspec.search.pareto import comparison_of, plot_fronts, read_run, report_json
+    from archspec.search.tables import comparison_table, run_front_table
+
+    runs = [read_run(path) for path in args.runs]
+    if args.json:
+        print(json.dumps(report_json(runs), indent=2, allow_nan=False, default=_no_nan))
+    else:
+        console = Console()
+        for run in runs:
+            console.print(run_front_table(run))
+        comparison = comparison_of(runs) if len(runs) > 1 else None
+        if comparison is not None:
+            console.print(comparison_table(runs, comparison))
+    if args.plot:
+        path = plot_fronts(runs, args.plot)
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _no_nan(value: object) -> object:
+    raise TypeError(f"not JSON serialisable: {value!r}")

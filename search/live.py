@@ -1,0 +1,164 @@
+"""What a running search shows, and the driver's bookkeeping of Ray's trial events.
+
+`LiveView` is a rich live display, redrawn about once a second from the run directory
+and Ray's events: trials running (their overrides and time so far), trials done by
+status, and the current front. On a console that is not a terminal (CI logs, a pipe)
+it prints one line per finished trial instead.
+
+`RecordingCallback` completes the run directory from the driver's side: the result of a
+trial that ran on a node whose files the driver cannot see, and the failure of a trial
+whose worker died before it could write anything.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+from ray.tune import Callback
+
+from archspec.search.pareto import front_of
+from archspec.search.rundir import FAILED, RunDir, TrialRecord, trained_count
+from archspec.search.space import SearchSpec
+from archspec.search.tables import counts_line, front_table, short_field
+
+MAX_FRONT_ROWS = 12
+
+
+class RecordingCallback(Callback):
+    """Writes `result.json` from the driver when the worker's copy is not visible here."""
+
+    def __init__(self, run: RunDir):
+        self.run = run
+
+    def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+        record = result.get("record")
+        if record:
+            existing = self.run.read_trial(int(record["number"]))
+            if existing is None or existing.status is None:
+                self.run.write_trial_result(TrialRecord.from_json(record))
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        number = int(trial.config["trial_number"])
+        existing = self.run.read_trial(number)
+        if existing is not None and existing.status is not None:
+            return
+        now = time.time()
+        self.run.write_trial_result(TrialRecord(
+            number=number, status=FAILED, overrides=dict(trial.config.get("overrides", {})),
+            reason=f"the trial's Ray worker failed: {_last_line(trial)}",
+            started_at=existing.started_at if existing else None, finished_at=now,
+        ))
+
+
+def _last_line(trial: Any) -> str:
+    """The last line of the error Ray recorded for a trial (the exception itself)."""
+    try:
+        error = trial.get_error()
+    except Exception:  # Ray could not read its own error file
+        error = None
+    lines = [line for line in str(error or "").strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no error recorded"
+
+
+class _ViewCallback(Callback):
+    """Ray's trial events -> the view's table of running trials."""
+
+    def __init__(self, view: LiveView):
+        self.view = view
+
+    def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self.view.started(int(trial.config["trial_number"]), dict(trial.config.get("overrides", {})))
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self.view.ended(int(trial.config["trial_number"]))
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self.view.ended(int(trial.config["trial_number"]))
+
+    def __reduce__(self):  # Ray pickles its run config; the view (a live console) stays here
+        return (_NullCallback, ())
+
+
+class _NullCallback(Callback):
+    pass
+
+
+class LiveView:
+    """A context manager: the live display while the Tuner runs."""
+
+    def __init__(self, run: RunDir, spec: SearchSpec, *, target: int, enabled: bool = True, console: Console | None = None):
+        self.run, self.spec, self.target = run, spec, target
+        self.console = console or Console()
+        self.interactive = enabled and self.console.is_terminal
+        self.enabled = enabled
+        self.running: dict[int, tuple[dict[str, Any], float]] = {}
+        self.lock = threading.Lock()
+        self.callback = _ViewCallback(self)
+        self._live: Live | None = None
+        self._announced: set[int] = set()
+
+    def __enter__(self) -> LiveView:
+        self._announced = {r.number for r in self.run.read_trials() if r.status is not None}
+        if self.interactive:
+            self._live = Live(console=self.console, get_renderable=self.render, refresh_per_second=1, transient=True)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)
+            self._live = None
+        self._announce_finished()
+
+    def started(self, number: int, overrides: dict[str, Any]) -> None:
+        with self.lock:
+            self.running[number] = (overrides, time.time())
+
+    def ended(self, number: int) -> None:
+        with self.lock:
+            self.running.pop(number, None)
+        if not self.interactive:
+            self._announce_finished()
+
+    def _announce_finished(self) -> None:
+        """Non-interactive: one line per trial that ended since the last call."""
+        if not self.enabled or self.interactive:
+            return
+        records = self.run.read_trials()
+        trained = trained_count(records)
+        for record in records:
+            if record.status is None or record.number in self._announced:
+                continue
+            self._announced.add(record.number)
+            values = ", ".join(f"{m}={record.metrics.get(m):.4g}" for m in self.spec.metric_names
+                               if isinstance(record.metrics.get(m), (int, float)))
+            why = f" ({record.reason})" if record.reason else ""
+            self.console.print(f"trial {record.number}: {record.status}{why} {values}  [{trained}/{self.target} trained]",
+                               markup=False, highlight=False)
+
+    def render(self) -> Group:
+        records = self.run.read_trials()
+        trained = trained_count(records)
+        header = Text(f"search {self.spec.name}: {trained}/{self.target} trained — {counts_line(records)}", style="bold")
+        running = Table(title="running", title_justify="left")
+        running.add_column("trial", justify="right")
+        running.add_column("overrides")
+        running.add_column("time", justify="right")
+        with self.lock:
+            items = sorted(self.running.items())
+        now = time.time()
+        for number, (overrides, started) in items:
+            shown = ", ".join(f"{short_field(k)}={v}" for k, v in overrides.items())
+            running.add_row(str(number), shown, f"{now - started:.0f} s")
+        front = front_of(records, self.spec.objectives)
+        parts: list[Any] = [header, running]
+        if front:
+            title = f"current front ({len(front)} trials{', first ' + str(MAX_FRONT_ROWS) if len(front) > MAX_FRONT_ROWS else ''})"
+            parts.append(front_table(front[:MAX_FRONT_ROWS], self.spec.objectives, title=title))
+        return Group(*parts)

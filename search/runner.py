@@ -1,0 +1,319 @@
+"""`run_search`: a resumable, multi-objective Ray Tune + Optuna search over model specs.
+
+One session of a search:
+
+1. The run directory is created (the resolved search spec and base spec are written) or,
+   with `resume`, read back and checked against the spec given now.
+2. The Optuna study (SQLite in the run directory) is opened and reconciled with the trial
+   files: trials that finished but were never told to the study are told now; trials a
+   crash cut off are marked `interrupted` and their point is queued to run again.
+3. Ray is started locally (or joined at `address`), and a `Tuner` runs the remaining
+   trials with `ArchspecOptunaSearch`, each trial reserving `resources` (GPU trials land
+   on GPU nodes), while the live view shows what runs and the current front.
+
+Finished trials are never redone: the budget counts the trials that were trained
+(`ok`, `failed`, `diverged`), and only the difference is asked of Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from archspec.errors import ArchspecError, Location
+from archspec.search.rundir import (
+    INTERRUPTED,
+    OK,
+    RunDir,
+    TrialRecord,
+    trained_count,
+    write_yaml_atomic,
+)
+from archspec.search.space import LoadedSearch, SearchSpec, grid_points, load_search_spec, optuna_params, suggest_overrides
+from archspec.search.trial import TrainFn, TrialSetup, make_task, precheck
+
+# Ray reads these when it starts: no auth token file in ~/.ray, no usage reporting.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray Tune's own console output (an experiment box, trial tables): the live view replaces it.
+os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+
+
+@dataclass
+class SearchOutcome:
+    run: RunDir
+    spec: SearchSpec
+    target: int  # trials to train in all (the budget, or the grid's size if smaller)
+    trained: int  # trials trained so far, all sessions
+    stopped_because: str | None = None  # the searcher gave up (constraints reject everything)
+
+    @property
+    def complete(self) -> bool:
+        return self.trained >= self.target
+
+
+# --------------------------------------------------------------------------- run directory
+
+
+def prepare_run(out: str | os.PathLike[str], loaded: LoadedSearch | None, *, resume: bool, trials: int | None) -> tuple[RunDir, LoadedSearch]:
+    """Create the run directory, or check it for a resume; returns the search to run.
+
+    The stored `search.yaml` (with `base: base.yaml`) is what a resumed search runs: the
+    base spec file may have changed since, the run must not. Only the number of trials
+    may differ (to extend a search).
+    """
+    run = RunDir(out)
+    if run.exists():
+        if not resume:
+            raise ArchspecError(
+                f"{run.path} already holds a search",
+                [(Location(origin=f"--out {out}"), None, "use --resume to continue it, or choose another --out")],
+            )
+        stored = load_search_spec(run.search_file)
+        if loaded is not None:
+            _check_same_search(stored, loaded, run)
+        spec = stored.spec
+        wanted = trials or (loaded.spec.budget.trials if loaded is not None else None)
+        if wanted is not None and wanted != spec.budget.trials:
+            spec = _with_trials(spec, wanted)
+            _write_search(run, spec, note=f"budget.trials changed to {wanted} on resume")
+        return run, LoadedSearch(spec=spec, base=stored.base, base_file=run.base_file, source=str(run.search_file))
+    if loaded is None:
+        raise ArchspecError(f"{run.path}: nothing to resume (no {run.search_file.name}); give the search spec to start one")
+    if run.path.exists() and any(run.path.iterdir()):
+        raise ArchspecError(
+            f"{run.path} is not empty and holds no search",
+            [(Location(origin=f"--out {out}"), None, "choose an empty or new directory, so that nothing there is overwritten")],
+        )
+    spec = _with_trials(loaded.spec, trials) if trials else loaded.spec
+    write_yaml_atomic(run.base_file, loaded.base.model_dump(mode="json", exclude_none=True),
+                      header=f"# the base spec of this search, resolved from {loaded.base_file}\n")
+    _write_search(run, spec, note=f"resolved from {loaded.source}")
+    return run, LoadedSearch(spec=spec, base=loaded.base, base_file=run.base_file, source=str(run.search_file))
+
+
+def _with_trials(spec: SearchSpec, trials: int) -> SearchSpec:
+    return spec.model_copy(update={"budget": spec.budget.model_copy(update={"trials": trials})})
+
+
+def _write_search(run: RunDir, spec: SearchSpec, note: str) -> None:
+    data = spec.to_yaml_data()
+    data["base"] = run.base_file.name
+    write_yaml_atomic(run.search_file, data, header=f"# archspec search, {note}\n")
+
+
+def _check_same_search(stored: LoadedSearch, given: LoadedSearch, run: RunDir) -> None:
+    """A resumed run must search what it started with (the trial count aside)."""
+    a = stored.spec.to_yaml_data() | {"base": None}
+    b = given.spec.to_yaml_data() | {"base": None}
+    a["budget"] = {**a["budget"], "trials": None}
+    b["budget"] = {**b["budget"], "trials": None}
+    differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    if stored.base.model_dump(mode="json", exclude_none=True) != given.base.model_dump(mode="json", exclude_none=True):
+        differ.insert(0, "base (the base spec's contents)")
+    if differ:
+        raise ArchspecError(
+            f"cannot resume {run.path}: the search spec differs from the one it started with",
+            [(Location(file=given.source), None, f"changed: {', '.join(differ)} (only budget.trials may change; "
+              f"resume with just `--resume --out {run.path}` to continue as it was)")],
+        )
+
+
+# --------------------------------------------------------------------------- study
+
+
+def open_study(run: RunDir, spec: SearchSpec, sampler: Any) -> Any:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    from archspec.search.rundir import STUDY_NAME
+
+    storage = optuna.storages.RDBStorage(run.study_url)
+    return optuna.create_study(
+        storage=storage, study_name=STUDY_NAME, sampler=sampler, load_if_exists=True,
+        directions=["maximize" if o.maximise else "minimize" for o in spec.objectives],
+    )
+
+
+def reconcile(run: RunDir, study: Any, metric_names: list[str]) -> int:
+    """Bring the study in line with the trial files after a crash; returns trials requeued.
+
+    A RUNNING study trial whose `result.json` exists finished unheard: tell it. One
+    without is interrupted: record that, tell it as failed, queue its point again.
+    """
+    from optuna.trial import TrialState
+
+    requeued = 0
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        record = run.read_trial(trial.number)
+        if record is not None and record.status is not None:
+            values = [record.metrics.get(m) for m in metric_names] if record.status == OK else None
+            if values is not None and all(isinstance(v, (int, float)) for v in values):
+                study.tell(trial.number, values, state=TrialState.COMPLETE)
+            else:
+                study._storage.set_trial_user_attr(trial._trial_id, "status", record.status)
+                study.tell(trial.number, state=TrialState.FAIL)
+            continue
+        overrides = trial.user_attrs.get("overrides", {})
+        started = record.started_at if record is not None else None
+        run.write_trial_result(TrialRecord(
+            number=trial.number, status=INTERRUPTED, overrides=overrides, started_at=started, finished_at=time.time(),
+            reason="the search stopped (crash, kill or Ctrl-C) before this trial finished; its point was queued again",
+        ))
+        study._storage.set_trial_user_attr(trial._trial_id, "status", INTERRUPTED)
+        study.tell(trial.number, state=TrialState.FAIL)
+        study.enqueue_trial(dict(trial.params), user_attrs={"requeued_from": trial.number})
+        requeued += 1
+    return requeued
+
+
+# --------------------------------------------------------------------------- ray
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, spec: SearchSpec) -> Iterator[None]:
+    """A local Ray started for this search, or a connection to the cluster at `address`."""
+    import ray
+
+    temp_dir = None
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    if address:
+        kwargs["address"] = address
+    else:
+        # address="local": a private Ray, even if a `ray start` cluster runs on this machine.
+        # A short private temp dir: Ray's socket paths must stay under ~100 characters.
+        temp_dir = tempfile.mkdtemp(prefix="archspec-ray-")
+        kwargs.update(address="local", _temp_dir=temp_dir)
+        if spec.resources.gpu:
+            import torch
+
+            kwargs["num_gpus"] = torch.cuda.device_count()
+    try:
+        ray.init(**kwargs)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        where = f"--address {address}" if address else "a local Ray"
+        raise ArchspecError(f"cannot start or join Ray ({where})", [(Location(origin=where), None, str(exc))]) from None
+    try:
+        yield
+    finally:
+        ray.shutdown()  # with --address this only disconnects; the cluster keeps running
+        if temp_dir:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _check_resources_fit(spec: SearchSpec, address: str | None) -> None:
+    """A trial that asks for more than the whole cluster has would wait forever: say so."""
+    import ray
+
+    total = ray.cluster_resources()
+    for name, need in (("CPU", spec.resources.cpu), ("GPU", spec.resources.gpu)):
+        if need and total.get(name, 0) < need:
+            where = f"the Ray cluster at {address}" if address else "this machine"
+            raise ArchspecError(
+                "the trials cannot be placed",
+                [(None, f"resources.{name.lower()}", f"each trial asks for {need:g} {name}, {where} has {total.get(name, 0):g}")],
+            )
+
+
+# --------------------------------------------------------------------------- the search
+
+
+def run_search(
+    loaded: LoadedSearch | None,
+    out: str | os.PathLike[str],
+    *,
+    resume: bool = False,
+    trials: int | None = None,
+    address: str | None = None,
+    train_fn: TrainFn | None = None,
+    live: bool = True,
+) -> SearchOutcome:
+    """Run (or resume) a search into the run directory `out`."""
+    from archspec.search.samplers import make_sampler
+
+    run, loaded = prepare_run(out, loaded, resume=resume, trials=trials)
+    spec = loaded.spec
+    base_values = loaded.base_values
+    sampler = make_sampler(spec)
+    study = open_study(run, spec, sampler)
+    reconcile(run, study, spec.metric_names)
+
+    setup = TrialSetup(run_dir=str(run.path), search=spec, train_fn=train_fn)
+    tasks = [make_task(ref) for ref in spec.tasks]
+    target = spec.budget.trials
+    if spec.sampler == "grid":
+        points = grid_points(spec.space, base_values)
+        if not study.trials:  # a fresh grid: queue every point once
+            for point in points:
+                study.enqueue_trial(optuna_params(spec.space, point, base_values))
+        target = min(target, _trainable_grid_size(points, setup, tasks))
+    trained = trained_count(run.read_trials())
+    outcome = SearchOutcome(run=run, spec=spec, target=target, trained=trained)
+    if outcome.complete:
+        return outcome
+
+    def define_by_run(trial: Any) -> dict[str, Any]:
+        return {"trial_number": trial.number, "overrides": suggest_overrides(trial, spec.space, base_values)}
+
+    def reject(number: int, overrides: dict[str, Any]) -> tuple[str, str] | None:
+        verdict = precheck(setup, overrides, tasks)
+        if verdict.status == OK:
+            return None
+        now = time.time()
+        run.write_trial_result(TrialRecord(
+            number=number, status=verdict.status, reason=verdict.reason, overrides=dict(overrides),
+            metrics=verdict.cost, started_at=now, finished_at=now,
+        ))
+        return verdict.status, verdict.reason or ""
+
+    with ray_session(address, spec):
+        _check_resources_fit(spec, address)
+        outcome.stopped_because = _fit(setup, spec, run, study, sampler, define_by_run, reject, target - trained, live)
+    outcome.trained = trained_count(run.read_trials())
+    return outcome
+
+
+def _trainable_grid_size(points: list[dict[str, Any]], setup: TrialSetup, tasks: list[Any]) -> int:
+    """Grid points that pass the precheck: the number of trials the grid can train."""
+    return sum(precheck(setup, point, tasks).status == OK for point in points)
+
+
+def _fit(setup, spec, run, study, sampler, define_by_run, reject, remaining, live) -> str | None:
+    import optuna
+    from ray import tune
+
+    from archspec.search.live import LiveView, RecordingCallback
+    from archspec.search.rundir import STUDY_NAME
+    from archspec.search.searcher import ArchspecOptunaSearch
+    from archspec.search.trial import trainable
+
+    searcher = ArchspecOptunaSearch(
+        define_by_run=define_by_run, reject=reject, metric=spec.metric_names,
+        mode=[o.direction for o in spec.objectives], sampler=sampler,
+        storage=optuna.storages.RDBStorage(run.study_url), study_name=STUDY_NAME,
+    )
+    run.ray_dir.mkdir(parents=True, exist_ok=True)
+    session = f"session-{sum(1 for _ in run.ray_dir.iterdir()):03d}"
+    resources = {"cpu": spec.resources.cpu, "gpu": spec.resources.gpu}
+    view = LiveView(run, spec, target=spec.budget.trials, enabled=live)
+    tuner = tune.Tuner(
+        tune.with_resources(tune.with_parameters(trainable, setup=setup), resources),
+        tune_config=tune.TuneConfig(
+            search_alg=searcher, num_samples=remaining, max_concurrent_trials=spec.resources.concurrent,
+        ),
+        run_config=tune.RunConfig(
+            name=session, storage_path=str(run.ray_dir), verbose=0,
+            callbacks=[RecordingCallback(run), view.callback],
+            failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
+        ),
+    )
+    with view:
+        tuner.fit()
+    return searcher.stopped_because
+

@@ -1,0 +1,103 @@
+"""Ray Tune's `OptunaSearch`, made to reject proposals before training and to record failures.
+
+Two things the stock searcher does not do, and a search of architectures needs:
+
+- **Reject before training.** Each proposal is checked in the driver (spec valid, cost
+  constraints hold; `trial.precheck`). A rejected proposal is told to the study as
+  failed, recorded in the run directory, and the searcher asks for another, so a
+  rejected spec costs neither a Ray worker nor the trial budget.
+- **Failed trials.** With several objectives, the stock `on_trial_complete` tells the
+  study a list of `None`s for a trial that reported no values; Optuna refuses that and
+  the trial stays RUNNING forever. Here a trial without finite objective values is told
+  as FAIL, with its status and reason as user attributes (visible in optuna-dashboard).
+
+It reaches into `OptunaSearch`'s `_ot_trials`, `_ot_study` and `_completed_trials`
+(Ray 2.60); `tests/search/test_runner.py` breaks if they change.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+from ray.tune.search import Searcher
+from ray.tune.search.optuna import OptunaSearch
+
+from archspec.search.rundir import OK
+
+# Proposals rejected in a row before the search gives up: the space is then (almost)
+# entirely outside the constraints, and the user should hear so instead of waiting.
+MAX_REJECTIONS_IN_A_ROW = 500
+
+
+class ArchspecOptunaSearch(OptunaSearch):
+    """`OptunaSearch` in define-by-run, multi-objective mode, with a driver-side precheck.
+
+    `define_by_run(trial) -> {"trial_number": n, "overrides": {...}}` samples a proposal;
+    `reject(number, overrides) -> (status, reason) | None` decides whether it may train
+    (and records it if not).
+    """
+
+    def __init__(
+        self,
+        *,
+        define_by_run: Callable[[optuna.Trial], dict[str, Any]],
+        reject: Callable[[int, dict[str, Any]], tuple[str, str] | None],
+        metric: list[str],
+        mode: list[str],
+        sampler: optuna.samplers.BaseSampler,
+        storage: optuna.storages.BaseStorage,
+        study_name: str,
+    ):
+        super().__init__(space=define_by_run, metric=metric, mode=mode, sampler=sampler, storage=storage, study_name=study_name)
+        self._reject = reject
+        self.stopped_because: str | None = None
+
+    def suggest(self, trial_id: str) -> dict | str | None:
+        if self.stopped_because:
+            return Searcher.FINISHED
+        for _ in range(MAX_REJECTIONS_IN_A_ROW):
+            config = super().suggest(trial_id)
+            ot_trial = self._ot_trials[trial_id]
+            ot_trial.set_user_attr("overrides", config["overrides"])
+            verdict = self._reject(config["trial_number"], config["overrides"])
+            if verdict is None:
+                return config
+            status, reason = verdict
+            ot_trial.set_user_attr("status", status)
+            ot_trial.set_user_attr("reason", reason)
+            self._ot_study.tell(ot_trial, state=TrialState.FAIL)
+            del self._ot_trials[trial_id]  # the next round asks the study for a new trial
+        self.stopped_because = (
+            f"{MAX_REJECTIONS_IN_A_ROW} proposals in a row were refused or broke a constraint; "
+            "loosen the constraints or narrow the space (see the `skipped`/`invalid` trials)"
+        )
+        return Searcher.FINISHED
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        if trial_id in self._completed_trials or trial_id not in self._ot_trials:
+            return
+        ot_trial = self._ot_trials[trial_id]
+        values = [result.get(m) for m in self.metric] if result else []
+        usable = bool(result) and result.get("status") == OK and all(
+            isinstance(v, (int, float)) and math.isfinite(v) for v in values
+        )
+        if usable:
+            ot_trial.set_user_attr("status", OK)
+            self._ot_study.tell(ot_trial, values, state=TrialState.COMPLETE)
+        else:
+            record = (result or {}).get("record") or {}
+            ot_trial.set_user_attr("status", (result or {}).get("status") or "failed")
+            ot_trial.set_user_attr("reason", record.get("reason") or ("the trial's worker failed" if error else "no result"))
+            self._ot_study.tell(ot_trial, state=TrialState.FAIL)
+        self._completed_trials.add(trial_id)
+
+    def save(self, checkpoint_path: str) -> None:
+        """Nothing to save: the study (SQLite) and the run directory are the state, and
+        `--resume` rebuilds the searcher from them rather than from a Ray checkpoint."""
+
+    def restore(self, checkpoint_path: str) -> None:
+        raise NotImplementedError("resume with `archspec search --resume`, which rebuilds the searcher from the study")

@@ -1,0 +1,509 @@
+"""The search spec: what to search, on what, for which objectives, within which budget.
+
+A search spec is YAML read by the same line-aware loader as model specs
+(`archspec.spec.yaml_source`), so every mistake is reported with file:line:column and
+the dotted field. Example:
+
+```yaml
+name: demo
+base: ../models/deltanet.yaml          # the model spec every trial starts from
+space:                                 # dotted fields of the model spec, sampled in this order
+  mixer.transition.type: {choices: [diagonal, householder]}
+  mixer.transition.n_h:  {int: [1, 3], when: {mixer.transition.type: householder}}
+  mixer.preconditioner.eta: {float: [1.0e-4, 1.0e-2], log: true,
+                             when: {mixer.preconditioner.type: osdn}}
+task: {name: s3, options: {length: 16}}    # or a list of tasks
+objectives:
+  - token_acc@16: max
+  - params: min
+constraints: ["params <= 2e6"]         # checked from the cost model before training
+budget: {trials: 12, steps: 150, time_per_trial: 120}
+sampler: tpe                           # tpe | nsga2 | random | grid
+resources: {cpu: 1, gpu: 0}
+seed: 0
+```
+
+A parameter whose `when:` does not hold is not sampled and the field keeps the base
+spec's value (or `otherwise:`), so invalid combinations such as `n_h` on a diagonal
+transition are never produced; every sampled spec is still validated before training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from archspec.errors import ArchspecError
+from archspec.spec.yaml_source import (
+    LocatedDocument,
+    Override,
+    apply_overrides,
+    error_from_problems,
+    load_yaml_with_locations,
+    locate_problems,
+    validation_problems,
+)
+
+# Metrics the cost model gives before anything is trained: the only ones a constraint may use.
+COST_METRICS = ("params", "flops_per_token", "state_bytes")
+MAX_GRID_POINTS = 100_000
+
+# PyYAML reads `1e-4` (no dot) as a string (YAML 1.1); users write it all the time.
+_BARE_EXPONENT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+def _yaml_number(value: Any) -> Any:
+    return float(value) if isinstance(value, str) and _BARE_EXPONENT.match(value.strip()) else value
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Param(_Section):
+    """One searched field: exactly one of `choices`, `int` or `float`, optionally conditional."""
+
+    choices: list[Any] | None = Field(None, description="The values to choose from.")
+    int_range: tuple[int, int] | None = Field(None, alias="int", description="[low, high], both included.")
+    float_range: tuple[float, float] | None = Field(None, alias="float", description="[low, high].")
+    log: bool = Field(False, description="Sample int/float ranges on a log scale.")
+    step: float | None = Field(None, gt=0, description="Spacing of int/float values (needed by the grid sampler for floats).")
+    when: dict[str, Any] | None = Field(
+        None, description="Sample only when every named field (sampled earlier, or in the base spec) has one of the given values."
+    )
+    otherwise: Any = Field(None, description="The value to set when `when` does not hold (default: leave the base spec's value).")
+
+    @field_validator("choices", mode="before")
+    @classmethod
+    def _choices_numbers(cls, value: Any) -> Any:
+        return [_yaml_number(v) for v in value] if isinstance(value, list) else value
+
+    @field_validator("float_range", mode="before")
+    @classmethod
+    def _range_numbers(cls, value: Any) -> Any:
+        return [_yaml_number(v) for v in value] if isinstance(value, list) else value
+
+    @field_validator("when", mode="before")
+    @classmethod
+    def _when_lists(cls, value: Any) -> Any:
+        """`{field: value}` means `{field: [value]}`."""
+        if isinstance(value, dict):
+            return {k: [_yaml_number(x) for x in v] if isinstance(v, list) else [_yaml_number(v)] for k, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Param:
+        kinds = [k for k, v in (("choices", self.choices), ("int", self.int_range), ("float", self.float_range)) if v is not None]
+        if len(kinds) != 1:
+            found = f"found {', '.join(kinds)}" if kinds else "found none"
+            raise ValueError(
+                "a searched field takes exactly one of `choices: [...]`, `int: [low, high]` or "
+                f"`float: [low, high]` ({found})"
+            )
+        if self.choices is not None:
+            if not self.choices:
+                raise ValueError("`choices` is empty: give at least one value")
+            labels = [choice_label(c) for c in self.choices]
+            if len(set(map(repr, labels))) != len(labels):
+                raise ValueError(f"`choices` repeats a value: {self.choices}")
+            if self.log or self.step is not None:
+                raise ValueError("`log` and `step` apply to int/float ranges, not to `choices`")
+            return self
+        low, high = self.int_range or self.float_range  # type: ignore[misc]
+        if low > high:
+            raise ValueError(f"the range [{low}, {high}] is empty: low must be <= high")
+        if self.log and low <= 0:
+            raise ValueError(f"a log range needs low > 0, got [{low}, {high}]")
+        if self.log and self.step is not None:
+            raise ValueError("`step` cannot be combined with `log: true` (Optuna samples log ranges continuously)")
+        if self.int_range is not None and self.step is not None and self.step != int(self.step):
+            raise ValueError(f"an int range takes a whole-number step, got {self.step}")
+        return self
+
+    @property
+    def kind(self) -> Literal["choices", "int", "float"]:
+        if self.choices is not None:
+            return "choices"
+        return "int" if self.int_range is not None else "float"
+
+    @property
+    def has_otherwise(self) -> bool:
+        return "otherwise" in self.model_fields_set
+
+    def suggest(self, trial: Any, name: str) -> Any:
+        """Draw this field's value from an Optuna trial (define-by-run)."""
+        if self.choices is not None:
+            labels = [choice_label(c) for c in self.choices]
+            label = trial.suggest_categorical(name, labels)
+            return self.choices[labels.index(label)]
+        if self.int_range is not None:
+            low, high = self.int_range
+            return trial.suggest_int(name, low, high, step=int(self.step or 1), log=self.log)
+        low, high = self.float_range  # type: ignore[misc]
+        return trial.suggest_float(name, low, high, step=self.step, log=self.log)
+
+    def grid_values(self) -> list[Any] | None:
+        """Every value, for the grid sampler; None for a continuous range."""
+        if self.choices is not None:
+            return list(self.choices)
+        if self.int_range is not None:
+            low, high = self.int_range
+            return list(range(low, high + 1, int(self.step or 1)))
+        if self.step is None:
+            return None
+        low, high = self.float_range  # type: ignore[misc]
+        count = int(math.floor((high - low) / self.step + 1e-9)) + 1
+        return [round(low + i * self.step, 12) for i in range(count)]
+
+    def to_optuna(self, value: Any) -> Any:
+        """The value as the Optuna study stores it (a choice's label)."""
+        return choice_label(value) if self.choices is not None else value
+
+
+def choice_label(value: Any) -> Any:
+    """Optuna stores None, bool, int, float and str choices; others (lists) as JSON text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return json.dumps(value)
+
+
+class TaskRef(_Section):
+    """A task from `archspec.search.tasks` and the options it is built with."""
+
+    name: str = Field(min_length=1)
+    preset: str = Field("cpu", description="The task's size preset: cpu or gpu (data options and training settings).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Task options over the preset's, e.g. {train_len: 16}.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+
+class Objective(_Section):
+    """A metric to maximise or minimise; written `- token_acc@16: max`."""
+
+    metric: str
+    direction: Literal["max", "min"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_pair(cls, value: Any) -> Any:
+        if isinstance(value, dict) and len(value) == 1 and "metric" not in value:
+            (metric, direction), = value.items()
+            return {"metric": str(metric), "direction": direction}
+        if isinstance(value, dict) and "metric" in value:
+            return value
+        raise ValueError(f"an objective is written `- metric_name: max` or `- metric_name: min`, got {value!r}")
+
+    @property
+    def maximise(self) -> bool:
+        return self.direction == "max"
+
+
+_CONSTRAINT = re.compile(r"^\s*([A-Za-z_][\w@.]*)\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+
+
+class Constraint(_Section):
+    """`params <= 2e6`: a bound on a cost-model metric, checked before any training."""
+
+    metric: str
+    op: Literal["<=", ">=", "<", ">"]
+    bound: float
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        match = _CONSTRAINT.match(value)
+        if not match:
+            raise ValueError(f"a constraint is written `metric <= number`, e.g. `params <= 2e6`; got {value!r}")
+        metric, op, bound = match.groups()
+        return {"metric": metric, "op": op, "bound": float(bound)}
+
+    @field_validator("metric")
+    @classmethod
+    def _cost_metric(cls, value: str) -> str:
+        if value not in COST_METRICS:
+            raise ValueError(
+                f"{value!r} cannot be a constraint: constraints are checked from the cost model before "
+                f"any training, which knows {', '.join(COST_METRICS)}"
+            )
+        return value
+
+    def holds(self, value: float) -> bool:
+        return {"<=": value <= self.bound, ">=": value >= self.bound, "<": value < self.bound, ">": value > self.bound}[self.op]
+
+    def __str__(self) -> str:
+        return f"{self.metric} {self.op} {self.bound:g}"
+
+
+class Budget(_Section):
+    trials: int = Field(gt=0, description="Trials to train (skipped and invalid ones do not count).")
+    steps: int = Field(gt=0, description="Training steps per trial and task.")
+    time_per_trial: float | None = Field(None, gt=0, description="Seconds one trial's training may take (per task); none by default.")
+
+
+class Resources(_Section):
+    cpu: float = Field(1, gt=0, description="CPUs reserved per trial.")
+    gpu: float = Field(0, ge=0, description="GPUs reserved per trial; trials train on CUDA when > 0.")
+    concurrent: int | None = Field(None, gt=0, description="At most this many trials at once (default: as many as fit).")
+
+
+class SearchSpec(_Section):
+    """An archspec search spec."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, title="archspec search spec")
+
+    name: str = Field(min_length=1)
+    base: str = Field(min_length=1, description="The model spec every trial starts from, relative to this file.")
+    space: dict[str, Param] = Field(description="Dotted model-spec fields to search, sampled in the order written.")
+    tasks: list[TaskRef] = Field(alias="task", min_length=1, description="A task, or a list of tasks, with options.")
+    objectives: list[Objective] = Field(min_length=1)
+    constraints: list[Constraint] = Field(default_factory=list)
+    budget: Budget
+    sampler: Literal["tpe", "nsga2", "random", "grid"] = "tpe"
+    resources: Resources = Field(default_factory=Resources)
+    train: dict[str, Any] = Field(default_factory=dict, description="Extra keyword options for the trainer (e.g. batch_size, lr).")
+    seed: int = 0
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return value if isinstance(value, list) else [value]
+
+    @field_validator("objectives")
+    @classmethod
+    def _distinct(cls, value: list[Objective]) -> list[Objective]:
+        names = [o.metric for o in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"an objective is listed twice: {names}")
+        return value
+
+    def to_yaml_data(self) -> dict[str, Any]:
+        """Plain data that loads back into an equal spec (aliases, field order kept)."""
+        data = self.model_dump(mode="json", by_alias=True, exclude_defaults=False)
+        data["space"] = {
+            name: param.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+            | ({"otherwise": param.otherwise} if param.has_otherwise else {})
+            for name, param in self.space.items()
+        }
+        data["task"] = [t.model_dump(mode="json") for t in self.tasks]
+        data["objectives"] = [{o.metric: o.direction} for o in self.objectives]
+        data["constraints"] = [str(c) for c in self.constraints]
+        return data
+
+    @property
+    def metric_names(self) -> list[str]:
+        return [o.metric for o in self.objectives]
+
+    @property
+    def maximise(self) -> list[bool]:
+        return [o.maximise for o in self.objectives]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True)
+class LoadedSearch:
+    """A validated search spec with its resolved base model spec."""
+
+    spec: SearchSpec
+    base: Any  # archspec.Spec
+    base_file: Path
+    source: str | None  # the search spec file
+
+    @property
+    def base_values(self) -> dict[str, Any]:
+        """The base spec's fields as written (None where unset), dotted."""
+        return flatten(self.base.model_dump(mode="json"))
+
+
+def load_search_spec(path: str | os.PathLike[str], overrides: Iterable[Override] = ()) -> LoadedSearch:
+    """Read, override (`--set budget.trials=4`) and validate a search spec file.
+
+    Every problem, structural or semantic, is raised as one `ArchspecError` located at
+    file:line:column (or the `--set`) and the dotted field.
+    """
+    doc = load_yaml_with_locations(path, what="search spec")
+    doc = apply_overrides(doc, list(overrides))
+    title = f"invalid search spec {doc.source}"
+    try:
+        spec = SearchSpec.model_validate(doc.data)
+    except ValidationError as exc:
+        raise error_from_problems(title, validation_problems(exc, doc, model=SearchSpec)) from None
+
+    from archspec import load_spec  # the model-spec loader: its own errors point into the base file
+
+    base_file = (Path(doc.source).resolve().parent / spec.base) if doc.source else Path(spec.base).resolve()
+    if not base_file.is_file():
+        raise error_from_problems(
+            title, locate_problems(doc, [(("base",), f"no such model spec {str(base_file)!r} (`base` is relative to the search spec's directory)")])
+        )
+    base = load_spec(base_file)
+    loaded = LoadedSearch(spec=spec, base=base, base_file=base_file, source=doc.source)
+    problems = semantic_problems(loaded, doc)
+    if problems:
+        raise error_from_problems(title, locate_problems(doc, problems))
+    return loaded
+
+
+def semantic_problems(loaded: LoadedSearch, doc: LocatedDocument) -> list[tuple[tuple[str | int, ...], str]]:
+    """What pydantic cannot see: fields that exist, conditions that can hold, a discrete grid."""
+    from archspec.spec.models import Spec
+
+    spec = loaded.spec
+    base_values = loaded.base_values
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    names = list(spec.space)
+    for index, (name, param) in enumerate(spec.space.items()):
+        where = ("space", name)
+        missing = unknown_field(Spec, name)
+        if missing:
+            problems.append((where, missing))
+        for other in names[:index]:
+            if name.startswith(other + ".") or other.startswith(name + "."):
+                problems.append((where, f"{name!r} overlaps {other!r}: search a section or a field inside it, not both"))
+        for field, values in (param.when or {}).items():
+            cond = where + ("when", field)
+            if field in names[index:]:
+                problems.append((cond, f"`when` refers to {field!r}, which is sampled at or after {name!r}; conditions may only use fields listed before"))
+                continue
+            if field in spec.space:
+                earlier = spec.space[field]
+                possible = earlier.choices if earlier.choices is not None else None
+                if possible is not None:
+                    labels = [choice_label(c) for c in possible]
+                    for value in values:
+                        if choice_label(value) not in labels:
+                            problems.append((cond, f"{value!r} is never sampled for {field!r} (its choices: {possible}), so {name!r} would never be searched"))
+                continue
+            if unknown_field(Spec, field):
+                problems.append((cond, f"`when` refers to {field!r}: {unknown_field(Spec, field)}"))
+            elif field not in base_values:
+                problems.append((cond, f"`when` refers to {field!r}, a section; name one of its fields"))
+            elif base_values[field] not in values:
+                problems.append((cond, f"{field!r} is {base_values[field]!r} in the base spec and not searched, so {name!r} would never be searched"))
+        if spec.sampler == "grid" and param.grid_values() is None:
+            problems.append((where, "the grid sampler needs discrete values: give `step:` or use `choices:`"))
+    if spec.sampler == "grid" and not problems:
+        count = len(grid_points(spec.space, base_values, limit=MAX_GRID_POINTS + 1))
+        if count > MAX_GRID_POINTS:
+            problems.append((("sampler",), f"the grid has more than {MAX_GRID_POINTS} points; use tpe, nsga2 or random"))
+    return problems
+
+
+def unknown_field(model: type[BaseModel], dotted_name: str) -> str | None:
+    """Why `dotted_name` is not a field of the model spec, or None if it is one."""
+    current: type[BaseModel] | None = model
+    walked: list[str] = []
+    for part in dotted_name.split("."):
+        if current is None:
+            return f"{'.'.join(walked)} is a single value, it has no field {part!r}"
+        fields = current.model_fields
+        if part not in fields:
+            import difflib
+
+            close = difflib.get_close_matches(part, list(fields), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            here = ".".join(walked) or "the top level"
+            return f"the model spec has no field {part!r} under {here}{hint}; fields there: {', '.join(fields)}"
+        walked.append(part)
+        annotation = fields[part].annotation
+        current = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return None
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings -> `{"a.b.c": value}` (sections are listed too, as their mappings)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        out[name] = value
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name + "."))
+    return out
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+class SuggestingTrial(Protocol):
+    """The part of `optuna.Trial` the space uses."""
+
+    def suggest_categorical(self, name: str, choices: list[Any]) -> Any: ...
+    def suggest_int(self, name: str, low: int, high: int, *, step: int = 1, log: bool = False) -> int: ...
+    def suggest_float(self, name: str, low: float, high: float, *, step: float | None = None, log: bool = False) -> float: ...
+
+
+def active(param: Param, values: Mapping[str, Any], base_values: Mapping[str, Any]) -> bool:
+    """Whether every `when` condition holds, looking at values sampled so far, then the base."""
+    for field, allowed in (param.when or {}).items():
+        current = values[field] if field in values else base_values.get(field)
+        if choice_label(current) not in [choice_label(a) for a in allowed]:
+            return False
+    return True
+
+
+def suggest_overrides(trial: SuggestingTrial, space: Mapping[str, Param], base_values: Mapping[str, Any]) -> dict[str, Any]:
+    """Define-by-run: sample the space in order into `{dotted field: value}` overrides.
+
+    A parameter whose conditions fail is not sampled (Optuna never sees it), so the
+    study's parameters are exactly the ones that shaped the trial.
+    """
+    values: dict[str, Any] = {}
+    for name, param in space.items():
+        if active(param, values, base_values):
+            values[name] = param.suggest(trial, name)
+        elif param.has_otherwise:
+            values[name] = param.otherwise
+    return values
+
+
+def grid_points(space: Mapping[str, Param], base_values: Mapping[str, Any], limit: int | None = None) -> list[dict[str, Any]]:
+    """Every distinct point of a discrete space, conditions respected, as overrides.
+
+    Optuna's GridSampler takes a fixed product of all parameters, which with conditions
+    would repeat each point once per value of every parameter it does not use; walking
+    the conditions instead yields each distinct spec once.
+    """
+    items = list(space.items())
+    points: list[dict[str, Any]] = []
+
+    def walk(index: int, values: dict[str, Any]) -> None:
+        if limit is not None and len(points) >= limit:
+            return
+        if index == len(items):
+            points.append(values)
+            return
+        name, param = items[index]
+        if not active(param, values, base_values):
+            walk(index + 1, {**values, name: param.otherwise} if param.has_otherwise else values)
+            return
+        for value in param.grid_values() or []:
+            walk(index + 1, {**values, name: value})
+
+    walk(0, {})
+    return points
+
+
+def optuna_params(space: Mapping[str, Param], overrides: Mapping[str, Any], base_values: Mapping[str, Any]) -> dict[str, Any]:
+    """The Optuna parameters that produce `overrides` (for `study.enqueue_trial`)."""
+    params: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    for name, param in space.items():
+        if name in overrides:
+            if active(param, values, base_values):
+                params[name] = param.to_optuna(overrides[name])
+            values[name] = overrides[name]
+    return params

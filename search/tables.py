@@ -1,0 +1,87 @@
+"""Rich tables of search runs: the front, the trial counts, the comparison between runs.
+
+Shared by `archspec pareto`, the live view and the summary `archspec search` prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.table import Table
+
+from archspec.search.pareto import Comparison, RunSummary
+from archspec.search.rundir import TrialRecord, status_counts, trained_count
+from archspec.search.space import Objective
+
+
+def number(value: Any) -> str:
+    """Compact and exact enough to rank by: 4 significant digits, no exponent below 1e6."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int) or float(value).is_integer() and abs(value) < 1e15:
+        return f"{int(value):,}" if abs(value) < 1e6 else f"{value:.3g}"
+    return f"{value:.4g}"
+
+
+def short_field(name: str) -> str:
+    """`mixer.transition.n_h` -> `transition.n_h`: the mixer prefix carries no information."""
+    return name[len("mixer."):] if name.startswith("mixer.") else name
+
+
+def front_table(records: Sequence[TrialRecord], objectives: Sequence[Objective], title: str | None = None) -> Table:
+    """One row per front trial: its number, its overrides, its objective values."""
+    fields: list[str] = []
+    for record in records:
+        fields += [k for k in record.overrides if k not in fields]
+    table = Table(title=title, title_justify="left")
+    table.add_column("trial", justify="right")
+    for field in fields:
+        table.add_column(short_field(field))
+    for objective in objectives:
+        table.add_column(f"{objective.metric} {'↑' if objective.maximise else '↓'}", justify="right")
+    for record in records:
+        row = [str(record.number)]
+        row += [_value(record.overrides[f]) if f in record.overrides else "" for f in fields]
+        row += [number(record.metrics.get(o.metric)) for o in objectives]
+        table.add_row(*row)
+    return table
+
+
+def _value(value: Any) -> str:
+    return number(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def counts_line(records: Sequence[TrialRecord]) -> str:
+    """`12 trained (10 ok, 1 failed, 1 diverged); 3 skipped; 1 running`."""
+    counts = status_counts(records)
+    trained = trained_count(records)
+    parts = [f"{trained} trained ({counts['ok']} ok, {counts['failed']} failed, {counts['diverged']} diverged)"]
+    for status in ("skipped", "invalid", "interrupted", "running"):
+        if counts.get(status):
+            parts.append(f"{counts[status]} {status}")
+    return "; ".join(parts)
+
+
+def run_front_table(run: RunSummary) -> Table:
+    return front_table(run.front, run.objectives, title=f"{run.name}: front of {len(run.front)} — {counts_line(run.records)}")
+
+
+def comparison_table(runs: Sequence[RunSummary], comparison: Comparison) -> Table:
+    """Hypervolume and IGD+ of each run in the shared normalised space."""
+    table = Table(
+        title="between runs (objectives normalised over the union of fronts; "
+        f"reference point {', '.join(number(v) for v in comparison.reference_point)})",
+        title_justify="left",
+    )
+    for column, justify in (("run", "left"), ("trained", "right"), ("front", "right"), ("hypervolume ↑", "right"), ("IGD+ ↓", "right")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for run in runs:
+        key = str(run.path)
+        table.add_row(
+            run.name, str(trained_count(run.records)), str(len(run.front)),
+            f"{comparison.hypervolume[key]:.4f}", f"{comparison.igd_plus[key]:.4f}",
+        )
+    return table

@@ -1,0 +1,222 @@
+"""One trial: the spec from base + overrides, the cost check, training, the record.
+
+`precheck` runs in the driver for every proposal (it is cheap: the spec is validated and
+costed analytically, nothing is built), so that a spec the language refuses or a
+constraint rejects never costs a Ray worker. `execute_trial` runs in the Ray worker:
+it trains on every task, gathers the metrics and writes `result.json` atomically
+*before* Ray hears of the result, so that a driver killed right after still finds it.
+
+Metric names: with one task, the trainer's names as they are (`token_acc@32`, `params`,
+`tokens_per_s`, ...); with several, `task/metric` for each task's metrics, plus the cost
+model's `params`, `flops_per_token` and `state_bytes` (of the first task's vocabulary).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from archspec.errors import ArchspecError
+from archspec.search.rundir import DIVERGED, FAILED, INVALID, OK, SKIPPED, TRIAL_SPEC_FILE, RunDir, TrialRecord, write_yaml_atomic
+from archspec.search.space import SearchSpec, TaskRef
+
+TrainFn = Callable[..., Any]  # train(spec, task, *, steps, seed, device, out_dir, ...) -> TrainResult
+
+
+@dataclass(frozen=True)
+class TrialSetup:
+    """What every trial of a search needs; shipped to the Ray workers."""
+
+    run_dir: str
+    search: SearchSpec
+    # The training function; None means `archspec.search.trainer.train`. Tests and
+    # researchers with their own training loop inject one with the same signature.
+    train_fn: TrainFn | None = None
+
+    @property
+    def run(self) -> RunDir:
+        return RunDir(self.run_dir)
+
+
+@dataclass
+class Verdict:
+    """Whether a proposal may be trained; its cost-model metrics either way."""
+
+    status: str  # OK, SKIPPED or INVALID
+    reason: str | None = None
+    cost: dict[str, float] = field(default_factory=dict)
+
+
+def make_task(ref: TaskRef) -> Any:
+    from archspec.search.tasks import get_task
+
+    return get_task(ref.name, preset=ref.preset, **ref.options)
+
+
+def compose_spec(run: RunDir, overrides: Mapping[str, Any], *, name: str | None = None, task: Any = None) -> Any:
+    """The trial's model spec: the run's base spec, the sampled overrides, the task's vocabulary."""
+    from archspec import load_spec
+
+    items: list[tuple[str, Any]] = list(overrides.items())
+    if name is not None:
+        items.append(("name", name))
+    if task is not None:
+        items.append(("model.vocab_size", int(task.vocab_size)))
+    return load_spec(run.base_file, items)
+
+
+def cost_metrics(spec: Any, task: Any) -> dict[str, float]:
+    """Params, FLOPs per token (at the task's training length) and state bytes, analytically."""
+    from archspec.cost import estimate
+
+    seq_len = int(getattr(task, "train_len", 0) or 0)
+    report = estimate(spec, seq_len=seq_len) if seq_len else estimate(spec)
+    return {"params": float(report.params), "flops_per_token": float(report.flops_per_token), "state_bytes": float(report.state_bytes)}
+
+
+def precheck(setup: TrialSetup, overrides: Mapping[str, Any], tasks: list[Any] | None = None) -> Verdict:
+    """Validate the trial's spec and check the constraints from the cost model, per task."""
+    tasks = tasks if tasks is not None else [make_task(ref) for ref in setup.search.tasks]
+    first_cost: dict[str, float] = {}
+    for task in tasks:
+        try:
+            spec = compose_spec(setup.run, overrides, task=task)
+        except ArchspecError as exc:
+            return Verdict(INVALID, _one_line(exc))
+        cost = cost_metrics(spec, task)
+        first_cost = first_cost or cost
+        broken = [f"{c.metric} = {cost[c.metric]:.4g} violates {c}" for c in setup.search.constraints if not c.holds(cost[c.metric])]
+        if broken:
+            suffix = f" (task {task.name})" if len(tasks) > 1 else ""
+            return Verdict(SKIPPED, "; ".join(broken) + suffix, cost)
+    return Verdict(OK, None, first_cost)
+
+
+def _one_line(exc: ArchspecError) -> str:
+    problems = [f"{f + ': ' if f else ''}{m}" for _, f, m in exc.problems]
+    return "; ".join(problems) if problems else str(exc)
+
+
+def device_for(setup: TrialSetup) -> str:
+    """CUDA when the trial reserved a GPU and one is visible (Ray sets CUDA_VISIBLE_DEVICES), else CPU."""
+    import torch
+
+    return "cuda" if setup.search.resources.gpu > 0 and torch.cuda.is_available() else "cpu"
+
+
+def _call_train(train_fn: TrainFn, spec: Any, task: Any, setup: TrialSetup, out_dir: str, device: str) -> Any:
+    search = setup.search
+    kwargs: dict[str, Any] = dict(steps=search.budget.steps, seed=search.seed, device=device, out_dir=out_dir, **search.train)
+    if search.budget.time_per_trial is not None:
+        kwargs["time_limit_s"] = search.budget.time_per_trial
+    accepted = inspect.signature(train_fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        unknown = sorted(set(kwargs) - set(accepted))
+        if unknown:
+            raise ArchspecError(f"the trainer does not accept {', '.join(unknown)} (from the search spec's train/budget)")
+    return train_fn(spec, task, **kwargs)
+
+
+def _default_train() -> TrainFn:
+    from archspec.search.trainer import train
+
+    return train
+
+
+def execute_trial(setup: TrialSetup, number: int, overrides: Mapping[str, Any]) -> TrialRecord:
+    """Train one trial on every task and write its record; never raises for a bad trial."""
+    run, search = setup.run, setup.search
+    record = TrialRecord(number=number, status=None, overrides=dict(overrides), started_at=time.time(), host=socket.gethostname())
+    folder = run.trial_dir(number)
+    try:
+        record.device = device_for(setup)
+        run.write_trial_start(record)
+        tasks = [make_task(ref) for ref in search.tasks]
+        verdict = precheck(setup, overrides, tasks)
+        record.metrics.update(verdict.cost)
+        if verdict.status != OK:
+            record.status, record.reason = verdict.status, verdict.reason
+            return _finish(run, record)
+        spec = compose_spec(run, overrides, name=f"{search.name}-{number:05d}")
+        write_yaml_atomic(folder / TRIAL_SPEC_FILE, spec.model_dump(mode="json", exclude_none=True))
+        train_fn = setup.train_fn or _default_train()
+        statuses: list[tuple[str, str | None]] = []
+        for task in tasks:
+            out_dir = folder / task.name
+            result = _call_train(train_fn, spec, task, setup, str(out_dir), record.device)
+            metrics = {k: _number(v) for k, v in dict(result.metrics).items()}
+            if len(tasks) == 1:
+                record.metrics.update(metrics)
+            else:
+                record.metrics.update({f"{task.name}/{k}": v for k, v in metrics.items()})
+            statuses.append((result.status, result.reason))
+        record.status, record.reason = _combine(statuses, [t.name for t in tasks])
+        if record.status == OK:
+            missing = [m for m in search.metric_names if not _finite(record.metrics.get(m))]
+            if missing:
+                record.status = FAILED
+                record.reason = f"objective metric(s) {', '.join(missing)} missing or not finite; the trial reported {', '.join(sorted(record.metrics))}"
+    except ArchspecError as exc:
+        record.status, record.reason = FAILED, _one_line(exc)
+    except Exception as exc:  # a crash in one trial must not end the search
+        record.status, record.reason = FAILED, f"{type(exc).__name__}: {exc}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "error.txt").write_text(traceback.format_exc(), encoding="utf-8")
+    return _finish(run, record)
+
+
+def _finish(run: RunDir, record: TrialRecord) -> TrialRecord:
+    record.finished_at = time.time()
+    run.write_trial_result(record)
+    return record
+
+
+def _combine(statuses: list[tuple[str, str | None]], names: list[str]) -> tuple[str, str | None]:
+    """Several tasks: the trial is as bad as its worst task (failed > diverged > ok)."""
+    for worst in (FAILED, DIVERGED):
+        bad = [(n, r) for n, (s, r) in zip(names, statuses) if s == worst]
+        if bad:
+            reasons = "; ".join(f"{n}: {r}" if len(names) > 1 else str(r) for n, r in bad)
+            return worst, reasons
+    unknown = [s for s, _ in statuses if s not in (OK, FAILED, DIVERGED)]
+    if unknown:
+        return FAILED, f"the trainer returned an unknown status {unknown[0]!r}"
+    return OK, None
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def report_payload(record: TrialRecord, metric_names: list[str]) -> dict[str, Any]:
+    """What the trial reports to Ray: the objectives when it is ok, and the whole record.
+
+    The record travels along so that the driver can write `result.json` itself when the
+    worker ran on a node whose files it cannot see.
+    """
+    payload: dict[str, Any] = {"trial_number": record.number, "status": record.status, "record": record.to_json()}
+    if record.status == OK:
+        payload.update({m: record.metrics[m] for m in metric_names})
+    return payload
+
+
+def trainable(config: dict[str, Any], setup: TrialSetup) -> None:
+    """The Ray Tune function trainable (bound with `tune.with_parameters`)."""
+    from ray import tune
+
+    record = execute_trial(setup, int(config["trial_number"]), config["overrides"])
+    tune.report(report_payload(record, setup.search.metric_names))
+

@@ -1,0 +1,43 @@
+"""A cheap stand-in for the trainer: same signature, deterministic metrics in milliseconds.
+
+Quality is a known function of the spec (more Householder factors and a [0, 2] beta
+range help, as on state tracking), so tests can predict fronts. Behaviours for failure
+tests are switched by the spec itself: a `channel` gate diverges, `short_conv: 2` raises.
+`CHEAP_SLEEP` (seconds) slows every trial down, for the kill-and-resume test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class CheapResult:
+    status: str
+    metrics: dict = field(default_factory=dict)
+    reason: str | None = None
+
+
+def quality(spec) -> float:
+    t = spec.mixer.transition
+    beta_max = (t.beta_range or (0, 1))[1] if t.type != "diagonal" else 0
+    return round(0.3 + 0.15 * t.n_h + 0.1 * beta_max + (0.05 if t.type == "householder" else 0.0), 6)
+
+
+def cheap_train(spec, task, *, steps, seed, device, out_dir=None, **options):
+    from archspec.cost import estimate
+
+    time.sleep(float(os.environ.get("CHEAP_SLEEP", "0")))
+    if out_dir is not None:  # leave a trace, as the trainer does
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "calls.json").write_text(json.dumps({"steps": steps, "seed": seed, "device": device, "options": options}))
+    if spec.mixer.short_conv == 2:
+        raise RuntimeError("cheap_train was told to crash (short_conv: 2)")
+    params = float(estimate(spec).params)
+    if spec.mixer.resolved_gate == "channel":
+        return CheapResult("diverged", {"token_acc@16": float("nan"), "params": params}, "loss became nan at step 3")
+    return CheapResult("ok", {"token_acc@16": quality(spec), "params": params, "steps": float(steps)})

@@ -1,0 +1,209 @@
+"""Measured training throughput and peak memory of a module, and `archspec bench`.
+
+`measure_training_throughput` times forward + loss + backward on random tokens (no
+optimizer step, so the module's weights are untouched) after a warm-up, on the device
+the caller names: the number a search reports as `tokens_per_s`, with `peak_mem_bytes`.
+
+Peak memory: on CUDA, `torch.cuda.max_memory_allocated` over the measured steps
+(weights, gradients, activations). On the CPU there is no allocator counter, so it is
+the rise of the process's peak resident memory (Linux `VmHWM`, reset through
+`/proc/self/clear_refs`) during warm-up and the timed steps, plus the bytes of the
+module's parameters and buffers that were resident before; None where `/proc` is
+missing. Freed memory the C allocator keeps can make the CPU figure an underestimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from archspec.errors import ArchspecError
+
+_PROC_STATUS = Path("/proc/self/status")
+_PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+@dataclass(frozen=True)
+class ThroughputReport:
+    tokens_per_s: float  # forward + backward, after warm-up
+    peak_mem_bytes: int | None
+    batch: int
+    seq_len: int
+    device: str
+    steps: int
+    seconds: float  # wall time of the timed steps
+
+
+def _proc_kib(field: str) -> int | None:
+    try:
+        for line in _PROC_STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_cpu_peak() -> bool:
+    """Reset the process's peak RSS to its current RSS (Linux >= 4.0)."""
+    try:
+        _PROC_CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vocab_size(model: nn.Module) -> int:
+    plan = getattr(model, "plan", None)
+    if plan is not None and hasattr(plan, "vocab_size"):
+        return int(plan.vocab_size)
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            return module.num_embeddings
+    raise ArchspecError("cannot tell the module's vocabulary size: pass vocab_size=")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
+    """bfloat16 autocast on CUDA (how the trainer runs there); nothing elsewhere."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def measure_training_throughput(
+    model: nn.Module,
+    *,
+    batch: int,
+    seq_len: int,
+    device: str | torch.device = "cpu",
+    warmup: int = 3,
+    steps: int = 5,
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> ThroughputReport:
+    """Tokens per second of forward + backward on `[batch, seq_len]` random tokens.
+
+    The module is moved to `device`; gradients it had are cleared afterwards. Inputs come
+    from a private generator, so measuring does not disturb the global random state.
+    """
+    if batch < 1 or seq_len < 1 or steps < 1 or warmup < 0:
+        raise ArchspecError(f"throughput: need batch, seq_len, steps >= 1 and warmup >= 0; got {batch}, {seq_len}, {steps}, {warmup}")
+    device = torch.device(device)
+    vocab = vocab_size or _vocab_size(model)
+    model.to(device)
+    was_training = model.training
+    model.train()
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(vocab, (batch, seq_len + 1), generator=generator).to(device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step() -> None:
+        with autocast_for(device):
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rss_before = _proc_kib("VmRSS") if device.type == "cpu" and _reset_cpu_peak() else None
+    for _ in range(warmup):
+        step()
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _synchronize(device)
+    seconds = time.perf_counter() - start
+
+    peak: int | None
+    if device.type == "cuda":
+        peak = int(torch.cuda.max_memory_allocated(device))
+    elif rss_before is not None and (hwm := _proc_kib("VmHWM")) is not None:
+        peak = (hwm - rss_before) * 1024 + resident
+    else:
+        peak = None
+    model.train(was_training)
+    return ThroughputReport(
+        tokens_per_s=batch * seq_len * steps / seconds,
+        peak_mem_bytes=peak,
+        batch=batch,
+        seq_len=seq_len,
+        device=str(device),
+        steps=steps,
+        seconds=seconds,
+    )
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# --------------------------------------------------------------------------- archspec bench
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser(
+        "bench",
+        help="measure a spec's training throughput (tokens/s, forward+backward) and peak memory",
+        description="Compile SPEC and time forward+backward on random tokens on the current device "
+        "(the tokens_per_s and peak_mem_bytes a search reports).",
+    )
+    bench.add_argument("spec", metavar="SPEC", help="model spec YAML file")
+    bench.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a spec field by its dotted key (repeatable), e.g. --set mixer.heads=8",
+    )
+    bench.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    bench.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    bench.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    bench.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3; the first calls are slow)")
+    bench.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    bench.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
+    bench.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    import archspec
+    from archspec.atomic import write_text_atomic
+
+    device = args.device or default_device()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ArchspecError(f"--device {device}: no CUDA device is available here")
+    from archspec.blocks import build_model
+
+    model = build_model(archspec.lower(archspec.load_spec(args.spec, args.overrides)))
+    report = measure_training_throughput(
+        model, batch=args.batch, seq_len=args.seq_len, device=device, warmup=args.warmup, steps=args.steps
+    )
+    table = Table(title=f"archspec bench {args.spec}")
+    table.add_column("tokens/s", justify="right")
+    table.add_column("peak memory", justify="right")
+    table.add_column("batch x seq_len", justify="right")
+    table.add_column("device")
+    table.add_column("params", justify="right")
+    params = sum(p.numel() for p in model.parameters())
+    mem = "n/a" if report.peak_mem_bytes is None else f"{report.peak_mem_bytes / 2**20:,.1f} MiB"
+    table.add_row(f"{report.tokens_per_s:,.0f}", mem, f"{report.batch} x {report.seq_len}", report.device, f"{params:,}")
+    Console().print(table)
+    if args.json:
+        write_text_atomic(args.json, json.dumps({"spec": str(args.spec), "params": params, **asdict(report)}, indent=2) + "\n")
+    return 0
+

@@ -1,0 +1,99 @@
+"""PNG plots of a training run (matplotlib, Agg backend: no display needed).
+
+- `accuracy.png`: each per-position curve of each evaluation split against the
+  position, with the training length marked (the DeltaProduct paper's Fig. 5 layout).
+- `diagnostics.png`: per layer, the effective rank of each head's state along the
+  sequence, and the residual ratio `q_t` (log scale) with `q_geo` in the legend.
+
+Each plot is written to a temporary file and renamed, so a reader never sees half a PNG.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from archspec.atomic import write_atomic  # noqa: E402
+
+from .diagnostics import DiagnosticsReport  # noqa: E402
+from .tasks.base import Curve  # noqa: E402
+
+
+def _save(fig: plt.Figure, path: str | os.PathLike[str]) -> Path:
+    write_atomic(path, lambda handle: fig.savefig(handle, format="png", dpi=110, bbox_inches="tight"))
+    plt.close(fig)
+    return Path(path)
+
+
+def _positions(values: list[float]) -> list[int]:
+    return list(range(1, len(values) + 1))
+
+
+def _finite(values: list[float | None]) -> list[float]:
+    return [float("nan") if v is None else v for v in values]
+
+
+def plot_accuracy(
+    curves: dict[str, list[Curve]], train_len: int, path: str | os.PathLike[str], title: str = ""
+) -> Path | None:
+    """One panel per y-axis kind (accuracy, bits per byte); None when there is no curve."""
+    kinds: dict[str, list[tuple[str, Curve]]] = {}
+    for split, split_curves in curves.items():
+        for curve in split_curves:
+            kinds.setdefault(curve.ylabel, []).append((split, curve))
+    if not kinds:
+        return None
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 4.2), squeeze=False)
+    for ax, (ylabel, entries) in zip(axes[0], kinds.items()):
+        sparse = any(sum(1 for v in c.values if v is not None and not math.isnan(v)) < len(c.values) / 2 for _, c in entries)
+        for split, curve in entries:
+            label = curve.label if len(curves) == 1 else f"{split}: {curve.label}"
+            values = _finite(curve.values)
+            if sparse:  # e.g. recall: only query positions are scored
+                ax.plot(_positions(values), values, marker=".", linestyle="none", label=label)
+            else:
+                ax.plot(_positions(values), values, label=label)
+        ax.axvline(train_len, color="grey", linestyle="--", linewidth=1, label=f"training length {train_len}")
+        ax.set_xlabel("position t")
+        ax.set_ylabel(ylabel)
+        if ylabel == "accuracy":
+            ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return _save(fig, path)
+
+
+def plot_diagnostics(report: DiagnosticsReport, train_len: int, path: str | os.PathLike[str], title: str = "") -> Path | None:
+    """Rows: layers; columns: effective rank per head, residual ratio per token."""
+    layers = len(report.erank)
+    if layers == 0:
+        return None
+    fig, axes = plt.subplots(layers, 2, figsize=(12, 3.2 * layers), squeeze=False)
+    for li in range(layers):
+        ax_rank, ax_q = axes[li]
+        for h, curve in enumerate(report.erank[li]):
+            ax_rank.plot(_positions(curve), curve, label=f"head {h}")
+        ax_rank.set_ylabel(f"layer {li}: effective rank")
+        q = report.residual_ratio[li]
+        q_geo = report.metrics.get(f"q_geo@{li}", float("nan"))
+        ax_q.plot(_positions(q), q, label=f"q_t (q_geo = {q_geo:.3g})")
+        ax_q.set_yscale("log")
+        ax_q.set_ylabel("residual ratio q_t")
+        for ax in (ax_rank, ax_q):
+            ax.axvline(train_len, color="grey", linestyle="--", linewidth=1, label="training length")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel("position t")
+    norm = report.metrics.get("max_factor_norm")
+    suffix = f" (largest transition-factor norm {norm:.3f})" if norm is not None else ""
+    fig.suptitle((title + suffix).strip())
+    return _save(fig, path)

@@ -1,0 +1,422 @@
+"""Train one spec on one task and score it: `train(spec, task, ...) -> TrainResult`.
+
+AdamW with linear warm-up and cosine decay, gradient clipping, bfloat16 autocast on
+CUDA, early stop once the task's validation metric reaches its target, a rich progress
+bar (or silence for search trials). Deterministic under `seed` on the CPU: the weights
+come from `torch.manual_seed(seed)`, the data from a generator seeded with `seed`, the
+evaluation data from the task's own fixed seed.
+
+A NaN or infinite loss (or gradient norm) stops the run with status `diverged` and the
+step in `reason`; an error while training (out of memory, a kernel failure) gives status
+`failed`. Neither raises: the search records them. A spec the user got wrong still raises
+`ArchspecError` before anything runs.
+
+With `out_dir`, writes `metrics.json` atomically (`{"status", "reason", "metrics": {name:
+float}, "spec", "task", "train", "curves", "history", ...}`), `accuracy.png`, and with
+`diagnostics=True` `diagnostics.png` (see `search/diagnostics.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+import traceback
+from collections.abc import Iterable, Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from archspec.atomic import write_text_atomic
+from archspec.errors import ArchspecError
+from archspec.throughput import autocast_for, measure_training_throughput
+
+from .metrics import concat_outcomes, outcome_from_logits
+from .tasks import Task, get_task
+from .tasks.base import Batch, Curve
+
+Status = str  # "ok" | "diverged" | "failed"
+METRICS_FILE = "metrics.json"
+MAX_HISTORY = 500  # loss entries kept in metrics.json
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The optimisation settings of one run (a task preset plus flags)."""
+
+    steps: int
+    batch_size: int
+    lr: float
+    warmup_steps: int
+    eval_every: int
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    betas: tuple[float, float] = (0.9, 0.95)
+    early_stop: tuple[str, float] | None = None
+    eval_batch_size: int = 256
+
+
+@dataclass
+class TrainResult:
+    status: Status
+    metrics: dict[str, float]
+    reason: str | None = None
+    steps_done: int = 0
+    out_dir: Path | None = None
+    record: dict[str, Any] = field(default_factory=dict, repr=False)  # what metrics.json holds
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass
+class BuiltModel:
+    model: nn.Module
+    plan: Any  # blocks.ModelPlan
+    spec_record: dict[str, Any]  # the resolved spec, for metrics.json
+
+
+def build_model_for_task(spec: Any, task: Task, overrides: Iterable[Any] = ()) -> BuiltModel:
+    """Load `spec` (path, dict, `Spec` or `ModelPlan`), apply `overrides` (`"key=value"`
+    strings or `(key, value)` pairs), set the vocabulary from the task, and build it."""
+    from archspec.blocks import ModelPlan, build_model
+
+    overrides = list(overrides)
+    if isinstance(spec, ModelPlan):
+        if overrides:
+            raise ArchspecError("overrides apply to specs, not to a ModelPlan; change the plan instead")
+        plan = dataclasses.replace(spec, vocab_size=task.vocab_size)
+        return BuiltModel(build_model(plan), plan, {"plan": plan.to_dict()})
+
+    import archspec
+
+    resolved = archspec.load_spec(spec, [*overrides, ("model.vocab_size", task.vocab_size)])
+    plan = archspec.lower(resolved)
+    return BuiltModel(build_model(plan), plan, resolved.model_dump(mode="json", exclude={"extends"}))
+
+
+def cost_metrics(plan: Any, model: nn.Module, seq_len: int) -> dict[str, float]:
+    """`params` (counted on the module), analytic `flops_per_token` and `state_bytes`."""
+    from archspec.cost import estimate
+
+    report = estimate(plan, seq_len=seq_len)
+    return {
+        "params": float(sum(p.numel() for p in model.parameters())),
+        "flops_per_token": float(report.flops_per_token),
+        "state_bytes": float(report.state_bytes),
+    }
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def lr_factor(step: int, config: TrainConfig) -> float:
+    """Linear warm-up to 1 over `warmup_steps`, then cosine down to `min_lr_ratio`."""
+    if config.warmup_steps > 0 and step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    span = max(1, config.steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norms, biases or gate scalars)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, task: Task, splits: Mapping[str, Batch], device: torch.device, batch_size: int, with_curves: bool
+) -> tuple[dict[str, float], dict[str, list[Curve]]]:
+    """Task metrics (and per-position curves) of `model` on each split."""
+    was_training = model.training
+    model.eval()
+    metrics: dict[str, float] = {}
+    curves: dict[str, list[Curve]] = {}
+    for split, batch in splits.items():
+        parts = []
+        for lo in range(0, batch.inputs.shape[0], batch_size):
+            inputs, targets, mask = (t[lo : lo + batch_size] for t in batch)
+            with autocast_for(device):
+                logits = model(inputs.to(device))
+            parts.append(outcome_from_logits(logits, targets.to(device), mask.to(device)))
+        outcome = concat_outcomes(parts)
+        metrics.update(task.score(outcome, split))
+        if with_curves:
+            curves[split] = task.curves(outcome, split)
+    metrics.update(task.summarize(metrics))
+    model.train(was_training)
+    return metrics, curves
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+class _Diverged(Exception):
+    def __init__(self, reason: str, step: int):
+        super().__init__(reason)
+        self.reason, self.step = reason, step
+
+
+def _progress(quiet: bool, description: str):
+    if quiet:
+        return None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[note]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+
+
+def _json_value(value: Any) -> Any:
+    """NaN and infinities become null: metrics.json stays strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return value
+
+
+def write_metrics(out_dir: Path, record: dict[str, Any]) -> Path:
+    path = out_dir / METRICS_FILE
+    write_text_atomic(path, json.dumps(_json_value(record), indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ArchspecError(f"device {device}: no CUDA device is available here")
+    return device
+
+
+def train(
+    spec: Any,
+    task: Task | str,
+    *,
+    steps: int | None = None,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
+    overrides: Iterable[Any] = (),
+    diagnostics: bool = False,
+    quiet: bool = False,
+    preset: str = "cpu",
+    task_options: Mapping[str, Any] | None = None,
+    batch_size: int | None = None,
+    lr: float | None = None,
+    warmup_steps: int | None = None,
+    eval_every: int | None = None,
+    target: float | None = None,
+    backend: str | None = None,
+    measure_throughput: bool = True,
+    spec_label: str | None = None,
+) -> TrainResult:
+    """Train `spec` on `task` (a `Task` or a name for `get_task(name, preset, **task_options)`).
+
+    `steps`, `batch_size`, `lr`, `warmup_steps`, `eval_every` override the task preset;
+    `target` overrides the early-stop threshold (0 disables early stopping); `backend`
+    forces a kernel backend (`torch`, `naive`, `triton`). Returns a `TrainResult`; never
+    raises for a diverging or failing run (see the module docstring).
+    """
+    if isinstance(task, str):
+        task = get_task(task, preset, **dict(task_options or {}))
+    elif task_options:
+        raise ArchspecError("task_options apply when the task is given by name")
+    device = resolve_device(device)
+    config = _config(task, steps, batch_size, lr, warmup_steps, eval_every, target)
+
+    torch.manual_seed(seed)
+    built = build_model_for_task(spec, task, overrides)
+    model = built.model.to(device)
+    if backend is not None:
+        model.set_backend(backend)
+
+    out = Path(out_dir) if out_dir is not None else None
+    record: dict[str, Any] = {
+        "status": "running",
+        "reason": None,
+        "metrics": {},
+        "spec": built.spec_record,
+        "spec_source": spec_label if spec_label is not None else (str(spec) if isinstance(spec, (str, os.PathLike)) else None),
+        "task": task.describe(),
+        "train": {**dataclasses.asdict(config), "seed": seed, "device": str(device), "preset": preset},
+    }
+    metrics: dict[str, float] = cost_metrics(built.plan, model, task.train_len)
+
+    status, reason, steps_done = "ok", None, 0
+    curves: dict[str, list[Curve]] = {}
+    history: list[dict[str, float]] = []
+    evals: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    try:
+        if measure_throughput:
+            report = measure_training_throughput(
+                model, batch=config.batch_size, seq_len=task.train_len, device=device, vocab_size=task.vocab_size
+            )
+            metrics["tokens_per_s"] = report.tokens_per_s
+            if report.peak_mem_bytes is not None:
+                metrics["peak_mem_bytes"] = float(report.peak_mem_bytes)
+        steps_done, early = _loop(model, task, config, seed, device, quiet, history, evals)
+        record["train"]["early_stopped"] = early
+        quality, curves = evaluate(model, task, task.eval_sets(), device, config.eval_batch_size, with_curves=True)
+        metrics.update(quality)
+        if diagnostics:
+            from .diagnostics import collect
+
+            report_d = collect(model, task.diagnostic_batch().inputs)
+            metrics.update(report_d.metrics)
+            record["diagnostics"] = {"erank": report_d.erank, "residual_ratio": report_d.residual_ratio}
+    except _Diverged as exc:
+        status, reason, steps_done = "diverged", exc.reason, exc.step
+    except (RuntimeError, torch.OutOfMemoryError) as exc:  # a kernel or memory failure: record it, do not crash
+        status, reason = "failed", f"{type(exc).__name__}: {exc}"
+        record["traceback"] = traceback.format_exc()
+
+    record["status"], record["reason"] = status, reason
+    record["metrics"] = metrics
+    record["train"].update(steps_done=steps_done, seconds=time.perf_counter() - started)
+    record["history"] = history
+    record["evals"] = evals
+    record["curves"] = {
+        split: [dataclasses.asdict(c) for c in split_curves] for split, split_curves in curves.items()
+    }
+    result = TrainResult(status, metrics, reason, steps_done, out, record)
+    if out is not None:
+        _write_outputs(out, record, curves, task, diagnostics)
+    return result
+
+
+def _config(
+    task: Task,
+    steps: int | None,
+    batch_size: int | None,
+    lr: float | None,
+    warmup_steps: int | None,
+    eval_every: int | None,
+    target: float | None,
+) -> TrainConfig:
+    preset = task.preset
+    if preset is None:
+        raise ArchspecError(f"task {task.name!r} has no preset; build it with get_task")
+    early = task.early_stop
+    if target is not None:
+        early = (early[0], target) if (early and target > 0) else None
+    config = TrainConfig(
+        steps=preset.steps if steps is None else steps,
+        batch_size=preset.batch_size if batch_size is None else batch_size,
+        lr=preset.lr if lr is None else lr,
+        warmup_steps=preset.warmup_steps if warmup_steps is None else warmup_steps,
+        eval_every=preset.eval_every if eval_every is None else eval_every,
+        weight_decay=preset.weight_decay,
+        grad_clip=preset.grad_clip,
+        early_stop=early,
+    )
+    problems = []
+    if config.steps < 0:
+        problems.append(f"steps must be >= 0, got {config.steps}")
+    if config.batch_size < 1:
+        problems.append(f"batch size must be >= 1, got {config.batch_size}")
+    if not (config.lr > 0 and math.isfinite(config.lr)):
+        problems.append(f"learning rate must be a positive number, got {config.lr}")
+    if config.warmup_steps < 0 or config.eval_every < 1:
+        problems.append(f"need warmup_steps >= 0 and eval_every >= 1, got {config.warmup_steps}, {config.eval_every}")
+    if problems:
+        raise ArchspecError("bad training settings: " + "; ".join(problems))
+    return config
+
+
+def _loop(
+    model: nn.Module,
+    task: Task,
+    config: TrainConfig,
+    seed: int,
+    device: torch.device,
+    quiet: bool,
+    history: list[dict[str, float]],
+    evals: list[dict[str, Any]],
+) -> tuple[int, bool]:
+    """The optimisation loop; returns (steps done, stopped early). Raises `_Diverged`."""
+    optimizer = make_optimizer(model, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
+    generator = torch.Generator().manual_seed(seed)
+    record_every = max(1, config.steps // MAX_HISTORY)
+    progress = _progress(quiet, f"{task.name}")
+    bar = progress.add_task(task.name, total=config.steps, loss="-", note="") if progress else None
+    model.train()
+    step = 0
+    with progress if progress is not None else nullcontext():
+        for step in range(1, config.steps + 1):
+            inputs, targets, mask = (t.to(device) for t in task.train_batch(config.batch_size, generator))
+            with autocast_for(device):
+                logits = model(inputs)
+            loss = F.cross_entropy(logits.float()[mask], targets[mask])
+            if not torch.isfinite(loss):
+                raise _Diverged(f"loss became {loss.item()} at step {step}", step)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            if not torch.isfinite(grad_norm):
+                raise _Diverged(f"gradient norm became {grad_norm.item()} at step {step}", step)
+            optimizer.step()
+            scheduler.step()
+
+            if step % record_every == 0 or step == 1:
+                history.append({"step": step, "loss": loss.item(), "lr": optimizer.param_groups[0]["lr"]})
+            if progress is not None:
+                progress.update(bar, advance=1, loss=f"{loss.item():.4f}")
+            if step % config.eval_every == 0 or step == config.steps:
+                val, _ = evaluate(model, task, task.validation_sets(), device, config.eval_batch_size, with_curves=False)
+                evals.append({"step": step, **val})
+                if config.early_stop is not None:
+                    name, threshold = config.early_stop
+                    value = val.get(name, float("nan"))
+                    if progress is not None:
+                        progress.update(bar, note=f"{name} {value:.3f}")
+                    if value >= threshold:
+                        return step, True
+    return step, False
+
+
+def _write_outputs(out: Path, record: dict[str, Any], curves: dict[str, list[Curve]], task: Task, diagnostics: bool) -> None:
+    from . import plots
+    from .diagnostics import DiagnosticsReport
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+    title = f"{record['spec'].get('name', '') if isinstance(record['spec'], dict) else ''} on {task.name}".strip()
+    if curves:
+        png = plots.plot_accuracy(curves, task.train_len, out / "accuracy.png", title=title)
+        if png is not None:
+            files["accuracy_plot"] = png.name
+    if diagnostics and "diagnostics" in record:
+        report = DiagnosticsReport(record["metrics"], record["diagnostics"]["erank"], record["diagnostics"]["residual_ratio"])
+        png = plots.plot_diagnostics(report, task.train_len, out / "diagnostics.png", title=title)
+        if png is not None:
+            files["diagnostics_plot"] = png.name
+    record["files"] = files
+    write_metrics(out, record)

@@ -492,6 +492,17 @@ def _suggestion(word: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+def _show(value: Any) -> str:
+    """A value as the user wrote it in YAML terms, short."""
+    if value is None:
+        return "null"
+    if isinstance(value, (str, bool, int, float, list, dict, tuple)):
+        text = repr(value)
+    else:  # dates and the like: their YAML spelling
+        text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _message(err: Mapping[str, Any], path: PathKey, owner: type[BaseModel] | None, value: Any) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
@@ -502,16 +513,14 @@ def _message(err: Mapping[str, Any], path: PathKey, owner: type[BaseModel] | Non
     if kind == "missing":
         return "this key is required"
     msg = err["msg"]
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    if msg.startswith("Assertion failed, "):
-        msg = msg[len("Assertion failed, "):]
-    if kind in ("literal_error", "enum"):
-        choices = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
-        return f"got {value!r}: {msg[0].lower() + msg[1:]}{_suggestion(value, choices) if isinstance(value, str) else ''}"
-    if value is not None and not isinstance(value, (dict, list)) and kind not in ("value_error", "assertion_error"):
-        return f"got {value!r}: {msg[0].lower() + msg[1:]}"
-    return msg
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            return msg[len(prefix):]  # our own validators' messages say it all
+    msg = msg[0].lower() + msg[1:]
+    hint = ""
+    if kind in ("literal_error", "enum") and isinstance(value, str):
+        hint = _suggestion(value, re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", ""))))
+    return f"got {_show(value)}: {msg}{hint}"
 
 
 def locate_problems(doc: LocatedDocument, problems: Iterable[tuple[PathKey, str]]) -> list[Problem]:
@@ -529,7 +538,7 @@ def validation_problems(
     problems: list[Problem] = []
     for err in error.errors(include_url=False):
         path, owner = _resolve_loc(err["loc"], doc.data, model, err["type"])
-        value = err.get("input") if err["type"] != "missing" else None
+        value = err.get("input")
         location = doc.locate(path, key=err["type"] == "extra_forbidden")
         problems.append((location, dotted(path) or None, _message(err, path, owner, value)))
     return problems

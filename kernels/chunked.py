@@ -18,8 +18,8 @@ elsewhere, `w_i` the write key (`write_key` or `k`), and
     diagonal    (neither):         a_i = 0,           u_i = v_i
 
 Inside a chunk of `L` sub-steps, with the within-chunk cumulative log-gate `G_i` (per
-key channel, or scalar) and `Gamma_i = diag(exp(G_i))`, unrolling the recurrence from
-the chunk's start state `S_0` gives
+key channel, or scalar) and `Gamma_i = diag(exp(G_i))`, unrolling from the chunk's start
+state `S_0` gives
 
     S_i = Gamma_i S_0 + sum_{j<=i} exp(G_i - G_j) (a_j y_j^T + w_j u_j^T)
     y_j = -(D_j S_{j-1})^T k_j                    (what the erase removes)
@@ -28,55 +28,63 @@ and stacking the `y_j` as rows of `Y` turns their sequential dependence into one
 lower-triangular solve (the UT transform):
 
     (I + A_ka) Y = -(k * Gamma) S_0 - A_kw U,
-    A_ka[j, m] = k_j^T diag(exp(G_j - G_m)) a_m   and likewise A_kw with w,  for m < j.
+    A_ka[j, m] = k_j^T diag(exp(G_j - G_m)) a_m  (likewise A_kw with w),  for m < j,
 
-So `Y = -Tk S_0 - Tu` with `[Tk | Tu] = (I + A_ka)^{-1} [k * Gamma | A_kw U]`, and the
-chunk becomes an affine map of its start state, computed for all chunks in parallel:
+so `Y = -Tk S_0 - Tu` with `[Tk | Tu] = (I + A_ka)^{-1} [k * Gamma | A_kw U]`; the unit
+lower-triangular inverse is formed explicitly (one solve against the identity), which on
+CPU is several times faster than a solve against the `K + V` right-hand sides.
 
-    S_L = M S_0 + R,       M  = Gamma_L - a_end^T Tk,      R    = w_end^T U - a_end^T Tu
-    o_t = Qeff_t S_0 + Oeff_t,  Qeff = q * Gamma_q - M_qa Tk,  Oeff = M_qw U - M_qa Tu
+The chunk therefore writes the state with keys `Z` and values `nu = N - P S_0` that depend
+on its start state, plus (rwkv7 only) writes `Z'`, `N'` that do not:
 
-where `a_end = a * exp(G_L - G)` (likewise `w_end`), `M_qa[t, j] = q_t^T diag(exp(G_p -
-G_j)) a_j` for `j <= p` (likewise `M_qw`), and `p = t*n_h + n_h - 1` is the token's last
-sub-step: the query is read only there, the `n_h - 1` empty read-outs are never formed.
-Only the chain `S <- M S + R` over chunks is sequential. Without erase (`a = 0`) the solve
-disappears and `M` is the diagonal `Gamma_L`.
+    diagonal:     (none)                                      Z' = w,  N' = U
+    householder:  Z = w,  N = U - beta * Tu,  P = beta * Tk   (a = beta w folds in)
+    rwkv7:        Z = a,  N = -Tu,            P = Tk          Z' = w,  N' = U
+
+and the only sequential part is, chunk after chunk (the `chunk_delta_h` loop of
+flash-linear-attention, in these terms):
+
+    nu  = N - P S_0                                  ("v_new")
+    S_L = Gamma_L S_0 + Z_end^T nu + Z'_end^T N'
+    o   = (q * Gamma_q) S_0 + M_qz nu + M_qz' N'      (computed after the loop, batched)
+
+where `Z_end = Z * exp(G_L - G)` carries each write to the chunk's end and
+`M_qz[t, j] = q_t^T diag(exp(G_p - G_j)) z_j` for `j <= p`, with `p = t*n_h + n_h - 1`
+the token's last sub-step: the query is read only there, the `n_h - 1` empty read-outs
+are never formed.
 
 Numerical safety: every decay factor is `exp(G_r - G_c)` with `r` at or after `c`, so
-its exponent is <= 0; `exp(+large)` (what the usual `k * exp(G)`, `a * exp(-G)`
-factorization produces for strong channel decays) is never formed. For scalar (or no)
-gates the ratios multiply a `[L, L]` matmul; for channel gates they form a `[L, L, K]`
-tensor, which is why channel gates use shorter chunks.
+its exponent is <= 0; `exp(+large)` is never formed (see `decay_scores.py` for the
+score matrices; `k * Gamma`, `q * Gamma_q` and `Z_end` only decay). Strong channel
+decays over long chunks stay finite.
 
 Chunk size
 ----------
-Chunks are aligned to tokens: `tokens_per_chunk(n_h, channel) = max(1, size // n_h)`
-tokens, i.e. `L = tokens_per_chunk * n_h` sub-steps, with `size = CHUNK_SIZE` (64) for
-no or scalar gates and `CHANNEL_CHUNK_SIZE` (32) for channel gates. 64 is the usual
-matmul tile of chunk kernels and, on CPU, balances the parallel `O(T L (K+V))` work
-against the `T/L` sequential `K x K x V` steps; channel gates pay `O(T L K)` elementwise
-memory for the decay tensor, which halving `L` keeps small (see
-`benchmarks/torch_vs_naive.py`).
+Chunks hold whole tokens: `tokens_per_chunk(n_h)` is the largest power of two with
+`tokens * n_h <= CHUNK_SIZE` (at least 1), so `L = tokens * n_h` sub-steps; the power
+of two is what the dyadic channel-gate scores need. The state chain costs `2 K V`
+multiply-adds per sub-step whatever `L`; the parallel part grows like `L (K + V)` per
+sub-step, while short chunks mean more sequential Python steps. `CHUNK_SIZE = 32`
+measured fastest on CPU for head sizes 64 (`benchmarks/torch_vs_naive.py`).
 
-Matmuls per chunk (per batch row and head; `Ct` tokens, `L` sub-steps, `n_h = L / Ct`)
---------------------------------------------------------------------------------------
-With a delta rule (householder or rwkv7):
-  1. `A_ka = k a^T`, `A_kw = k w^T`          2 x [L,K]@[K,L]
-  2. `A_kw U`                                [L,L]@[L,V]
-  3. triangular solve for `[Tk | Tu]`        L^2 (K+V) multiply-adds (`solve_triangular`,
-                                             not seen by torch's FlopCounterMode)
-  4. `a_end^T Tk`                            [K,L]@[L,K]
-  5. `w_end^T U`, `a_end^T Tu`               2 x [K,L]@[L,V]
-  6. `M_qa = q a^T`, `M_qw = q w^T`          2 x [Ct,K]@[K,L]
-  7. `M_qa Tk`                               [Ct,L]@[L,K]
-  8. `M_qw U`, `M_qa Tu`                     2 x [Ct,L]@[L,V]
-  9. state chain `M S`                       [K,K]@[K,V]   (sequential over chunks)
- 10. read-out `Qeff S`                       [Ct,K]@[K,V]
-Without a delta rule (diagonal): `w_end^T U` [K,L]@[L,V], `M_qw = q w^T` [Ct,K]@[K,L],
-`M_qw U` [Ct,L]@[L,V], read-out [Ct,K]@[K,V]; the state chain is elementwise.
-With a channel gate the score matrices of steps 1 and 6 are elementwise products summed
-over `K` on a `[rows, L, K]` tensor instead of matmuls (same multiply-adds, not seen by
-FlopCounterMode); everything else is unchanged.
+Matmuls per chunk (per batch row and head; `Ct` tokens, `L = Ct n_h` sub-steps)
+-------------------------------------------------------------------------------
+  - `M_qw = q w^T` (decayed, visible part)     [Ct,K]@[K,L]       (rwkv7: also `M_qa`)
+  - read-out `(q Gamma_q) S_0`                 [Ct,K]@[K,V]
+With a delta rule (householder, rwkv7):
+  - `A_kw = k w^T` (strictly lower)            [L,K]@[K,L]        (rwkv7: also `A_ka = k a^T`;
+                                                                   householder: `A_ka = A_kw beta`)
+  - `A_kw U`                                   [L,L]@[L,V]
+  - `(I + A_ka)^{-1}`                          about L^3/6 multiply-adds (`solve_triangular`
+                                               against the identity: FlopCounterMode does not see it)
+  - `Tk`, `Tu`                                 [L,L]@[L,K], [L,L]@[L,V]
+  - state chain `P S_0`, `Z_end^T nu`          [L,K]@[K,V], [K,L]@[L,V]   (sequential)
+  - read-out `M_qz nu`                         [Ct,L]@[L,V]
+Independent writes (diagonal, rwkv7):
+  - `Z'_end^T N'`, `M_qz' N'`                  [K,L]@[L,V], [Ct,L]@[L,V]
+Gates add no matmul for none/scalar (the score matrices are dense matmuls masked after);
+with a channel gate each score matrix is built by dyadic splitting (`decay_scores.py`):
+`log2(Ct)` batched matmuls, about half the dense product's multiply-adds.
 """
 
 from __future__ import annotations
@@ -84,19 +92,19 @@ from __future__ import annotations
 import torch
 
 from .api import register_backend
+from .decay_scores import make_score_fn
 from .naive import accumulation_dtype
 from .osdn_scan import osdn_write_keys_scan
 
 Tensor = torch.Tensor
 
-CHUNK_SIZE = 64  # sub-steps per chunk without a gate or with a scalar gate
-CHANNEL_CHUNK_SIZE = 32  # sub-steps per chunk with a channel gate ([L, L, K] decay tensor)
+CHUNK_SIZE = 32  # sub-steps per chunk, rounded down to a power-of-two number of tokens
 
 
-def tokens_per_chunk(n_h: int, channel_gate: bool, chunk_size: int | None = None) -> int:
-    """Tokens per chunk: chunks hold whole tokens, about `chunk_size` sub-steps."""
-    size = chunk_size if chunk_size is not None else CHANNEL_CHUNK_SIZE if channel_gate else CHUNK_SIZE
-    return max(1, size // n_h)
+def tokens_per_chunk(n_h: int, chunk_size: int | None = None) -> int:
+    """Tokens per chunk: the largest power of two with `tokens * n_h <= chunk_size`."""
+    budget = max(1, (CHUNK_SIZE if chunk_size is None else chunk_size) // n_h)
+    return 1 << (budget.bit_length() - 1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -108,18 +116,6 @@ def _heads_first(x: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return None if x is None else x.transpose(1, 2).to(dtype)
 
 
-def _generalized_inputs(
-    k: Tensor, v: Tensor, beta: Tensor | None, write_key: Tensor | None, erase: Tensor | None
-) -> tuple[Tensor | None, Tensor, Tensor]:
-    """`(a, w, u)` of `S <- (I - a k^T) D S + w u^T` for the three update rules."""
-    w = k if write_key is None else write_key
-    if erase is not None:
-        return erase, w, (v if beta is None else beta[..., None] * v)
-    if beta is not None:
-        return beta[..., None] * w, w, beta[..., None] * v
-    return None, w, v
-
-
 def _expand_gate(g: Tensor, n_h: int) -> Tensor:
     """Per-token log-gate `[B, H, T(, K)]` -> per sub-step: `g_t` at `t*n_h`, 0 elsewhere."""
     B, H, T = g.shape[:3]
@@ -129,12 +125,14 @@ def _expand_gate(g: Tensor, n_h: int) -> Tensor:
     return torch.cat([g.unsqueeze(3), zeros], dim=3).reshape(B, H, T * n_h, *g.shape[3:])
 
 
-def _to_chunks(x: Tensor, length: int) -> Tensor:
+def _to_chunks(x: Tensor | None, length: int) -> Tensor | None:
     """`[B, H, T, ...]` -> `[B, H, N, length, ...]`, zero-padding the end of time.
 
     Padding is harmless: a zero sub-step (k = a = w = u = 0, log-gate 0) leaves the state
     unchanged, and padded read-outs are dropped.
     """
+    if x is None:
+        return None
     B, H, T = x.shape[:3]
     n_chunks = -(-T // length)
     pad = n_chunks * length - T
@@ -147,24 +145,6 @@ def _decay(x: Tensor, log_decay: Tensor) -> Tensor:
     """`x * exp(log_decay)` row-wise; `log_decay` is `[..., L]` (scalar) or `[..., L, K]`."""
     factor = torch.exp(log_decay)
     return x * (factor if factor.dim() == x.dim() else factor[..., None])
-
-
-def _decayed_scores(x: Tensor, y: Tensor, gx: Tensor | None, gy: Tensor | None, mask: Tensor) -> Tensor:
-    """`P[r, c] = x_r^T diag(exp(gx_r - gy_c)) y_c` where `mask[r, c]`, else 0.
-
-    `mask` only allows `r` at or after `c` in time, so the exponent is <= 0 wherever it
-    is evaluated; masked entries get `-inf` before `exp` (never `exp(+large)`).
-    `x` `[..., R, K]`, `y` `[..., C, K]`, `gx`/`gy` `[..., R]`/`[..., C]` (scalar gate),
-    `[..., R, K]`/`[..., C, K]` (channel gate) or None (no gate); `mask` `[R, C]` bool.
-    """
-    if gx is None:
-        return (x @ y.transpose(-1, -2)).masked_fill(~mask, 0.0)
-    if gx.dim() == x.dim() - 1:  # scalar gate: ratio matrix times a matmul
-        ratio = (gx[..., :, None] - gy[..., None, :]).masked_fill(~mask, float("-inf"))
-        return (x @ y.transpose(-1, -2)) * torch.exp(ratio)
-    # channel gate: a [R, C, K] ratio tensor, contracted over K
-    ratio = (gx[..., :, None, :] - gy[..., None, :, :]).masked_fill(~mask[..., None], float("-inf"))
-    return (x[..., :, None, :] * torch.exp(ratio) * y[..., None, :, :]).sum(-1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,80 +173,77 @@ def _chunked_dense(
     if T == 0:
         return q.new_zeros(B, 0, H, V, dtype=acc), state
 
-    q, k, v, g, beta, write_key, erase = (
-        _heads_first(x, acc) for x in (q, k, v, g, beta, write_key, erase)
-    )
-    q = q * scale
-    a, w, u = _generalized_inputs(k, v, beta, write_key, erase)
-    channel = g is not None and g.dim() == 4
-    ct = tokens_per_chunk(n_h, channel, chunk_size)
+    ct = tokens_per_chunk(n_h, chunk_size)
     L = ct * n_h  # sub-steps per chunk
-
-    # [B, H, N, L, ...] (sub-steps) and [B, H, N, Ct, K] (queries)
-    k, w, u = (_to_chunks(x, L) for x in (k, w, u))
-    a = None if a is None else _to_chunks(a, L)
-    q = _to_chunks(q, ct)
+    channel = g is not None and g.dim() == 4
+    # [B, H, N, L, ...] per sub-step, [B, H, N, Ct, K] per token
+    q = _to_chunks(_heads_first(q, acc) * scale, ct)
+    k, v, beta, write_key, erase = (_to_chunks(_heads_first(x, acc), L) for x in (k, v, beta, write_key, erase))
     n_chunks = q.shape[2]
+    w = k if write_key is None else write_key
+    u = v if beta is None else beta[..., None] * v
 
-    # Within-chunk cumulative log-gate per sub-step, and at each token's query sub-step.
-    if g is None:
-        G = G_query = G_last = None
-    else:
-        G = _to_chunks(_expand_gate(g, n_h), L).cumsum(dim=3)
-        G_query = G[:, :, :, n_h - 1 :: n_h]
-        G_last = G[:, :, :, -1:]
+    # Within-chunk cumulative log-gate per sub-step; the decays to each read-out and to
+    # the chunk's end (exponents <= 0).
+    G = None if g is None else _to_chunks(_expand_gate(_heads_first(g, acc), n_h), L).cumsum(dim=3)
+    scores = make_score_fn(G, channel, ct, n_h, q.device)
 
-    def to_end(x: Tensor) -> Tensor:
-        """x_j * exp(G_L - G_j): sub-step j's contribution carried to the chunk's end."""
-        return x if G is None else _decay(x, G_last - G)
+    def decayed(x: Tensor, log_decay: Tensor | None) -> Tensor:
+        return x if log_decay is None else _decay(x, log_decay)
 
-    def from_start(x: Tensor, g_rows: Tensor | None) -> Tensor:
-        """x_r * exp(G_r): the chunk's start state decayed to row r."""
-        return x if g_rows is None else _decay(x, g_rows)
-
-    sub = torch.arange(L, device=q.device)
-    strictly_earlier = sub[:, None] > sub[None, :]  # [L, L]: m < j
-    query_sees = (sub[None, :] // n_h) <= torch.arange(ct, device=q.device)[:, None]  # [Ct, L]
-
-    M_qw = _decayed_scores(q, w, G_query, G, query_sees)  # [.., Ct, L]
-    O_eff = M_qw @ u  # [.., Ct, V]
-    Q_eff = from_start(q, G_query)  # [.., Ct, K]
-    R = to_end(w).transpose(-1, -2) @ u  # [.., K, V]
-    # exp(G_L) per chunk, [B, H, N, K] (channel) or [B, H, N, 1] (scalar); None: no gate
+    G_query = None if G is None else G[:, :, :, n_h - 1 :: n_h]
+    G_to_end = None if G is None else G[:, :, :, -1:] - G
+    # Gamma_L per chunk: [B, H, N, K, 1] (channel), [B, H, N, 1, 1] (scalar), None (no gate)
     decay_chunk = None
     if G is not None:
-        decay_chunk = torch.exp(G[:, :, :, -1] if channel else G[:, :, :, -1:])
-    M = None  # full chunk transition [.., K, K]; None: diagonal decay only
+        decay_chunk = torch.exp(G[:, :, :, -1, :, None] if channel else G[:, :, :, -1:, None])
 
-    if a is not None:
-        A_ka = _decayed_scores(k, a, G, G, strictly_earlier)  # [.., L, L]
-        A_kw = _decayed_scores(k, w, G, G, strictly_earlier)
+    # Writes whose values depend on the chunk's start state: nu = N - P S_0 (delta rule),
+    # and writes whose values do not (Z', N').
+    dependent = independent = None
+    M_qw = scores(q, w, "queries")  # [.., Ct, L]
+    if beta is None and erase is None:
+        independent = (decayed(w, G_to_end), u, M_qw)
+    else:
+        A_kw = scores(k, w, "substeps")  # [.., L, L]
+        householder = erase is None
+        A_ka = A_kw * beta[..., None, :] if householder else scores(k, erase, "substeps")
         eye = torch.eye(L, dtype=acc, device=q.device)
-        rhs = torch.cat([from_start(k, G), A_kw @ u], dim=-1)  # [.., L, K + V]
-        TkTu = torch.linalg.solve_triangular(eye + A_ka, rhs, upper=False, unitriangular=True)
-        Tk, Tu = TkTu[..., :K], TkTu[..., K:]
-        a_end_t = to_end(a).transpose(-1, -2)  # [.., K, L]
-        M = -(a_end_t @ Tk)
-        diag = torch.ones(K, dtype=acc, device=q.device) if decay_chunk is None else decay_chunk
-        M = M + torch.diag_embed(diag.expand(M.shape[:-1]))  # Gamma_L - a_end^T Tk
-        R = R - a_end_t @ Tu
-        M_qa = _decayed_scores(q, a, G_query, G, query_sees)
-        Q_eff = Q_eff - M_qa @ Tk
-        O_eff = O_eff - M_qa @ Tu
+        inverse = torch.linalg.solve_triangular(eye + A_ka, eye, upper=False, unitriangular=True)
+        Tk = inverse @ decayed(k, G)  # [.., L, K]
+        Tu = inverse @ (A_kw @ u)  # [.., L, V]
+        if householder:
+            dependent = (decayed(w, G_to_end), u - beta[..., None] * Tu, beta[..., None] * Tk, M_qw)
+        else:
+            dependent = (decayed(erase, G_to_end), -Tu, Tk, scores(q, erase, "queries"))
+            independent = (decayed(w, G_to_end), u, M_qw)
 
-    # The only sequential part: S <- M S + R from chunk to chunk.
-    starts = []
+    if independent is not None:
+        Z_end, N, M_qz = independent
+        R = Z_end.transpose(-1, -2) @ N  # [.., K, V]
+        o = M_qz @ N  # [.., Ct, V]
+    else:
+        R, o = None, 0.0
+    if dependent is not None:
+        Z_end_t = dependent[0].transpose(-1, -2)  # [.., K, L]
+        N, P, M_qz = dependent[1:]
+
+    # The only sequential part, chunk after chunk.
+    starts, values = [], []
     for c in range(n_chunks):
         starts.append(state)
-        if M is not None:
-            state = M[:, :, c] @ state + R[:, :, c]
-        elif decay_chunk is not None:
-            state = decay_chunk[:, :, c, :, None] * state + R[:, :, c]
-        else:
-            state = state + R[:, :, c]
-    start_states = torch.stack(starts, dim=2)  # [B, H, N, K, V]
+        new_state = state if decay_chunk is None else decay_chunk[:, :, c] * state
+        if R is not None:
+            new_state = new_state + R[:, :, c]
+        if dependent is not None:
+            nu = N[:, :, c] - P[:, :, c] @ state  # [B, H, L, V]
+            values.append(nu)
+            new_state = new_state + Z_end_t[:, :, c] @ nu
+        state = new_state
 
-    o = Q_eff @ start_states + O_eff  # [B, H, N, Ct, V]
+    o = o + decayed(q, G_query) @ torch.stack(starts, dim=2)  # [B, H, N, Ct, V]
+    if dependent is not None:
+        o = o + M_qz @ torch.stack(values, dim=2)
     o = o.reshape(B, H, n_chunks * ct, V)[:, :, :T].transpose(1, 2)
     return o, state
 

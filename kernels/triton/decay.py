@@ -1,0 +1,210 @@
+"""Decayed products inside one chunk: the only place where gates meet the algebra.
+
+Every gate-dependent product of the chunk algorithm has the form
+
+    x_a^T diag(exp(G_a - G_b)) y_b      for row `a` at or after row `b` in time,
+
+where `G` is the within-chunk cumulative log-gate (`G_a - G_b <= 0`). Three shapes of it
+are needed, with `M` a `[RA, BT]` matrix that is already zero outside the causal mask:
+
+    scores       S[a, b] = sum_k xa[a, k] xb[b, k] exp(Ga[a, k] - Gb[b, k])     (masked)
+    apply_left   out[a]  = sum_b M[a, b] xb[b] * exp(Ga[a] - Gb[b])               [RA, K]
+    apply_right  out[b]  = sum_a M[a, b] xa[a] * exp(Ga[a] - Gb[b])               [BT, K]
+
+Rows `b` are the chunk's sub-steps (`BT` of them, position `b`). Rows `a` are either
+sub-steps too (`A_STEP = 1`) or query tokens (`A_STEP = NH`: query `t` reads after its
+last sub-step, position `t*NH + NH - 1`), so a read-out is never formed for the `NH - 1`
+empty sub-steps.
+
+Numerics (why this file exists). With no gate the products are plain `tl.dot`s; with a
+scalar gate the decay is a `[RA, BT]` matrix `exp(Ga - Gb)` applied to one `tl.dot`.
+With a channel gate the usual factorization `(xa * exp(Ga)) (xb * exp(-Gb))^T` forms
+`exp(-G)`, which overflows float32 once a chunk decays by more than e^88. Here the
+chunk is cut into sub-chunks of `SC` sub-steps: a pair in different sub-chunks is
+factorized around the first position of the later sub-chunk (`ref`), which lies
+between them in time, so both factors are `exp(<= 0)`; a pair inside one sub-chunk is
+evaluated element by element as `exp(Ga - Gb)` with the exponent masked to the causal
+pairs. Nothing ever evaluates `exp` of a positive number, whatever the gates, so the
+channel path is exact for every `g <= 0` (at `SC * K` extra exponentials per row).
+
+Gathers: the element-wise part needs row `b` of `xb` (or row `a` of `xa`) beside row `a`
+(or `b`); Triton cannot index a register tensor, so those rows are re-read from memory
+(`p_*` point at row 0 of the chunk for this head, `stride_*` is the row stride); they
+are inputs, cached in L1/L2. `p_g` points at the chunk's first token of the cumulative
+gate (one row per token: sub-step `b` reads token `b // NH`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def causal_mask(pos_a, valid_a, pos_b, valid_b, STRICT: tl.constexpr):
+    """`[RA, BT]`: the pairs that interact (b before a, or up to a's position)."""
+    if STRICT:
+        m = pos_b[None, :] < pos_a[:, None]
+    else:
+        m = pos_b[None, :] <= pos_a[:, None]
+    return m & valid_a[:, None] & valid_b[None, :]
+
+
+@triton.jit
+def load_rows(p, rows, ok, stride, offs_k, K: tl.constexpr, ACC: tl.constexpr):
+    """Rows `rows[r]` of a `[*, K]` array (zero where not `ok`), as `[R, BK]`."""
+    ptrs = p + rows[:, None] * stride + offs_k[None, :]
+    return tl.load(ptrs, mask=ok[:, None] & (offs_k[None, :] < K), other=0.0).to(ACC)
+
+
+@triton.jit
+def store_rows(p, x, rows, ok, stride, offs_k, K: tl.constexpr):
+    """Store `[R, BK]` into rows `rows[r]` of a `[*, K]` array where `ok`."""
+    ptrs = p + rows[:, None] * stride + offs_k[None, :]
+    tl.store(ptrs, x.to(p.dtype.element_ty), mask=ok[:, None] & (offs_k[None, :] < K))
+
+
+@triton.jit
+def load_gate(p_g, rows, ok, stride_g, offs_k, GATE: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr):
+    """Cumulative log-gate of token rows `rows`: `[R, BK]` (channel), `[R]` (scalar), or 0."""
+    if GATE == 2:
+        return load_rows(p_g, rows, ok, stride_g, offs_k, K, ACC)
+    elif GATE == 1:
+        return tl.load(p_g + rows * stride_g, mask=ok, other=0.0).to(ACC)
+    else:
+        return tl.zeros([rows.shape[0]], dtype=ACC)
+
+
+@triton.jit
+def decay_rows(x, gamma, GATE: tl.constexpr):
+    """`x * exp(gamma)` row-wise for a `[R, BK]` block (gamma `[R, BK]`, `[R]`, or none)."""
+    if GATE == 2:
+        return x * tl.exp(gamma)
+    elif GATE == 1:
+        return x * tl.exp(gamma)[:, None]
+    else:
+        return x
+
+
+@triton.jit
+def _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC: tl.constexpr, NH: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr):
+    """The cumulative gate at the first sub-step of sub-chunk `s` (its token's row)."""
+    return tl.load(p_g + ((s * SC) // NH) * stride_g + offs_k, mask=(offs_k < K) & (s * SC < n_sub), other=0.0).to(ACC)
+
+
+@triton.jit
+def scores(
+    xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b,
+    p_xb, stride_xb, p_g, stride_g, n_sub,
+    STRICT: tl.constexpr, GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):
+    """`S[a, b] = xa_a^T diag(exp(Ga_a - Gb_b)) xb_b` on the causal pairs, 0 elsewhere."""
+    mask = causal_mask(pos_a, valid_a, pos_b, valid_b, STRICT)
+    if GATE == 0:
+        return tl.where(mask, tl.dot(xa, tl.trans(xb), input_precision=PREC, out_dtype=ACC), 0.0)
+    elif GATE == 1:
+        decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
+        return tl.dot(xa, tl.trans(xb), input_precision=PREC, out_dtype=ACC) * decay
+    else:
+        offs_k = tl.arange(0, BK)
+        cols = tl.arange(0, BT)
+        out = tl.zeros([xa.shape[0], BT], dtype=ACC)
+        # pairs in different sub-chunks: factorize around the later sub-chunk's start
+        for s in tl.static_range(1, BT // SC):
+            ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
+            in_s = ((pos_a // SC) == s) & valid_a
+            before = (pos_b < s * SC) & valid_b
+            xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
+            xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
+            out += tl.dot(xa_s, tl.trans(xb_s), input_precision=PREC, out_dtype=ACC)
+        # pairs inside one sub-chunk: element by element, one partner column at a time
+        for jj in range(SC):
+            b_of_a = (pos_a // SC) * SC + jj
+            if STRICT:
+                ok = (b_of_a < pos_a) & valid_a & (b_of_a < n_sub)
+            else:
+                ok = (b_of_a <= pos_a) & valid_a & (b_of_a < n_sub)
+            xb_j = load_rows(p_xb, b_of_a, ok, stride_xb, offs_k, K, ACC)
+            gb_j = load_rows(p_g, b_of_a // NH, ok, stride_g, offs_k, K, ACC)
+            val = tl.sum(xa * xb_j * tl.exp(tl.where(ok[:, None], ga - gb_j, float("-inf"))), 1)
+            out += tl.where(cols[None, :] == b_of_a[:, None], val[:, None], 0.0)
+        return out
+
+
+@triton.jit
+def apply_left(
+    m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b,
+    p_xb, stride_xb, p_g, stride_g, n_sub,
+    GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):
+    """`out[a] = sum_b m[a, b] exp(Ga_a - Gb_b) * xb[b]` (`m` zero outside the causal pairs)."""
+    if GATE == 0:
+        return tl.dot(m, xb, input_precision=PREC, out_dtype=ACC)
+    elif GATE == 1:
+        mask = causal_mask(pos_a, valid_a, pos_b, valid_b, False)
+        decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
+        return tl.dot(m * decay, xb, input_precision=PREC, out_dtype=ACC)
+    else:
+        offs_k = tl.arange(0, BK)
+        cols = tl.arange(0, BT)
+        out = tl.zeros([m.shape[0], BK], dtype=ACC)
+        for s in tl.static_range(1, BT // SC):
+            ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
+            in_s = ((pos_a // SC) == s) & valid_a
+            before = (pos_b < s * SC) & valid_b
+            m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
+            xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
+            part = tl.dot(m_s, xb_s, input_precision=PREC, out_dtype=ACC)
+            out += part * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
+        for jj in range(SC):
+            b_of_a = (pos_a // SC) * SC + jj
+            ok = (b_of_a <= pos_a) & valid_a & (b_of_a < n_sub)
+            m_col = tl.sum(tl.where(cols[None, :] == b_of_a[:, None], m, 0.0), 1)
+            xb_j = load_rows(p_xb, b_of_a, ok, stride_xb, offs_k, K, ACC)
+            gb_j = load_rows(p_g, b_of_a // NH, ok, stride_g, offs_k, K, ACC)
+            out += m_col[:, None] * xb_j * tl.exp(tl.where(ok[:, None], ga - gb_j, float("-inf")))
+        return out
+
+
+@triton.jit
+def apply_right(
+    m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b,
+    p_xa, stride_xa, p_g, stride_g, n_sub, n_a,
+    A_STEP: tl.constexpr, GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):
+    """`out[b] = sum_a m[a, b] exp(Ga_a - Gb_b) * xa[a]` (`m` zero outside the causal pairs).
+
+    `A_STEP` is 1 when rows `a` are sub-steps and `NH` when they are query tokens; `n_a`
+    is the number of valid rows `a`.
+    """
+    if GATE == 0:
+        return tl.dot(tl.trans(m), xa, input_precision=PREC, out_dtype=ACC)
+    elif GATE == 1:
+        mask = causal_mask(pos_a, valid_a, pos_b, valid_b, False)
+        decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
+        return tl.dot(tl.trans(m * decay), xa, input_precision=PREC, out_dtype=ACC)
+    else:
+        offs_k = tl.arange(0, BK)
+        rows_a = tl.arange(0, m.shape[0])
+        out = tl.zeros([BT, BK], dtype=ACC)
+        for s in tl.static_range(1, BT // SC):
+            ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
+            in_s = ((pos_a // SC) == s) & valid_a
+            before = (pos_b < s * SC) & valid_b
+            m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
+            xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
+            part = tl.dot(tl.trans(m_s), xa_s, input_precision=PREC, out_dtype=ACC)
+            out += part * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
+        # inside a sub-chunk: for each row b, its partners a of the same sub-chunk, one at a time
+        for aa in range((SC + A_STEP - 1) // A_STEP):
+            a_of_b = ((pos_b // SC) * SC) // A_STEP + aa
+            pos_ab = a_of_b * A_STEP + A_STEP - 1
+            ok = (pos_ab >= pos_b) & (pos_ab // SC == pos_b // SC) & (a_of_b < n_a) & valid_b
+            m_col = tl.sum(tl.where(rows_a[:, None] == a_of_b[None, :], m, 0.0), 0)
+            xa_j = load_rows(p_xa, a_of_b, ok, stride_xa, offs_k, K, ACC)
+            ga_j = load_rows(p_g, (a_of_b * A_STEP) // NH, ok, stride_g, offs_k, K, ACC)
+            out += m_col[:, None] * xa_j * tl.exp(tl.where(ok[:, None], ga_j - gb, float("-inf")))
+        return out

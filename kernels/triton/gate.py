@@ -1,0 +1,37 @@
+"""The within-chunk cumulative log-gate, and its backward (a reverse cumulative sum).
+
+`G[t] = sum of g over the chunk's tokens up to and including t`, one row per token (a
+token's sub-steps share it: the gate acts before the first sub-step). Stored in the
+accumulation dtype so that every kernel of the chunk reads the same decays; the channel
+path also gathers rows of it (see `decay.py`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .chunks import chunk_of_program
+
+
+@triton.jit
+def gate_cumsum_kernel(
+    g, G, cu_seqlens, chunk_table, T, NT,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr,
+    CHANNEL: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
+):
+    i_chunk, i_h = tl.program_id(0), tl.program_id(1)
+    _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
+    tok0 = c * TC
+    rows = tl.arange(0, BQ)
+    valid = (rows < TC) & (tok0 + rows < seq_len)
+    if CHANNEL:
+        offs_k = tl.arange(0, BK)
+        offs = (bos + tok0 + rows[:, None]) * (H * K) + i_h * K + offs_k[None, :]
+        mask = valid[:, None] & (offs_k[None, :] < K)
+        x = tl.load(g + offs, mask=mask, other=0.0).to(ACC)
+        tl.store(G + offs, tl.cumsum(x, 0).to(G.dtype.element_ty), mask=mask)
+    else:
+        offs = (bos + tok0 + rows) * H + i_h
+        x = tl.load(g + offs, mask=valid, other=0.0).to(ACC)
+        tl.store(G + offs, tl.cumsum(x, 0).to(G.dtype.element_ty), mask=valid)

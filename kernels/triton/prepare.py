@@ -1,0 +1,81 @@
+"""Forward, step 1 (chunk-parallel): the UT transform of every chunk.
+
+With a delta rule (`MODE` 1 householder, 2 rwkv7) each chunk's erase read-outs obey one
+unit lower-triangular system (`docs/kernel.md`, "Algorithm"):
+
+    Y = (I + A)^{-1} (Z - c * K~ S_0),    A = diag(c) strictly_lower(K~ E~^T)
+
+with `c = beta` and `E = W` (householder) or `c = 1` and `E` = the erase vectors
+(rwkv7), `K~ = k * exp(G)`. This kernel stores `Tinv = (I + A)^{-1}` (for the backward),
+`P = Tinv diag(c) K~` and `X = Tinv Z`, so that the sequential state pass only computes
+`Y = X - P S_0`. `Z = beta * v` (householder) or `-strictly_lower(K~ W~^T) (b * v)`
+(rwkv7, `b = beta` or 1).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .chunks import chunk_of_program
+from .decay import decay_rows, load_gate, load_rows, scores, store_rows
+from .solve import unit_lower_inverse
+
+
+@triton.jit
+def prepare_kernel(
+    k, w, e, beta, v, G, Tinv, P, X, cu_seqlens, chunk_table, T, NT,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, TC: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
+    MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, IS_VARLEN: tl.constexpr,
+    ACC: tl.constexpr, PREC: tl.constexpr,
+):
+    i_chunk, i_h = tl.program_id(0), tl.program_id(1)
+    _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
+    tok0 = bos + c * TC
+    n_sub = tl.minimum(TC, seq_len - c * TC) * NH
+    i_sub = tl.arange(0, BT)
+    valid = i_sub < n_sub
+    offs_k = tl.arange(0, BK)
+    row_k = tok0 * NH * H * K + i_h * K  # sub-step 0 of the chunk, this head
+    stride_g = H * K if GATE == 2 else H
+    p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
+
+    kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
+    p_e = w + row_k if MODE == 1 else e + row_k
+    ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
+    gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
+
+    a = scores(kk, gk, i_sub, valid, ee, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
+               True, GATE, NH, BT, SC, K, BK, ACC, PREC)
+    if MODE == 1:
+        cb = tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)
+        a = a * cb[:, None]
+    tinv = unit_lower_inverse(a, BT, ACC)
+    o_t = (i_chunk * H + i_h) * BT * BT
+    tl.store(Tinv + o_t + i_sub[:, None] * BT + i_sub[None, :], tinv.to(Tinv.dtype.element_ty))
+
+    kt = decay_rows(kk, gk, GATE)
+    if MODE == 1:
+        kt = kt * cb[:, None]
+    store_rows(P + row_k, tl.dot(tinv, kt, input_precision=PREC, out_dtype=ACC), i_sub, valid, H * K, offs_k, K)
+
+    if MODE == 2:
+        p_w = w + row_k
+        ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
+        s_kw = scores(kk, gk, i_sub, valid, ww, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
+                      True, GATE, NH, BT, SC, K, BK, ACC, PREC)
+        mix = -tl.dot(tinv, s_kw, input_precision=PREC, out_dtype=ACC)
+        if HAS_BETA:
+            cb = tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)
+    row_v = tok0 * NH * H * V + i_h * V
+    for i_v in range(tl.cdiv(V, BV)):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        vv = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)
+        if MODE == 1:
+            x = tl.dot(tinv, vv * cb[:, None], input_precision=PREC, out_dtype=ACC)
+        else:
+            if HAS_BETA:
+                vv = vv * cb[:, None]
+            x = tl.dot(mix, vv, input_precision=PREC, out_dtype=ACC)
+        store_rows(X + row_v, x, i_sub, valid, H * V, offs_v, V)

@@ -1,0 +1,188 @@
+"""`linear_recurrence` on the Triton chunk kernel: launches, flags and autograd.
+
+One kernel family serves every plan; the flags below are `tl.constexpr`, so each plan
+compiles to its own specialization and a plain DeltaNet carries no gate, erase or
+beta-free code:
+
+    MODE      0 diagonal (no delta rule), 1 householder (beta, no erase), 2 rwkv7 (erase)
+    GATE      0 none, 1 scalar `[B, T, H]`, 2 channel `[B, T, H, K]`
+    NH        sub-steps per token (chunks align to tokens, read-outs only at a token's last)
+    HAS_BETA  rwkv7 writes `beta * v` (else `v`); householder always has beta
+    tied write key: `w` is the same tensor as `k` (no flag needed; gradients are summed)
+    USE_H0 / STORE_HT, IS_VARLEN (cu_seqlens), ACC (float32, or float64 for float64 inputs)
+
+Forward: [gate cumsum] -> prepare (UT transform, delta rules only) -> state pass -> output.
+Backward: local output gradients -> reverse state pass -> one chunk-parallel kernel for
+every input gradient (`backward.py`). See `docs/kernel.md` for the algorithm and numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .backward import chunk_backward_kernel
+from .chunks import chunk_tables
+from .gate import gate_cumsum_kernel
+from .output import output_backward_kernel, output_kernel
+from .prepare import prepare_kernel
+from .state import state_backward_kernel, state_forward_kernel
+
+Tensor = torch.Tensor
+
+CHUNK_SIZE = 64  # sub-steps per chunk (see docs/kernel.md, "Chunk size")
+SUB_CHUNK = 16  # channel-gate sub-chunk: pairs inside it are decayed element by element
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything that selects a specialization and a launch grid."""
+
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    n_h: int
+    mode: int
+    gate: int
+    has_beta: bool
+    BT: int
+    TC: int
+    BQ: int
+    BK: int
+    BV: int
+    SC: int
+    NT: int
+    n_seq: int
+    n_chunks: int
+    acc: torch.dtype
+    prec: str
+
+    @property
+    def tl_acc(self):
+        return tl.float64 if self.acc == torch.float64 else tl.float32
+
+
+def _plan(q, k, v, g, beta, erase, n_h, cu_seqlens, chunk_table_count, chunk_size) -> Plan:
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"linear_recurrence(backend='triton'): head dims K={K}, V={V} exceed {MAX_HEAD_DIM}")
+    BT = chunk_size or CHUNK_SIZE
+    if n_h > BT:
+        raise ValueError(f"linear_recurrence(backend='triton'): n_h={n_h} exceeds the chunk size {BT}")
+    TC = BT // n_h
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    NT = triton.cdiv(T, TC)
+    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    return Plan(
+        B=B, T=T, H=H, K=K, V=V, n_h=n_h,
+        mode=2 if erase is not None else 1 if beta is not None else 0,
+        gate=0 if g is None else 1 if g.dim() == 3 else 2,
+        has_beta=beta is not None,
+        BT=BT, TC=TC, BQ=max(16, triton.next_power_of_2(TC)),
+        BK=max(16, triton.next_power_of_2(K)), BV=max(16, min(64, triton.next_power_of_2(V))),
+        SC=min(SUB_CHUNK, BT), NT=NT, n_seq=n_seq,
+        n_chunks=B * NT if cu_seqlens is None else chunk_table_count,
+        acc=acc, prec="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32",
+    )
+
+
+def _common(p: Plan) -> dict:
+    return dict(H=p.H, K=p.K, V=p.V, BK=p.BK, BV=p.BV, BT=p.BT, TC=p.TC, NH=p.n_h, ACC=p.tl_acc, PREC=p.prec)
+
+
+class ChunkRecurrence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, write_key, erase, initial_state, scale, n_h, output_final_state, cu_seqlens, chunk_size):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        g = None if g is None else g.contiguous()
+        beta = None if beta is None else beta.contiguous()
+        w = k if write_key is None else write_key.contiguous()
+        e = None if erase is None else erase.contiguous()
+        if cu_seqlens is not None:
+            table, offsets, count = chunk_tables(cu_seqlens, chunk_size_tokens := (chunk_size or CHUNK_SIZE) // n_h)
+        else:
+            table = offsets = None
+            count = 0
+        p = _plan(q, k, v, g, beta, e, n_h, cu_seqlens, count, chunk_size)
+        dev = q.device
+        varlen = cu_seqlens is not None
+        dummy = k  # stands in for absent optional tensors (never read: its flag is off)
+
+        G = None
+        if p.gate:
+            G = torch.empty_like(g, dtype=p.acc)
+            gate_cumsum_kernel[(p.n_chunks, p.H)](
+                g, G, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=p.BK, TC=p.TC, BQ=p.BQ,
+                CHANNEL=p.gate == 2, IS_VARLEN=varlen, ACC=p.tl_acc,
+            )
+        TN = p.T * n_h
+        Tinv = P = X = Y = None
+        if p.mode:
+            Tinv = torch.empty(p.n_chunks, p.H, p.BT, p.BT, device=dev, dtype=p.acc)
+            P = torch.empty(p.B, TN, p.H, p.K, device=dev, dtype=p.acc)
+            X = torch.empty(p.B, TN, p.H, p.V, device=dev, dtype=p.acc)
+            Y = torch.empty_like(X)
+            prepare_kernel[(p.n_chunks, p.H)](
+                k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
+                Tinv, P, X, cu_seqlens, table, p.T, p.NT, SC=p.SC, MODE=p.mode, GATE=p.gate,
+                HAS_BETA=p.has_beta, IS_VARLEN=varlen, **_common(p),
+            )
+        h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=dev, dtype=p.acc)
+        final = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if output_final_state else None
+        state_forward_kernel[(triton.cdiv(p.V, p.BV), p.n_seq * p.H)](
+            k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
+            dummy if P is None else P, dummy if X is None else X, dummy if Y is None else Y,
+            h_all, dummy if initial_state is None else initial_state.contiguous(), dummy if final is None else final,
+            cu_seqlens, offsets, p.T, p.NT, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta,
+            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen, **_common(p),
+        )
+        o = torch.empty(p.B, p.T, p.H, p.V, device=dev, dtype=v.dtype)
+        output_kernel[(p.n_chunks, p.H)](
+            q, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
+            dummy if Y is None else Y, h_all, o, cu_seqlens, table, p.T, p.NT, scale,
+            BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, **_common(p),
+        )
+        ctx.save_for_backward(q, k, v, g, beta, write_key, e, G, Tinv, P, Y, h_all, initial_state, cu_seqlens, table, offsets)
+        ctx.plan, ctx.scale = p, scale
+        if final is not None:
+            final = final.float() if p.acc != torch.float64 else final
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        raise NotImplementedError
+
+
+def linear_recurrence_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    g: Tensor | None = None,
+    beta: Tensor | None = None,
+    write_key: Tensor | None = None,
+    erase: Tensor | None = None,
+    n_h: int = 1,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """The Triton backend of `archspec.kernels.linear_recurrence` (inputs already checked).
+
+    `chunk_size` (sub-steps per chunk, a power of two >= 16) is for tests; the default is
+    `CHUNK_SIZE`.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    o, final = ChunkRecurrence.apply(
+        q, k, v, g, beta, write_key, erase, initial_state, scale, n_h, output_final_state, cu_seqlens, chunk_size
+    )
+    return o, final

@@ -472,7 +472,11 @@ def _resolve_loc(loc: Sequence[str | int], data: Any, root: type[BaseModel] | No
         is_field = isinstance(part, str) and part in fields
         container_step = isinstance(part, int) or (annotation is not None and _container_item(annotation) is not None and in_data)
         if not (in_data or is_field or container_step or (last and error_type in ("missing", "extra_forbidden"))):
-            continue  # a union member or validator tag
+            # a union member or validator tag: if it names one of the candidate models
+            # (class name, or discriminator value), the rest of `loc` is inside that one
+            named = [m for m in models if _names_model(m, part)]
+            models = named or models
+            continue
         owner = models[0] if models and (is_field or not in_data or error_type == "extra_forbidden") else owner
         path.append(part)
         if is_field:
@@ -485,6 +489,15 @@ def _resolve_loc(loc: Sequence[str | int], data: Any, root: type[BaseModel] | No
             annotation, models = None, []
         data = data[part] if in_data else None
     return tuple(path), owner
+
+
+def _names_model(model: type[BaseModel], tag: Any) -> bool:
+    if tag == model.__name__:
+        return True
+    for info in model.model_fields.values():
+        if typing.get_origin(info.annotation) is typing.Literal and tag in typing.get_args(info.annotation):
+            return True
+    return False
 
 
 def _suggestion(word: str, choices: Iterable[str]) -> str:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal, Union
 
 import pytest
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from archspec.errors import ArchspecError, Location
 from archspec.spec.yaml_source import (
@@ -269,3 +269,36 @@ def test_missing_required_field_points_at_its_parent():
     assert problems["title"][1] == "this key is required"
     loc, message = problems["leaves[0].kind"]
     assert message == "this key is required" and loc.line == 2
+
+
+class Choice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["choice"]
+    values: list[int]
+
+
+class Span(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["range"]
+    low: float
+    high: float
+
+
+class Space(BaseModel):
+    """The shape search specs use: a dict of dotted fields to a discriminated union."""
+
+    model_config = ConfigDict(extra="forbid")
+    space: dict[str, Annotated[Union[Choice, Span], Field(discriminator="type")]]
+
+
+def test_discriminated_unions_in_dicts_are_located_and_suggest_from_the_right_member():
+    text = "space:\n  mixer.heads: {type: choice, values: [1, x]}\n  model.layers: {type: range, low: 1, hihg: 2}\n"
+    doc = parse_yaml_text(text, file="s.yaml")
+    with pytest.raises(ValidationError) as info:
+        Space.model_validate(doc.data)
+    err = validation_error_to_archspec_error(info.value, doc, model=Space)
+    got = {field: (loc.line, loc.column, message) for loc, field, message in err.problems}
+    assert got["space.mixer.heads.values[1]"][:2] == (2, 43)
+    line, column, message = got["space.model.layers.hihg"]
+    assert (line, column) == (3, 38)
+    assert "did you mean high?" in message and "valid keys here: high, low, type" in message

@@ -300,5 +300,5 @@ def test_discriminated_unions_in_dicts_are_located_and_suggest_from_the_right_me
     got = {field: (loc.line, loc.column, message) for loc, field, message in err.problems}
     assert got["space.mixer.heads.values[1]"][:2] == (2, 43)
     line, column, message = got["space.model.layers.hihg"]
-    assert (line, column) == (3, 38)
+    assert (line, column) == (3, 39)
     assert "did you mean high?" in message and "valid keys here: high, low, type" in message

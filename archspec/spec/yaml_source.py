@@ -76,6 +76,21 @@ def dotted(path: Iterable[str | int]) -> str:
 # --------------------------------------------------------------------------- reading
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads YAML 1.2 floats such as `1e-4` as numbers.
+
+    PyYAML follows YAML 1.1, where a float needs a dot (`1.0e-4`); users write `3e-3`
+    and `1e6` all the time, and a string there would only fail later, confusingly.
+    """
+
+
+_Loader.add_implicit_resolver(
+    _STANDARD_TAG_PREFIX + "float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
 def _mark_location(mark: yaml.Mark | None, file: str | None) -> Location:
     if mark is None:
         return Location(file=file)
@@ -107,7 +122,7 @@ def _short_tag(tag: str) -> str:
 class _Builder:
     """Turns a composed node tree into plain data, recording every position."""
 
-    def __init__(self, loader: yaml.SafeLoader, file: str | None, origin: str | None):
+    def __init__(self, loader: _Loader, file: str | None, origin: str | None):
         self.loader = loader
         self.file = file
         self.origin = origin
@@ -193,7 +208,7 @@ class _Builder:
 
 def parse_yaml_text(text: str, *, file: str | None = None, origin: str | None = None) -> LocatedDocument:
     """Parse one YAML document safely. `origin` (e.g. "--set a=1") replaces positions."""
-    loader = yaml.SafeLoader(text)
+    loader = _Loader(text)
     try:
         try:
             node = loader.get_single_node()

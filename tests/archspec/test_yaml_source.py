@@ -302,3 +302,9 @@ def test_discriminated_unions_in_dicts_are_located_and_suggest_from_the_right_me
     line, column, message = got["space.model.layers.hihg"]
     assert (line, column) == (3, 39)
     assert "did you mean high?" in message and "valid keys here: high, low, type" in message
+
+
+def test_exponent_floats_without_a_dot_are_numbers():
+    doc = parse_yaml_text("a: 3e-3\nb: 1E6\nc: '1e-4'\nd: -2.5e1\ne: 12\nf: e5\n")
+    assert doc.data == {"a": 0.003, "b": 1e6, "c": "1e-4", "d": -25.0, "e": 12, "f": "e5"}
+    assert isinstance(doc.data["e"], int)

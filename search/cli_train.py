@@ -1,0 +1,110 @@
+"""`archspec train SPEC --task NAME`: train one spec on one task and write its scores.
+
+Writes `DIR/metrics.json` (atomically), `DIR/accuracy.png` and, with `--diagnostics`,
+`DIR/diagnostics.png`; prints the metrics. Exit status 0 when the run finished, 1 when it
+diverged or failed (the reason is in metrics.json and printed), 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from archspec.errors import ArchspecError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from .tasks import PRESET_NAMES, task_names
+
+    p = subparsers.add_parser(
+        "train",
+        help="train a spec on a quality task; write metrics.json and plots",
+        description="Train SPEC on a task (see docs/tasks.md) and write DIR/metrics.json, DIR/accuracy.png "
+        "and, with --diagnostics, DIR/diagnostics.png.",
+    )
+    p.add_argument("spec", metavar="SPEC", help="model spec YAML file")
+    p.add_argument("--task", required=True, metavar="NAME", help=f"one of: {', '.join(task_names())}")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a spec field by its dotted key (repeatable), e.g. --set mixer.n_h=2",
+    )
+    p.add_argument(
+        "--task-option", dest="task_options", action="append", default=[], metavar="KEY=VALUE",
+        help="set a task option (repeatable), e.g. --task-option train_len=64",
+    )
+    p.add_argument("--preset", choices=PRESET_NAMES, default="cpu", help="task size and training settings (default cpu)")
+    p.add_argument("--out", metavar="DIR", help="output directory (default runs/train/<spec>-<task>-s<seed>)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the training data (default 0)")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default: the preset's)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: the preset's)")
+    p.add_argument("--warmup-steps", type=int, help="linear warm-up steps (default: the preset's)")
+    p.add_argument("--eval-every", type=int, help="validate every N steps (default: the preset's)")
+    p.add_argument("--target", type=float, help="early-stop threshold of the task's validation metric; 0 never stops")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--backend", choices=("torch", "triton", "naive"), help="force a kernel backend (default auto)")
+    p.add_argument("--diagnostics", action="store_true", help="effective rank, residual ratio q_t, factor norms, and their plot")
+    p.add_argument("--no-throughput", action="store_true", help="skip measuring tokens_per_s and peak_mem_bytes")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or table")
+    p.set_defaults(func=run)
+
+
+def parse_options(items: list[str], flag: str) -> dict[str, object]:
+    """`key=value` strings with YAML values (`train_len=64`, `eval_factors=[1,2]`)."""
+    import yaml
+
+    options: dict[str, object] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ArchspecError(f"{flag} {item}: expected KEY=VALUE, e.g. {flag} train_len=64")
+        try:
+            options[key.strip()] = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ArchspecError(f"{flag} {item}: the value is not valid YAML ({exc.__class__.__name__})") from None
+    return options
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .tasks import get_task
+    from .trainer import train
+
+    spec_path = Path(args.spec)
+    if not spec_path.is_file():
+        raise ArchspecError(f"{args.spec}: no such spec file")
+    task = get_task(args.task, args.preset, **parse_options(args.task_options, "--task-option"))
+    out = Path(args.out) if args.out else Path("runs") / "train" / f"{spec_path.stem}-{task.name}-s{args.seed}"
+    result = train(
+        args.spec,
+        task,
+        steps=args.steps,
+        seed=args.seed,
+        device=args.device,
+        out_dir=out,
+        overrides=args.overrides,
+        diagnostics=args.diagnostics,
+        quiet=args.quiet,
+        preset=args.preset,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        eval_every=args.eval_every,
+        target=args.target,
+        backend=args.backend,
+        measure_throughput=not args.no_throughput,
+    )
+    console = Console(stderr=result.status != "ok")
+    if not args.quiet:
+        table = Table(title=f"{spec_path.name} on {task.name}: {result.status} after {result.steps_done} steps")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for name, value in result.metrics.items():
+            table.add_row(name, f"{value:.6g}")
+        console.print(table)
+    if result.status != "ok":
+        console.print(f"[bold red]{result.status}[/]: {result.reason}")
+    console.print(f"wrote {out / 'metrics.json'}")
+    return 0 if result.status == "ok" else 1

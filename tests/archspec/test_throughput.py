@@ -1,0 +1,75 @@
+"""`measure_training_throughput` and `archspec bench` on a tiny model (figures are
+checked for sense, not speed: speed goals live in benchmarks/)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import archspec
+from archspec.errors import ArchspecError
+from archspec.search.cli import main
+from archspec.throughput import measure_training_throughput
+
+ROOT = Path(__file__).resolve().parents[2]
+DELTANET = ROOT / "specs" / "models" / "deltanet.yaml"
+TINY = {"model.layers": 1, "model.d_model": 16, "mixer.heads": 2, "mixer.head_dim": 8, "model.vocab_size": 32}
+
+
+class _Counting(nn.Module):
+    """An embedding + linear model that counts its forward calls and the tokens seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.head = nn.Linear(8, 32)
+        self.calls, self.shapes = 0, set()
+
+    def forward(self, ids):
+        self.calls += 1
+        self.shapes.add(tuple(ids.shape))
+        return self.head(self.embed(ids))
+
+
+def test_counts_steps_and_leaves_the_model_and_rng_alone():
+    model = _Counting()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    report = measure_training_throughput(model, batch=3, seq_len=7, device="cpu", warmup=2, steps=4)
+    assert model.calls == 6 and model.shapes == {(3, 7)}
+    assert report.tokens_per_s == pytest.approx(3 * 7 * 4 / report.seconds)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+    params_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert report.peak_mem_bytes is None or report.peak_mem_bytes >= params_bytes
+
+
+def test_real_model_and_bad_arguments():
+    model = archspec.compile(DELTANET, **TINY)
+    report = measure_training_throughput(model, batch=2, seq_len=16, device="cpu", warmup=1, steps=2)
+    assert report.tokens_per_s > 0 and report.batch == 2 and report.seq_len == 16 and report.device == "cpu"
+    with pytest.raises(ArchspecError, match="batch"):
+        measure_training_throughput(model, batch=0, seq_len=16)
+
+
+def test_bench_cli(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    sets = [a for k, v in TINY.items() for a in ("--set", f"{k}={v}")]
+    code = main(["bench", str(DELTANET), *sets, "--batch", "2", "--seq-len", "16", "--warmup", "1", "--steps", "2", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["tokens_per_s"] > 0 and data["batch"] == 2 and data["seq_len"] == 16
+    assert data["params"] == sum(p.numel() for p in archspec.compile(DELTANET, **TINY).parameters())
+    assert "tokens/s" in capsys.readouterr().out
+
+
+def test_bench_cli_bad_input(tmp_path, capsys):
+    assert main(["bench", str(tmp_path / "missing.yaml")]) == 2
+    assert main(["bench", str(DELTANET), "--set", "mixer.heads=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "missing.yaml" in err and "mixer.heads" in err and "Traceback" not in err

@@ -1,0 +1,210 @@
+"""The trainer on a tiny model: metrics.json schema and values against independent
+computations, determinism, divergence and failure recorded instead of raised, early
+stop, the schedule, and `archspec train` through the CLI entry point."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import archspec
+from archspec.search import trainer
+from archspec.search.cli import main
+from archspec.search.tasks import get_task
+from archspec.search.tasks.groups import running_products
+
+ROOT = Path(__file__).resolve().parents[2]
+DELTANET = str(ROOT / "specs" / "models" / "deltanet.yaml")
+TINY = ["model.layers=1", "model.d_model=16", "mixer.heads=2", "mixer.head_dim=8", "model.mlp=none"]
+
+
+def tiny_s3():
+    return get_task("s3", train_len=8, eval_size=16)
+
+
+def test_metrics_json_schema_and_cost_values(tmp_path):
+    task = tiny_s3()
+    result = trainer.train(
+        DELTANET, task, steps=6, seed=0, out_dir=tmp_path, overrides=TINY, quiet=True, eval_every=3, batch_size=8
+    )
+    assert result.status == "ok" and result.reason is None and result.steps_done == 6
+
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert record["status"] == "ok"
+    assert record["task"]["name"] == "s3" and record["task"]["train_len"] == 8
+    assert record["spec"]["name"] == "deltanet" and record["spec"]["model"]["vocab_size"] == 6  # from the task
+    m = record["metrics"]
+    for n in (8, 16, 32):
+        assert 0.0 <= m[f"token_acc@{n}"] <= 1.0 and 0.0 <= m[f"seq_acc@{n}"] <= 1.0
+    assert all(isinstance(v, float) for v in m.values())
+
+    # Cost metrics against the module and the analytic model, built independently.
+    model = archspec.compile(DELTANET, **{k: v for k, v in (o.split("=") for o in TINY)}, **{"model.vocab_size": 6})
+    assert m["params"] == sum(p.numel() for p in model.parameters())
+    report = archspec.cost.estimate(model.plan, seq_len=8)
+    assert m["flops_per_token"] == report.flops_per_token and m["state_bytes"] == report.state_bytes
+    assert m["tokens_per_s"] > 0 and m["peak_mem_bytes"] > 0
+
+    assert [e["step"] for e in record["evals"]] == [3, 6]
+    assert record["history"][0]["step"] == 1 and math.isfinite(record["history"][-1]["loss"])
+    curves = record["curves"]["test"]
+    assert len(curves[0]["values"]) == 32  # the 4L evaluation split, one value per position
+    assert (tmp_path / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert record["files"]["accuracy_plot"] == "accuracy.png"
+
+
+def test_training_learns_bytes_beyond_uniform():
+    # A uniform byte model scores 8 bits per byte; 80 steps learn the byte frequencies.
+    task = get_task("bytes_lm", seq_len=32, eval_windows=16)
+    result = trainer.train(
+        DELTANET, task, steps=80, seed=0, overrides=TINY, quiet=True, measure_throughput=False, lr=1e-2, warmup_steps=5
+    )
+    assert result.status == "ok"
+    assert result.metrics["bpb"] < 5.5
+    losses = [h["loss"] for h in result.record["history"]]
+    assert losses[-1] < losses[0] - 1.0
+
+
+def _strip_timing(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k not in ("tokens_per_s", "peak_mem_bytes")}
+
+
+def test_deterministic_under_a_seed():
+    runs = [
+        trainer.train(DELTANET, tiny_s3(), steps=5, seed=s, overrides=TINY, quiet=True, measure_throughput=False)
+        for s in (3, 3, 4)
+    ]
+    losses = [[h["loss"] for h in r.record["history"]] for r in runs]
+    assert losses[0] == losses[1]
+    assert _strip_timing(runs[0].metrics) == _strip_timing(runs[1].metrics)
+    assert losses[0] != losses[2]
+
+
+class _NaNAfter(nn.Module):
+    """Wraps a model; from the `at`-th training forward on, its logits are NaN."""
+
+    def __init__(self, inner: nn.Module, at: int):
+        super().__init__()
+        self.inner, self.at, self.calls = inner, at, 0
+
+    def forward(self, ids):
+        logits = self.inner(ids)
+        if self.training:
+            self.calls += 1
+            if self.calls >= self.at:
+                return logits * float("nan")
+        return logits
+
+
+def test_divergence_is_recorded_not_raised(tmp_path, monkeypatch):
+    original = trainer.build_model_for_task
+
+    def build(spec, task, overrides=()):
+        built = original(spec, task, overrides)
+        built.model = _NaNAfter(built.model, at=3)
+        return built
+
+    monkeypatch.setattr(trainer, "build_model_for_task", build)
+    result = trainer.train(
+        DELTANET, tiny_s3(), steps=10, seed=0, out_dir=tmp_path, overrides=TINY, quiet=True, measure_throughput=False
+    )
+    assert result.status == "diverged"
+    assert result.steps_done == 3 and "step 3" in result.reason and "nan" in result.reason
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert record["status"] == "diverged" and record["reason"] == result.reason
+    assert "params" in record["metrics"] and "token_acc@8" not in record["metrics"]
+
+
+def test_a_failing_kernel_is_recorded_as_failed(tmp_path, monkeypatch):
+    original = trainer.build_model_for_task
+
+    def build(spec, task, overrides=()):
+        built = original(spec, task, overrides)
+
+        def boom(module, inputs):
+            raise RuntimeError("kernel exploded")
+
+        built.model.blocks[0].mixer.register_forward_pre_hook(boom)
+        return built
+
+    monkeypatch.setattr(trainer, "build_model_for_task", build)
+    result = trainer.train(DELTANET, tiny_s3(), steps=3, out_dir=tmp_path, overrides=TINY, quiet=True)
+    assert result.status == "failed" and "kernel exploded" in result.reason
+    assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "failed"
+
+
+class _Oracle(nn.Module):
+    """Predicts the running product of S3 exactly (a stand-in for a trained model)."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = table
+        self.unused = nn.Parameter(torch.zeros(1))  # AdamW needs something to optimise
+        self.plan = None
+
+    def forward(self, ids):
+        y = running_products(self.table, ids.cpu())
+        return torch.nn.functional.one_hot(y, self.table.shape[0]).float() * 10 + self.unused * 0
+
+
+def test_early_stop_and_evaluation_of_a_perfect_model(monkeypatch):
+    task = tiny_s3()
+    original = trainer.build_model_for_task
+
+    def build(spec, t, overrides=()):
+        built = original(spec, t, overrides)
+        built.model = _Oracle(t.group.table)
+        return built
+
+    monkeypatch.setattr(trainer, "build_model_for_task", build)
+    monkeypatch.setattr(trainer, "cost_metrics", lambda plan, model, seq_len: {})
+    result = trainer.train(DELTANET, task, steps=50, eval_every=4, overrides=TINY, quiet=True, measure_throughput=False)
+    assert result.status == "ok" and result.steps_done == 4 and result.record["train"]["early_stopped"]
+    assert result.metrics["token_acc@32"] == 1.0 and result.metrics["seq_acc@32"] == 1.0
+
+
+def test_schedule_by_hand():
+    cfg = trainer.TrainConfig(steps=110, batch_size=1, lr=1.0, warmup_steps=10, eval_every=10, min_lr_ratio=0.1)
+    assert trainer.lr_factor(0, cfg) == pytest.approx(0.1)
+    assert trainer.lr_factor(9, cfg) == pytest.approx(1.0)
+    assert trainer.lr_factor(10, cfg) == pytest.approx(1.0)
+    assert trainer.lr_factor(60, cfg) == pytest.approx(0.55)  # halfway down the cosine
+    assert trainer.lr_factor(110, cfg) == pytest.approx(0.1)
+
+
+def test_bad_settings_are_clear_errors():
+    with pytest.raises(archspec.errors.ArchspecError, match="batch size"):
+        trainer.train(DELTANET, tiny_s3(), batch_size=0, overrides=TINY, quiet=True)
+
+
+def test_cli_train_writes_metrics(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main([
+        "train", DELTANET, "--task", "parity", "--steps", "4", "--out", str(out), "--quiet", "--no-throughput",
+        "--task-option", "eval_lengths=[40,50]", "--task-option", "eval_size=8",
+        *[a for s in TINY for a in ("--set", s)],
+    ])
+    assert code == 0
+    record = json.loads((out / "metrics.json").read_text())
+    assert set(record["metrics"]) >= {"scaled_acc@40", "scaled_acc@50", "scaled_acc", "params"}
+    assert record["task"]["eval_lengths"] == [40, 50]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--task", "s9x"], "unknown task"),
+        (["--task", "s3", "--task-option", "lenght=3"], "unknown option"),
+        (["--task", "s3", "--set", "mixer.heads=zero"], "mixer.heads"),
+        (["--task", "s3", "--steps", "-1"], "steps must be"),
+    ],
+)
+def test_cli_train_bad_input_is_one_clear_line(tmp_path, capsys, argv, message):
+    code = main(["train", DELTANET, "--out", str(tmp_path), "--quiet", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err

@@ -24,8 +24,8 @@ from .plan import ModelPlan, RecurrencePlan
 
 # Terms of `flops_breakdown` that FlopCounterMode does not see: it counts aten matmuls
 # and convolutions, but `torch.linalg.solve_triangular` has no flop formula there, and
-# with a channel gate the chunk's score matrices are elementwise products summed over K.
-NOT_SEEN_BY_FLOP_COUNTER = ("recurrence_solve", "recurrence_channel_scores")
+# the channel-gate scores' within-token leaves are elementwise products summed over K.
+NOT_SEEN_BY_FLOP_COUNTER = ("recurrence_solve", "recurrence_channel_leaves")
 
 STATE_BYTES_PER_ELEMENT = 4  # the matrix state and OSDN's d are kept in float32
 
@@ -96,39 +96,60 @@ def count_params(plan: ModelPlan) -> int:
     return embed + plan.layers * block + d + head
 
 
-def _recurrence_flops(plan: RecurrencePlan, seq_len: int) -> dict[str, float]:
-    """Multiply-add work of `kernels/chunked.py` per token, summed over heads, x 2.
+def _score_macs(rows_per_token: int, ct: int, n_h: int, K: int, channel: bool) -> tuple[int, int]:
+    """(matmul, elementwise) multiply-adds of one decayed score matrix of
+    `archspec.kernels.decay_scores`: rows are a chunk's sub-steps (`rows_per_token = n_h`)
+    or its read-outs (1), columns its `L = ct * n_h` sub-steps.
 
-    Per chunk of `Ct` tokens and `L = Ct * n_h` sub-steps, per head (the numbered steps of
-    the module docstring of `archspec.kernels.chunked`); a sequence of `seq_len` tokens is
-    zero-padded to whole chunks, and the padding is paid for, as the backend does.
+    No or scalar gate: one dense `[rows, K] @ [K, L]` matmul. Channel gate: dyadic
+    splitting, one matmul per level m = 1, 2, .., ct/2 over ct/(2m) blocks of
+    `[m rows_per_token, K] @ [K, m n_h]` (together ct (ct - 1) / 2 token pairs), plus the
+    within-token leaves, an elementwise product summed over K.
+    """
+    pair = rows_per_token * n_h * K  # multiply-adds per (row token, column token) pair
+    if not channel:
+        return ct * ct * pair, 0
+    return ct * (ct - 1) // 2 * pair, ct * pair
+
+
+def _recurrence_flops(plan: RecurrencePlan, seq_len: int) -> dict[str, float]:
+    """FLOPs per token of `archspec.kernels.chunked`, summed over heads.
+
+    Per chunk of `ct` tokens and `L = ct * n_h` sub-steps, per head, as listed in the
+    module docstring of `archspec.kernels.chunked` (the matmul and the line that does it
+    are named below). A sequence is zero-padded to whole chunks, and the padding is paid
+    for, as the backend does.
     """
     K, V, n = plan.head_dim, plan.value_dim, plan.n_h
     channel = plan.gate == "channel"
-    ct = tokens_per_chunk(n, channel)
+    ct = tokens_per_chunk(n)
     L = ct * n
-    delta = plan.transition != "diagonal"
-    if delta:
-        scores = 2 * L * L * K + 2 * ct * K * L  # A_ka, A_kw; M_qa, M_qw
-        matmul = (
-            L * L * V  # A_kw U
-            + K * L * K  # a_end^T Tk
-            + 2 * K * L * V  # w_end^T U, a_end^T Tu
-            + ct * L * K  # M_qa Tk
-            + 2 * ct * L * V  # M_qw U, M_qa Tu
-            + K * K * V  # state chain M S
-            + ct * K * V  # read-out Q_eff S
-        )
-        solve = L * (L - 1) // 2 * (K + V)  # unit lower-triangular solve, K + V columns
+    query_scores = _score_macs(1, ct, n, K, channel)
+    substep_scores = _score_macs(n, ct, n, K, channel)
+
+    scores = [query_scores]  # M_qw = q w^T
+    matmul = ct * K * V  # read-out of the start state, (q Gamma_q) S_0
+    solve = 0
+    if plan.transition == "diagonal":
+        matmul += K * L * V + ct * L * V  # Z'_end^T N', M_qz' N'
     else:
-        scores = ct * K * L  # M_qw
-        matmul = K * L * V + ct * L * V + ct * K * V  # w_end^T U, M_qw U, read-out
-        solve = 0
-    per_chunk_to_token = 2 * plan.heads * math.ceil(seq_len / ct) / seq_len
+        scores.append(substep_scores)  # A_kw = k w^T
+        # (I + A)^{-1}: a unit lower-triangular solve against the L x L identity (LAPACK's
+        # trsm does not skip the identity's zeros: L columns of L (L - 1) / 2 each)
+        solve = L * L * (L - 1) // 2
+        matmul += L * L * K + L * L * V  # P = T (k Gamma) ; N = T U (householder) or T (A_kw U)
+        matmul += L * K * V + K * L * V  # state chain: P S_0 ; Z_end^T nu
+        matmul += ct * L * V  # read-out M_qz nu
+        if plan.transition == "rwkv7":
+            scores += [substep_scores, query_scores]  # A_ka = k a^T, M_qa = q a^T
+            matmul += L * L * V  # A_kw U
+            matmul += K * L * V + ct * L * V  # independent writes: Z'_end^T N', M_qz' N'
+    matmul += sum(mm for mm, _ in scores)
+    to_per_token = 2 * plan.heads * math.ceil(seq_len / ct) / seq_len
     return {
-        "recurrence_matmul": per_chunk_to_token * (matmul + (0 if channel else scores)),
-        "recurrence_channel_scores": per_chunk_to_token * (scores if channel else 0),
-        "recurrence_solve": per_chunk_to_token * solve,
+        "recurrence_matmul": to_per_token * matmul,
+        "recurrence_channel_leaves": to_per_token * sum(ew for _, ew in scores),
+        "recurrence_solve": to_per_token * solve,
     }
 
 

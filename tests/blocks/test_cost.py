@@ -68,7 +68,7 @@ def test_flops_match_the_flop_counter_on_the_torch_backend(name, seq_len):
     assert flops_per_token(plan, seq_len) == pytest.approx(sum(terms.values()))
     assert terms["recurrence_matmul"] > 0
     if "channel" in name:
-        assert terms["recurrence_channel_scores"] > 0
+        assert terms["recurrence_channel_leaves"] > 0
     if name.startswith("diagonal"):
         assert terms["recurrence_solve"] == 0
 

@@ -38,8 +38,14 @@ The chunk therefore writes the state with keys `Z` and values `nu = N - P S_0` t
 on its start state, plus (rwkv7 only) writes `Z'`, `N'` that do not:
 
     diagonal:     (none)                                      Z' = w,  N' = U
-    householder:  Z = w,  N = U - beta * Tu,  P = beta * Tk   (a = beta w folds in)
-    rwkv7:        Z = a,  N = -Tu,            P = Tk          Z' = w,  N' = U
+    rwkv7:        Z = a,  N = -Tu,  P = Tk                    Z' = w,  N' = U
+    householder:  Z = w,  N = T U,  P = T (beta * k * Gamma), T = (I + diag(beta) A_kw)^{-1}
+
+For householder `a = beta w` folds the erase into the write: the value written with
+`w_j` is `u_j + beta_j y_j`, and the push-through identity
+`(I + A D)^{-1} A = A (I + D A)^{-1}` (with `D = diag(beta)`, `A_ka = A_kw D`) turns
+`U - D (Tk S_0 + Tu)` into `T (U - D (k * Gamma) S_0)`: one inverse with beta on the rows,
+as in flash-linear-attention's DeltaNet (its `w` and `u` are `P` and `N` here).
 
 and the only sequential part is, chunk after chunk (the `chunk_delta_h` loop of
 flash-linear-attention, in these terms):
@@ -72,12 +78,10 @@ Matmuls per chunk (per batch row and head; `Ct` tokens, `L = Ct n_h` sub-steps)
   - `M_qw = q w^T` (decayed, visible part)     [Ct,K]@[K,L]       (rwkv7: also `M_qa`)
   - read-out `(q Gamma_q) S_0`                 [Ct,K]@[K,V]
 With a delta rule (householder, rwkv7):
-  - `A_kw = k w^T` (strictly lower)            [L,K]@[K,L]        (rwkv7: also `A_ka = k a^T`;
-                                                                   householder: `A_ka = A_kw beta`)
-  - `A_kw U`                                   [L,L]@[L,V]
+  - `A_kw = k w^T` (strictly lower)            [L,K]@[K,L]        (rwkv7: also `A_ka = k a^T`)
   - `(I + A_ka)^{-1}`                          about L^3/6 multiply-adds (`solve_triangular`
                                                against the identity: FlopCounterMode does not see it)
-  - `Tk`, `Tu`                                 [L,L]@[L,K], [L,L]@[L,V]
+  - `P`, `N`                                   [L,L]@[L,K], [L,L]@[L,V]   (rwkv7: also `A_kw U`)
   - state chain `P S_0`, `Z_end^T nu`          [L,K]@[K,V], [K,L]@[L,V]   (sequential)
   - read-out `M_qz nu`                         [Ct,L]@[L,V]
 Independent writes (diagonal, rwkv7):
@@ -111,38 +115,39 @@ def tokens_per_chunk(n_h: int, chunk_size: int | None = None) -> int:
 # Small pieces
 
 
-def _heads_first(x: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """`[B, T, H, ...]` -> `[B, H, T, ...]` in the accumulation dtype."""
-    return None if x is None else x.transpose(1, 2).to(dtype)
-
-
 def _expand_gate(g: Tensor, n_h: int) -> Tensor:
-    """Per-token log-gate `[B, H, T(, K)]` -> per sub-step: `g_t` at `t*n_h`, 0 elsewhere."""
-    B, H, T = g.shape[:3]
+    """Per-token log-gate `[B, T, H(, K)]` -> per sub-step: `g_t` at `t*n_h`, 0 elsewhere."""
     if n_h == 1:
         return g
-    zeros = g.new_zeros(B, H, T, n_h - 1, *g.shape[3:])
-    return torch.cat([g.unsqueeze(3), zeros], dim=3).reshape(B, H, T * n_h, *g.shape[3:])
+    B, T = g.shape[:2]
+    zeros = g.new_zeros(B, T, n_h - 1, *g.shape[2:])
+    return torch.cat([g.unsqueeze(2), zeros], dim=2).reshape(B, T * n_h, *g.shape[2:])
 
 
-def _to_chunks(x: Tensor | None, length: int) -> Tensor | None:
-    """`[B, H, T, ...]` -> `[B, H, N, length, ...]`, zero-padding the end of time.
+def _to_chunks(x: Tensor | None, length: int, dtype: torch.dtype) -> Tensor | None:
+    """`[B, T, H, ...]` -> `[N, B*H, length, ...]` (chunk-major, so that the sequential
+    loop reads contiguous blocks), zero-padding the end of time.
 
     Padding is harmless: a zero sub-step (k = a = w = u = 0, log-gate 0) leaves the state
     unchanged, and padded read-outs are dropped.
     """
     if x is None:
         return None
-    B, H, T = x.shape[:3]
+    B, T, H = x.shape[:3]
+    rest = x.shape[3:]
     n_chunks = -(-T // length)
     pad = n_chunks * length - T
+    x = x.to(dtype)
     if pad:
-        x = torch.cat([x, x.new_zeros(B, H, pad, *x.shape[3:])], dim=2)
-    return x.reshape(B, H, n_chunks, length, *x.shape[3:])
+        x = torch.cat([x, x.new_zeros(B, pad, H, *rest)], dim=1)
+    x = x.reshape(B, n_chunks, length, H, *rest).transpose(2, 3).transpose(0, 1)  # [N, B, H, length, ...]
+    return x.reshape(n_chunks, B * H, length, *rest)
 
 
-def _decay(x: Tensor, log_decay: Tensor) -> Tensor:
+def _decay(x: Tensor, log_decay: Tensor | None) -> Tensor:
     """`x * exp(log_decay)` row-wise; `log_decay` is `[..., L]` (scalar) or `[..., L, K]`."""
+    if log_decay is None:
+        return x
     factor = torch.exp(log_decay)
     return x * (factor if factor.dim() == x.dim() else factor[..., None])
 
@@ -172,80 +177,76 @@ def _chunked_dense(
     state = q.new_zeros(B, H, K, V, dtype=acc) if initial_state is None else initial_state.to(acc)
     if T == 0:
         return q.new_zeros(B, 0, H, V, dtype=acc), state
+    state = state.reshape(B * H, K, V)
 
     ct = tokens_per_chunk(n_h, chunk_size)
     L = ct * n_h  # sub-steps per chunk
     channel = g is not None and g.dim() == 4
-    # [B, H, N, L, ...] per sub-step, [B, H, N, Ct, K] per token
-    q = _to_chunks(_heads_first(q, acc) * scale, ct)
-    k, v, beta, write_key, erase = (_to_chunks(_heads_first(x, acc), L) for x in (k, v, beta, write_key, erase))
-    n_chunks = q.shape[2]
+    # [N, B*H, L, ...] per sub-step, [N, B*H, Ct, K] per token
+    q = _to_chunks(q, ct, acc) * scale
+    k, v, beta, write_key, erase = (_to_chunks(x, L, acc) for x in (k, v, beta, write_key, erase))
+    n_chunks = q.shape[0]
     w = k if write_key is None else write_key
     u = v if beta is None else beta[..., None] * v
 
     # Within-chunk cumulative log-gate per sub-step; the decays to each read-out and to
     # the chunk's end (exponents <= 0).
-    G = None if g is None else _to_chunks(_expand_gate(_heads_first(g, acc), n_h), L).cumsum(dim=3)
+    G = None if g is None else _to_chunks(_expand_gate(g, n_h), L, acc).cumsum(dim=2)
     scores = make_score_fn(G, channel, ct, n_h, q.device)
-
-    def decayed(x: Tensor, log_decay: Tensor | None) -> Tensor:
-        return x if log_decay is None else _decay(x, log_decay)
-
-    G_query = None if G is None else G[:, :, :, n_h - 1 :: n_h]
-    G_to_end = None if G is None else G[:, :, :, -1:] - G
-    # Gamma_L per chunk: [B, H, N, K, 1] (channel), [B, H, N, 1, 1] (scalar), None (no gate)
+    G_query = None if G is None else G[:, :, n_h - 1 :: n_h]
+    G_to_end = None if G is None else G[:, :, -1:] - G
+    # Gamma_L per chunk: [N, B*H, K, 1] (channel), [N, B*H, 1, 1] (scalar), None (no gate)
     decay_chunk = None
     if G is not None:
-        decay_chunk = torch.exp(G[:, :, :, -1, :, None] if channel else G[:, :, :, -1:, None])
+        decay_chunk = torch.exp(G[:, :, -1, :, None] if channel else G[:, :, -1:, None])
 
     # Writes whose values depend on the chunk's start state: nu = N - P S_0 (delta rule),
     # and writes whose values do not (Z', N').
     dependent = independent = None
-    M_qw = scores(q, w, "queries")  # [.., Ct, L]
+    M_qw = scores(q, w, "queries")  # [N, BH, Ct, L]
     if beta is None and erase is None:
-        independent = (decayed(w, G_to_end), u, M_qw)
+        independent = (_decay(w, G_to_end), u, M_qw)
     else:
-        A_kw = scores(k, w, "substeps")  # [.., L, L]
-        householder = erase is None
-        A_ka = A_kw * beta[..., None, :] if householder else scores(k, erase, "substeps")
+        A_kw = scores(k, w, "substeps")  # [N, BH, L, L]
         eye = torch.eye(L, dtype=acc, device=q.device)
-        inverse = torch.linalg.solve_triangular(eye + A_ka, eye, upper=False, unitriangular=True)
-        Tk = inverse @ decayed(k, G)  # [.., L, K]
-        Tu = inverse @ (A_kw @ u)  # [.., L, V]
-        if householder:
-            dependent = (decayed(w, G_to_end), u - beta[..., None] * Tu, beta[..., None] * Tk, M_qw)
+        if erase is None:  # householder: a = beta w, rows scaled (see the module docstring)
+            inverse = torch.linalg.solve_triangular(eye + beta[..., :, None] * A_kw, eye, upper=False, unitriangular=True)
+            P = inverse @ (beta[..., None] * _decay(k, G))  # [N, BH, L, K]
+            dependent = (_decay(w, G_to_end), inverse @ u, P, M_qw)
         else:
-            dependent = (decayed(erase, G_to_end), -Tu, Tk, scores(q, erase, "queries"))
-            independent = (decayed(w, G_to_end), u, M_qw)
+            A_ka = scores(k, erase, "substeps")
+            inverse = torch.linalg.solve_triangular(eye + A_ka, eye, upper=False, unitriangular=True)
+            N = -(inverse @ (A_kw @ u))  # [N, BH, L, V]
+            dependent = (_decay(erase, G_to_end), N, inverse @ _decay(k, G), scores(q, erase, "queries"))
+            independent = (_decay(w, G_to_end), u, M_qw)
 
     if independent is not None:
         Z_end, N, M_qz = independent
-        R = Z_end.transpose(-1, -2) @ N  # [.., K, V]
-        o = M_qz @ N  # [.., Ct, V]
+        R = Z_end.transpose(-1, -2) @ N  # [N, BH, K, V]
+        o = M_qz @ N  # [N, BH, Ct, V]
     else:
         R, o = None, 0.0
     if dependent is not None:
-        Z_end_t = dependent[0].transpose(-1, -2)  # [.., K, L]
-        N, P, M_qz = dependent[1:]
+        Z_end, N, P, M_qz = dependent
 
     # The only sequential part, chunk after chunk.
     starts, values = [], []
     for c in range(n_chunks):
         starts.append(state)
-        new_state = state if decay_chunk is None else decay_chunk[:, :, c] * state
+        new_state = state if decay_chunk is None else decay_chunk[c] * state
         if R is not None:
-            new_state = new_state + R[:, :, c]
+            new_state = new_state + R[c]
         if dependent is not None:
-            nu = N[:, :, c] - P[:, :, c] @ state  # [B, H, L, V]
+            nu = torch.baddbmm(N[c], P[c], state, alpha=-1)  # N - P S_0: [BH, L, V]
             values.append(nu)
-            new_state = new_state + Z_end_t[:, :, c] @ nu
+            new_state = torch.baddbmm(new_state, Z_end[c].transpose(-1, -2), nu)
         state = new_state
 
-    o = o + decayed(q, G_query) @ torch.stack(starts, dim=2)  # [B, H, N, Ct, V]
+    o = o + _decay(q, G_query) @ torch.stack(starts)  # [N, BH, Ct, V]
     if dependent is not None:
-        o = o + M_qz @ torch.stack(values, dim=2)
-    o = o.reshape(B, H, n_chunks * ct, V)[:, :, :T].transpose(1, 2)
-    return o, state
+        o = o + M_qz @ torch.stack(values)
+    o = o.reshape(n_chunks, B, H, ct, V).permute(1, 0, 3, 2, 4).reshape(B, n_chunks * ct, H, V)[:, :T]
+    return o, state.reshape(B, H, K, V)
 
 
 def linear_recurrence_chunked(

@@ -55,34 +55,57 @@ def _visibility(rows: Rows, ct: int, n_h: int, device: torch.device) -> Tensor:
     return (cols[None, :] // n_h) <= token[:, None]
 
 
-def _channel_scores(x: Tensor, y: Tensor, gx: Tensor, gy: Tensor, rows: Rows) -> Tensor:
-    """Dyadic splitting (module docstring). `x` `[..., Ct, nr, K]`, `gx` like `x`, `y`/`gy`
-    `[..., Ct, n_h, K]`; returns `[..., Ct*nr, Ct*n_h]`."""
-    *batch, ct, nr, K = x.shape
-    n_h = y.shape[-2]
-    if ct & (ct - 1):
-        raise ValueError(f"channel-gate scores need a power-of-two number of tokens per chunk, got {ct}")
-    leaf_mask = (
-        torch.ones(1, n_h, dtype=torch.bool, device=x.device)
-        if rows == "queries"
-        else torch.ones(n_h, n_h, dtype=torch.bool, device=x.device).tril(-1)
-    )
-    blocks = (x @ y.transpose(-1, -2)).masked_fill(~leaf_mask, 0.0)  # [..., Ct, nr, n_h]
-    m = 1  # tokens per block
-    while m < ct:
-        nb = ct // (2 * m)
-        xs, gxs = (t.reshape(*batch, nb, 2, m * nr, K) for t in (x, gx))
-        ys, gys = (t.reshape(*batch, nb, 2, m * n_h, K) for t in (y, gy))
-        ref = gys[..., 0, -1:, :]  # G at the midpoint of each block: [..., nb, 1, K]
-        rows_hat = xs[..., 1, :, :] * torch.exp(gxs[..., 1, :, :] - ref)
-        cols_hat = ys[..., 0, :, :] * torch.exp(ref - gys[..., 0, :, :])
-        cross = rows_hat @ cols_hat.transpose(-1, -2)  # [..., nb, m*nr, m*n_h]
-        halves = blocks.reshape(*batch, nb, 2, m * nr, m * n_h)
-        upper = torch.cat([halves[..., 0, :, :], torch.zeros_like(cross)], dim=-1)
-        lower = torch.cat([cross, halves[..., 1, :, :]], dim=-1)
-        blocks = torch.cat([upper, lower], dim=-2)  # [..., nb, 2m*nr, 2m*n_h]
-        m *= 2
-    return blocks.reshape(*batch, ct * nr, ct * n_h)
+class _DyadicChannelScores:
+    """Channel-gate scores by dyadic splitting (module docstring).
+
+    The decay factors of each level depend only on `G`, so they are computed once here
+    and shared by every score matrix of the chunk. `G` is `[..., L, K]`.
+    """
+
+    def __init__(self, G: Tensor, ct: int, n_h: int):
+        if ct & (ct - 1):
+            raise ValueError(f"channel-gate scores need a power-of-two number of tokens per chunk, got {ct}")
+        *self.batch, _, K = G.shape
+        self.ct, self.n_h = ct, n_h
+        gy = G.reshape(*self.batch, ct, n_h, K)
+        g_rows = {"substeps": gy, "queries": gy[..., -1:, :]}  # a read-out sits at its token's end
+        # per level (block of 2m tokens): m, the column factors of the first halves and the
+        # row factors of the second halves, exp(ref - G_c) and exp(G_r - ref), both <= 1
+        self.levels: list[tuple[int, Tensor, dict[str, Tensor]]] = []
+        m = 1
+        while m < ct:
+            nb = ct // (2 * m)
+            halves = gy.reshape(*self.batch, nb, 2, m * n_h, K)
+            ref = halves[..., 0, -1:, :]  # G at the block's midpoint: [..., nb, 1, K]
+            cols = torch.exp(ref - halves[..., 0, :, :])
+            rows = {
+                kind: torch.exp(g.reshape(*self.batch, nb, 2, -1, K)[..., 1, :, :] - ref) for kind, g in g_rows.items()
+            }
+            self.levels.append((m, cols, rows))
+            m *= 2
+
+    def __call__(self, x: Tensor, y: Tensor, rows: Rows) -> Tensor:
+        ct, n_h, batch = self.ct, self.n_h, self.batch
+        nr = n_h if rows == "substeps" else 1
+        K = x.shape[-1]
+        out = x.new_zeros(*batch, ct * nr, ct * n_h)
+        # Leaves: pairs within one token, no gate between them.
+        xt, yt = x.reshape(*batch, ct, nr, 1, K), y.reshape(*batch, ct, 1, n_h, K)
+        leaves = (xt * yt).sum(-1)  # [..., Ct, nr, n_h]
+        if rows == "substeps":
+            leaves = leaves.tril(-1)  # strictly earlier sub-steps only
+        token_pairs = out.view(*batch, ct, nr, ct, n_h)
+        torch.diagonal(token_pairs, dim1=-4, dim2=-2).copy_(leaves.movedim(-3, -1))
+        # Level m: rows of each block's second half against columns of its first half.
+        for m, col_factor, row_factor in self.levels:
+            nb = ct // (2 * m)
+            rows_hat = x.reshape(*batch, nb, 2, m * nr, K)[..., 1, :, :] * row_factor[rows]
+            cols_hat = y.reshape(*batch, nb, 2, m * n_h, K)[..., 0, :, :] * col_factor
+            cross = rows_hat @ cols_hat.transpose(-1, -2)  # [..., nb, m*nr, m*n_h]
+            block_pairs = out.view(*batch, nb, 2, m * nr, nb, 2, m * n_h)
+            same_block = torch.diagonal(block_pairs, dim1=-6, dim2=-3)  # [..., 2, m*nr, 2, m*n_h, nb]
+            same_block[..., 1, :, 0, :, :].copy_(cross.movedim(-3, -1))
+        return out
 
 
 def make_score_fn(G: Tensor | None, channel: bool, ct: int, n_h: int, device: torch.device) -> ScoreFn:
@@ -93,16 +116,7 @@ def make_score_fn(G: Tensor | None, channel: bool, ct: int, n_h: int, device: to
     masks are built once here and shared by every score matrix of the chunk.
     """
     if channel:
-        gy = G.reshape(*G.shape[:-2], ct, n_h, G.shape[-1])
-        g_rows = {"substeps": gy, "queries": gy[..., -1:, :]}
-
-        def channel(x: Tensor, y: Tensor, rows: Rows) -> Tensor:
-            nr = n_h if rows == "substeps" else 1
-            xg = x.reshape(*x.shape[:-2], ct, nr, x.shape[-1])
-            yg = y.reshape(*y.shape[:-2], ct, n_h, y.shape[-1])
-            return _channel_scores(xg, yg, g_rows[rows], gy, rows)
-
-        return channel
+        return _DyadicChannelScores(G, ct, n_h)
 
     masks = {rows: _visibility(rows, ct, n_h, device) for rows in ("substeps", "queries")}
     if G is None:

@@ -69,8 +69,11 @@ def run_search_command(args: argparse.Namespace) -> int:
     outcome = run_search(loaded, args.out, resume=args.resume, trials=args.trials, address=args.address, live=args.live)
     run = read_run(outcome.run.path)
     console.print(run_front_table(run))
-    console.print(f"run directory: {outcome.run.path}  (study: optuna-dashboard {outcome.run.study_url})",
-                  markup=False, highlight=False)
+    console.print(f"run directory: {outcome.run.path}", markup=False, highlight=False)
+    console.print(f"the study: optuna-dashboard {outcome.run.study_url}", markup=False, highlight=False, soft_wrap=True)
+    if outcome.exhausted:
+        print(f"note: {outcome.stopped_because}", file=sys.stderr)
+        return 0
     if outcome.stopped_because:
         print(f"error: the search stopped: {outcome.stopped_because}", file=sys.stderr)
         return 1
@@ -87,7 +90,7 @@ def run_pareto_command(args: argparse.Namespace) -> int:
 
     runs = [read_run(path) for path in args.runs]
     if args.json:
-        print(json.dumps(report_json(runs), indent=2, allow_nan=False, default=_no_nan))
+        print(json.dumps(report_json(runs), indent=2, allow_nan=False))
     else:
         console = Console()
         for run in runs:
@@ -100,6 +103,3 @@ def run_pareto_command(args: argparse.Namespace) -> int:
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
-
-def _no_nan(value: object) -> object:
-    raise TypeError(f"not JSON serialisable: {value!r}")

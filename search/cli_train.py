@@ -48,6 +48,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")
     p.set_defaults(func=run)
 
+    e = subparsers.add_parser(
+        "experiment",
+        help="train the runs of an experiment file (specs/experiments/) and tabulate them",
+        description="Train every run and seed of an experiment file into DIR/<run>/s<seed>/ and write "
+        "DIR/results.md and DIR/results.json; runs already finished in DIR are skipped.",
+    )
+    e.add_argument("experiment", metavar="FILE", help="experiment YAML file")
+    e.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    e.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a field of the experiment file (repeatable), e.g. --set train.steps=100",
+    )
+    e.add_argument("--only", action="append", default=[], metavar="RUN", help="run only this run (repeatable)")
+    e.add_argument("--fresh", action="store_true", help="retrain the selected runs even if DIR has them")
+    e.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
+    e.add_argument("--quiet", action="store_true", help="no progress bars")
+    e.set_defaults(func=run_experiment_command)
+
+
+def run_experiment_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    from .experiments import RESULTS_MD, run_experiment
+
+    results = run_experiment(
+        args.experiment, args.out, device=args.device, overrides=args.overrides, only=args.only, fresh=args.fresh, quiet=args.quiet
+    )
+    Console().print(Markdown((Path(args.out) / RESULTS_MD).read_text()))
+    # A diverging configuration is a finding; a failed run (an error) is not.
+    failed = [name for name, seeds in results.items() for r in seeds.values() if r["status"] == "failed"]
+    return 1 if failed else 0
+
 
 def parse_options(items: list[str], flag: str) -> dict[str, object]:
     """`key=value` strings with YAML values (`train_len=64`, `eval_factors=[1,2]`)."""

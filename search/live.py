@@ -25,7 +25,7 @@ from ray.tune import Callback
 from archspec.search.pareto import front_of
 from archspec.search.rundir import FAILED, RunDir, TrialRecord, trained_count
 from archspec.search.space import SearchSpec
-from archspec.search.tables import counts_line, front_table, short_field
+from archspec.search.tables import counts_line, front_table, short_fields
 
 MAX_FRONT_ROWS = 12
 
@@ -154,7 +154,8 @@ class LiveView:
             items = sorted(self.running.items())
         now = time.time()
         for number, (overrides, started) in items:
-            shown = ", ".join(f"{short_field(k)}={v}" for k, v in overrides.items())
+            short = short_fields(list(overrides))
+            shown = ", ".join(f"{short[k]}={v}" for k, v in overrides.items())
             running.add_row(str(number), shown, f"{now - started:.0f} s")
         front = front_of(records, self.spec.objectives)
         parts: list[Any] = [header, running]

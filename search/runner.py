@@ -18,6 +18,7 @@ Finished trials are never redone: the budget counts the trials that were trained
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -28,13 +29,16 @@ from typing import Any
 
 from archspec.errors import ArchspecError, Location
 from archspec.search.rundir import (
+    DUPLICATE,
     INTERRUPTED,
+    TRAINED_STATUSES,
     OK,
     RunDir,
     TrialRecord,
     trained_count,
     write_yaml_atomic,
 )
+from archspec.search.searcher import ArchspecOptunaSearch, Rejection
 from archspec.search.space import LoadedSearch, SearchSpec, grid_points, load_search_spec, optuna_params, suggest_overrides
 from archspec.search.trial import TrainFn, TrialSetup, make_task, precheck
 
@@ -52,6 +56,7 @@ class SearchOutcome:
     target: int  # trials to train in all (the budget, or the grid's size if smaller)
     trained: int  # trials trained so far, all sessions
     stopped_because: str | None = None  # the searcher gave up (constraints reject everything)
+    exhausted: bool = False  # ... because the space has no untried point left (not an error)
 
     @property
     def complete(self) -> bool:
@@ -261,22 +266,37 @@ def run_search(
     def define_by_run(trial: Any) -> dict[str, Any]:
         return {"trial_number": trial.number, "overrides": suggest_overrides(trial, spec.space, base_values)}
 
-    def reject(number: int, overrides: dict[str, Any]) -> tuple[str, str] | None:
-        verdict = precheck(setup, overrides, tasks)
-        if verdict.status == OK:
-            return None
+    def reject(number: int, overrides: dict[str, Any]) -> Rejection | None:
+        rejection, metrics = _repeat_of(run, overrides, spec.metric_names), {}
+        if rejection is None:
+            verdict = precheck(setup, overrides, tasks)
+            if verdict.status == OK:
+                return None
+            rejection, metrics = Rejection(verdict.status, verdict.reason or ""), verdict.cost
         now = time.time()
         run.write_trial_result(TrialRecord(
-            number=number, status=verdict.status, reason=verdict.reason, overrides=dict(overrides),
-            metrics=verdict.cost, started_at=now, finished_at=now,
+            number=number, status=rejection.status, reason=rejection.reason, overrides=dict(overrides),
+            metrics=metrics, started_at=now, finished_at=now,
         ))
-        return verdict.status, verdict.reason or ""
+        return rejection
 
     with ray_session(address, spec):
         _check_resources_fit(spec, address)
-        outcome.stopped_because = _fit(setup, spec, run, study, sampler, define_by_run, reject, target - trained, live)
+        outcome.stopped_because, outcome.exhausted = _fit(setup, spec, run, study, sampler, define_by_run, reject, target - trained, live)
     outcome.trained = trained_count(run.read_trials())
     return outcome
+
+
+def _repeat_of(run: RunDir, overrides: dict[str, Any], metric_names: list[str]) -> Rejection | None:
+    """A proposal identical to a trial that trained or is training is not trained again."""
+    key = json.dumps(overrides, sort_keys=True)
+    for record in run.read_trials():
+        if record.status not in (None, *TRAINED_STATUSES) or json.dumps(record.overrides, sort_keys=True) != key:
+            continue
+        values = [record.metrics.get(m) for m in metric_names] if record.status == OK else None
+        state = "is still training" if record.status is None else f"ended {record.status}"
+        return Rejection(DUPLICATE, f"the same overrides as trial {record.number}, which {state}", values)
+    return None
 
 
 def _trainable_grid_size(points: list[dict[str, Any]], setup: TrialSetup, tasks: list[Any]) -> int:
@@ -284,13 +304,12 @@ def _trainable_grid_size(points: list[dict[str, Any]], setup: TrialSetup, tasks:
     return sum(precheck(setup, point, tasks).status == OK for point in points)
 
 
-def _fit(setup, spec, run, study, sampler, define_by_run, reject, remaining, live) -> str | None:
+def _fit(setup, spec, run, study, sampler, define_by_run, reject, remaining, live) -> tuple[str | None, bool]:
     import optuna
     from ray import tune
 
     from archspec.search.live import LiveView, RecordingCallback
     from archspec.search.rundir import STUDY_NAME
-    from archspec.search.searcher import ArchspecOptunaSearch
     from archspec.search.trial import trainable
 
     searcher = ArchspecOptunaSearch(
@@ -315,5 +334,5 @@ def _fit(setup, spec, run, study, sampler, define_by_run, reject, remaining, liv
     )
     with view:
         tuner.fit()
-    return searcher.stopped_because
+    return searcher.stopped_because, searcher.exhausted
 

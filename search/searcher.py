@@ -3,9 +3,10 @@
 Two things the stock searcher does not do, and a search of architectures needs:
 
 - **Reject before training.** Each proposal is checked in the driver (spec valid, cost
-  constraints hold; `trial.precheck`). A rejected proposal is told to the study as
-  failed, recorded in the run directory, and the searcher asks for another, so a
-  rejected spec costs neither a Ray worker nor the trial budget.
+  constraints hold, not a repeat of a trained trial). A rejected proposal is told to
+  the study (failed, or a repeat with the values already known), recorded in the run
+  directory, and the searcher asks for another, so a rejected spec costs neither a
+  Ray worker nor the trial budget.
 - **Failed trials.** With several objectives, the stock `on_trial_complete` tells the
   study a list of `None`s for a trial that reported no values; Optuna refuses that and
   the trial stays RUNNING forever. Here a trial without finite objective values is told
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
@@ -33,19 +35,30 @@ from archspec.search.rundir import OK
 MAX_REJECTIONS_IN_A_ROW = 500
 
 
+@dataclass(frozen=True)
+class Rejection:
+    """Why a proposal is not trained. `values`: the objective values of the identical
+    trial it repeats, told to the study as this trial's (Optuna's advice for duplicates:
+    the sampler learns the point is known without paying for it again)."""
+
+    status: str
+    reason: str
+    values: list[float] | None = None
+
+
 class ArchspecOptunaSearch(OptunaSearch):
     """`OptunaSearch` in define-by-run, multi-objective mode, with a driver-side precheck.
 
     `define_by_run(trial) -> {"trial_number": n, "overrides": {...}}` samples a proposal;
-    `reject(number, overrides) -> (status, reason) | None` decides whether it may train
-    (and records it if not).
+    `reject(number, overrides) -> Rejection | None` decides whether it may train (and
+    records it if not).
     """
 
     def __init__(
         self,
         *,
         define_by_run: Callable[[optuna.Trial], dict[str, Any]],
-        reject: Callable[[int, dict[str, Any]], tuple[str, str] | None],
+        reject: Callable[[int, dict[str, Any]], Rejection | None],
         metric: list[str],
         mode: list[str],
         sampler: optuna.samplers.BaseSampler,
@@ -55,25 +68,33 @@ class ArchspecOptunaSearch(OptunaSearch):
         super().__init__(space=define_by_run, metric=metric, mode=mode, sampler=sampler, storage=storage, study_name=study_name)
         self._reject = reject
         self.stopped_because: str | None = None
+        self.exhausted = False  # stopped because every proposal repeated a known trial
 
     def suggest(self, trial_id: str) -> dict | str | None:
         if self.stopped_because:
             return Searcher.FINISHED
+        repeats = 0
         for _ in range(MAX_REJECTIONS_IN_A_ROW):
             config = super().suggest(trial_id)
             ot_trial = self._ot_trials[trial_id]
             ot_trial.set_user_attr("overrides", config["overrides"])
-            verdict = self._reject(config["trial_number"], config["overrides"])
-            if verdict is None:
+            rejection = self._reject(config["trial_number"], config["overrides"])
+            if rejection is None:
                 return config
-            status, reason = verdict
-            ot_trial.set_user_attr("status", status)
-            ot_trial.set_user_attr("reason", reason)
-            self._ot_study.tell(ot_trial, state=TrialState.FAIL)
+            ot_trial.set_user_attr("status", rejection.status)
+            ot_trial.set_user_attr("reason", rejection.reason)
+            if rejection.values is not None:
+                repeats += 1
+                self._ot_study.tell(ot_trial, rejection.values, state=TrialState.COMPLETE)
+            else:
+                self._ot_study.tell(ot_trial, state=TrialState.FAIL)
             del self._ot_trials[trial_id]  # the next round asks the study for a new trial
+        self.exhausted = repeats == MAX_REJECTIONS_IN_A_ROW
         self.stopped_because = (
-            f"{MAX_REJECTIONS_IN_A_ROW} proposals in a row were refused or broke a constraint; "
-            "loosen the constraints or narrow the space (see the `skipped`/`invalid` trials)"
+            f"the sampler proposed only points already trained in its last {MAX_REJECTIONS_IN_A_ROW} proposals: "
+            "the space looks exhausted" if self.exhausted else
+            f"{MAX_REJECTIONS_IN_A_ROW} proposals in a row were refused, broke a constraint or repeated a trial; "
+            "loosen the constraints or widen the space (see the `skipped`/`invalid` trials)"
         )
         return Searcher.FINISHED
 

@@ -230,15 +230,14 @@ class Constraint(_Section):
         metric, op, bound = match.groups()
         return {"metric": metric, "op": op, "bound": float(bound)}
 
-    @field_validator("metric")
-    @classmethod
-    def _cost_metric(cls, value: str) -> str:
-        if value not in COST_METRICS:
+    @model_validator(mode="after")
+    def _cost_metric(self) -> Constraint:
+        if self.metric not in COST_METRICS:
             raise ValueError(
-                f"{value!r} cannot be a constraint: constraints are checked from the cost model before "
+                f"{self.metric!r} cannot be constrained: constraints are checked from the cost model before "
                 f"any training, which knows {', '.join(COST_METRICS)}"
             )
-        return value
+        return self
 
     def holds(self, value: float) -> bool:
         return {"<=": value <= self.bound, ">=": value >= self.bound, "<": value < self.bound, ">": value > self.bound}[self.op]
@@ -396,10 +395,54 @@ def semantic_problems(loaded: LoadedSearch, doc: LocatedDocument) -> list[tuple[
                 problems.append((cond, f"{field!r} is {base_values[field]!r} in the base spec and not searched, so {name!r} would never be searched"))
         if spec.sampler == "grid" and param.grid_values() is None:
             problems.append((where, "the grid sampler needs discrete values: give `step:` or use `choices:`"))
+    problems += _task_problems(spec)
+    problems += _trainer_problems(spec)
     if spec.sampler == "grid" and not problems:
         count = len(grid_points(spec.space, base_values, limit=MAX_GRID_POINTS + 1))
         if count > MAX_GRID_POINTS:
             problems.append((("sampler",), f"the grid has more than {MAX_GRID_POINTS} points; use tpe, nsga2 or random"))
+    return problems
+
+
+def _task_problems(spec: SearchSpec) -> list[tuple[tuple[str | int, ...], str]]:
+    """Tasks that cannot be built, and objectives that no task (or the cost model) names."""
+    from archspec.search.tasks import get_task
+
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    for index, ref in enumerate(spec.tasks):
+        try:
+            get_task(ref.name, preset=ref.preset, **ref.options)
+        except ArchspecError as exc:
+            problems.append((("task", index), str(exc)))
+    names = [t.name for t in spec.tasks]
+    if len(set(names)) != len(names):
+        problems.append((("task",), f"a task is listed twice: {names}"))
+    if len(spec.tasks) > 1:
+        for index, objective in enumerate(spec.objectives):
+            head = objective.metric.split("/", 1)[0]
+            if objective.metric not in COST_METRICS and head not in names:
+                problems.append((("objectives", index),
+                                 f"with several tasks a quality metric names its task, e.g. {names[0]}/{objective.metric}; "
+                                 f"the cost metrics {', '.join(COST_METRICS)} need no task"))
+    return problems
+
+
+def _trainer_problems(spec: SearchSpec) -> list[tuple[tuple[str | int, ...], str]]:
+    """`train:` options and a time limit the trainer does not take."""
+    from archspec.search.trial import SEARCH_SETS, default_train, unaccepted
+
+    train = default_train()
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    for key in spec.train:
+        if key in SEARCH_SETS:
+            problems.append((("train", key), f"{key!r} is set by the search itself (budget, seed, resources), not in `train:`"))
+        elif unaccepted(train, [key]):
+            import inspect
+
+            options = [n for n in inspect.signature(train).parameters if n not in SEARCH_SETS and n not in ("spec", "task")]
+            problems.append((("train", key), f"the trainer has no option {key!r}; it takes {', '.join(options)}"))
+    if spec.budget.time_per_trial is not None and unaccepted(train, ["time_limit_s"]):
+        problems.append((("budget", "time_per_trial"), "the trainer does not support a time limit yet (no `time_limit_s`); remove time_per_trial"))
     return problems
 
 

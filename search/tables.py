@@ -26,9 +26,18 @@ def number(value: Any) -> str:
     return f"{value:.4g}"
 
 
-def short_field(name: str) -> str:
-    """`mixer.transition.n_h` -> `transition.n_h`: the mixer prefix carries no information."""
-    return name[len("mixer."):] if name.startswith("mixer.") else name
+def short_fields(names: Sequence[str]) -> dict[str, str]:
+    """Each dotted name's shortest tail that no other name shares: `mixer.transition.n_h` ->
+    `n_h`, but `preconditioner.type` and `transition.type` stay apart."""
+    short = {}
+    for name in names:
+        parts = name.split(".")
+        for size in range(1, len(parts) + 1):
+            tail = ".".join(parts[-size:])
+            if not any(other != name and (other == tail or other.endswith("." + tail)) for other in names):
+                break
+        short[name] = tail
+    return short
 
 
 def front_table(records: Sequence[TrialRecord], objectives: Sequence[Objective], title: str | None = None) -> Table:
@@ -38,8 +47,9 @@ def front_table(records: Sequence[TrialRecord], objectives: Sequence[Objective],
         fields += [k for k in record.overrides if k not in fields]
     table = Table(title=title, title_justify="left")
     table.add_column("trial", justify="right")
+    short = short_fields(fields)
     for field in fields:
-        table.add_column(short_field(field))
+        table.add_column(short[field])
     for objective in objectives:
         table.add_column(f"{objective.metric} {'↑' if objective.maximise else '↓'}", justify="right")
     for record in records:
@@ -59,7 +69,7 @@ def counts_line(records: Sequence[TrialRecord]) -> str:
     counts = status_counts(records)
     trained = trained_count(records)
     parts = [f"{trained} trained ({counts['ok']} ok, {counts['failed']} failed, {counts['diverged']} diverged)"]
-    for status in ("skipped", "invalid", "interrupted", "running"):
+    for status in ("skipped", "invalid", "duplicate", "interrupted", "running"):
         if counts.get(status):
             parts.append(f"{counts[status]} {status}")
     return "; ".join(parts)

@@ -188,20 +188,20 @@ def _progress(quiet: bool, description: str):
     )
 
 
-def _json_value(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """NaN and infinities become null: metrics.json stays strict JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _json_value(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_value(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
 def write_metrics(out_dir: Path, record: dict[str, Any]) -> Path:
     path = out_dir / METRICS_FILE
-    write_text_atomic(path, json.dumps(_json_value(record), indent=2, allow_nan=False) + "\n")
+    write_text_atomic(path, json.dumps(json_safe(record), indent=2, allow_nan=False) + "\n")
     return path
 
 
@@ -234,14 +234,17 @@ def train(
     target: float | None = None,
     backend: str | None = None,
     measure_throughput: bool = True,
+    time_limit_s: float | None = None,
     spec_label: str | None = None,
 ) -> TrainResult:
     """Train `spec` on `task` (a `Task` or a name for `get_task(name, preset, **task_options)`).
 
     `steps`, `batch_size`, `lr`, `warmup_steps`, `eval_every` override the task preset;
     `target` overrides the early-stop threshold (0 disables early stopping); `backend`
-    forces a kernel backend (`torch`, `naive`, `triton`). Returns a `TrainResult`; never
-    raises for a diverging or failing run (see the module docstring).
+    forces a kernel backend (`torch`, `naive`, `triton`). `time_limit_s` ends the
+    optimisation early (then evaluates as usual; `train.time_limited` in metrics.json).
+    Returns a `TrainResult`; never raises for a diverging or failing run (see the module
+    docstring).
     """
     if isinstance(task, str):
         task = get_task(task, preset, **dict(task_options or {}))
@@ -281,8 +284,10 @@ def train(
             metrics["tokens_per_s"] = report.tokens_per_s
             if report.peak_mem_bytes is not None:
                 metrics["peak_mem_bytes"] = float(report.peak_mem_bytes)
-        steps_done, early = _loop(model, task, config, seed, device, quiet, history, evals)
-        record["train"]["early_stopped"] = early
+        deadline = None if time_limit_s is None else started + time_limit_s
+        steps_done, stop = _loop(model, task, config, seed, device, quiet, history, evals, deadline)
+        record["train"]["early_stopped"] = stop == "target"
+        record["train"]["time_limited"] = stop == "time"
         quality, curves = evaluate(model, task, task.eval_sets(), device, config.eval_batch_size, with_curves=True)
         metrics.update(quality)
         if diagnostics:
@@ -359,8 +364,10 @@ def _loop(
     quiet: bool,
     history: list[dict[str, float]],
     evals: list[dict[str, Any]],
-) -> tuple[int, bool]:
-    """The optimisation loop; returns (steps done, stopped early). Raises `_Diverged`."""
+    deadline: float | None = None,
+) -> tuple[int, str | None]:
+    """The optimisation loop; returns (steps done, why it stopped early: "target", "time"
+    or None). Raises `_Diverged`."""
     optimizer = make_optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     generator = torch.Generator().manual_seed(seed)
@@ -398,25 +405,34 @@ def _loop(
                     if progress is not None:
                         progress.update(bar, note=f"{name} {value:.3f}")
                     if value >= threshold:
-                        return step, True
-    return step, False
+                        return step, "target"
+            if deadline is not None and time.perf_counter() > deadline:
+                return step, "time"
+    return step, None
 
 
 def _write_outputs(out: Path, record: dict[str, Any], curves: dict[str, list[Curve]], task: Task, diagnostics: bool) -> None:
-    from . import plots
-    from .diagnostics import DiagnosticsReport
-
     out.mkdir(parents=True, exist_ok=True)
-    files = {}
-    title = f"{record['spec'].get('name', '') if isinstance(record['spec'], dict) else ''} on {task.name}".strip()
-    if curves:
-        png = plots.plot_accuracy(curves, task.train_len, out / "accuracy.png", title=title)
-        if png is not None:
-            files["accuracy_plot"] = png.name
-    if diagnostics and "diagnostics" in record:
-        report = DiagnosticsReport(record["metrics"], record["diagnostics"]["erank"], record["diagnostics"]["residual_ratio"])
-        png = plots.plot_diagnostics(report, task.train_len, out / "diagnostics.png", title=title)
-        if png is not None:
-            files["diagnostics_plot"] = png.name
+    files: dict[str, str] = {}
+    try:
+        from . import plots
+    except ImportError as exc:  # a bare GPU machine may lack matplotlib: the numbers still count
+        files["plots_skipped"] = f"cannot import matplotlib ({exc})"
+        plots = None
+    if plots is not None:
+        from .diagnostics import DiagnosticsReport
+
+        spec_name = record["spec"].get("name", "") if isinstance(record["spec"], dict) else ""
+        title = f"{spec_name} on {task.name}".strip()
+        if curves:
+            png = plots.plot_accuracy(curves, task.train_len, out / "accuracy.png", title=title)
+            if png is not None:
+                files["accuracy_plot"] = png.name
+        if diagnostics and "diagnostics" in record:
+            diag = record["diagnostics"]
+            report = DiagnosticsReport(record["metrics"], diag["erank"], diag["residual_ratio"])
+            png = plots.plot_diagnostics(report, task.train_len, out / "diagnostics.png", title=title)
+            if png is not None:
+                files["diagnostics_plot"] = png.name
     record["files"] = files
     write_metrics(out, record)

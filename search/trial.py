@@ -110,20 +110,34 @@ def device_for(setup: TrialSetup) -> str:
     return "cuda" if setup.search.resources.gpu > 0 and torch.cuda.is_available() else "cpu"
 
 
-def _call_train(train_fn: TrainFn, spec: Any, task: Any, setup: TrialSetup, out_dir: str, device: str) -> Any:
-    search = setup.search
-    kwargs: dict[str, Any] = dict(steps=search.budget.steps, seed=search.seed, device=device, out_dir=out_dir, **search.train)
+# Keyword arguments the search passes itself; `train:` in the search spec may not set them.
+SEARCH_SETS = ("steps", "seed", "device", "out_dir", "quiet", "time_limit_s")
+
+
+def train_kwargs(search: SearchSpec, device: str, out_dir: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(steps=search.budget.steps, seed=search.seed, device=device, out_dir=out_dir, quiet=True)
     if search.budget.time_per_trial is not None:
         kwargs["time_limit_s"] = search.budget.time_per_trial
-    accepted = inspect.signature(train_fn).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        unknown = sorted(set(kwargs) - set(accepted))
-        if unknown:
-            raise ArchspecError(f"the trainer does not accept {', '.join(unknown)} (from the search spec's train/budget)")
+    return {**kwargs, **search.train}
+
+
+def unaccepted(train_fn: TrainFn, names: list[str]) -> list[str]:
+    """The keyword arguments `train_fn` would refuse."""
+    parameters = inspect.signature(train_fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return []
+    return [n for n in names if n not in parameters]
+
+
+def _call_train(train_fn: TrainFn, spec: Any, task: Any, setup: TrialSetup, out_dir: str, device: str) -> Any:
+    kwargs = train_kwargs(setup.search, device, out_dir)
+    refused = unaccepted(train_fn, list(kwargs))
+    if refused:
+        raise ArchspecError(f"the training function does not accept {', '.join(refused)} (set by the search spec)")
     return train_fn(spec, task, **kwargs)
 
 
-def _default_train() -> TrainFn:
+def default_train() -> TrainFn:
     from archspec.search.trainer import train
 
     return train
@@ -136,6 +150,7 @@ def execute_trial(setup: TrialSetup, number: int, overrides: Mapping[str, Any]) 
     folder = run.trial_dir(number)
     try:
         record.device = device_for(setup)
+        _limit_threads(search.resources.cpu)
         run.write_trial_start(record)
         tasks = [make_task(ref) for ref in search.tasks]
         verdict = precheck(setup, overrides, tasks)
@@ -145,7 +160,7 @@ def execute_trial(setup: TrialSetup, number: int, overrides: Mapping[str, Any]) 
             return _finish(run, record)
         spec = compose_spec(run, overrides, name=f"{search.name}-{number:05d}")
         write_yaml_atomic(folder / TRIAL_SPEC_FILE, spec.model_dump(mode="json", exclude_none=True))
-        train_fn = setup.train_fn or _default_train()
+        train_fn = setup.train_fn or default_train()
         statuses: list[tuple[str, str | None]] = []
         for task in tasks:
             out_dir = folder / task.name
@@ -169,6 +184,13 @@ def execute_trial(setup: TrialSetup, number: int, overrides: Mapping[str, Any]) 
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "error.txt").write_text(traceback.format_exc(), encoding="utf-8")
     return _finish(run, record)
+
+
+def _limit_threads(cpus: float) -> None:
+    """Use the CPUs the trial reserved, not every core of the node (trials share it)."""
+    import torch
+
+    torch.set_num_threads(max(1, int(cpus)))
 
 
 def _finish(run: RunDir, record: TrialRecord) -> TrialRecord:

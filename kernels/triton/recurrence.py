@@ -149,15 +149,59 @@ class ChunkRecurrence(torch.autograd.Function):
             dummy if Y is None else Y, h_all, o, cu_seqlens, table, p.T, p.NT, scale,
             BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, **_common(p),
         )
-        ctx.save_for_backward(q, k, v, g, beta, write_key, e, G, Tinv, P, Y, h_all, initial_state, cu_seqlens, table, offsets)
-        ctx.plan, ctx.scale = p, scale
+        ctx.save_for_backward(q, k, v, beta, w, e, G, Tinv, P, Y, h_all, cu_seqlens, table, offsets)
+        ctx.plan, ctx.scale, ctx.tied = p, scale, write_key is None
+        ctx.has_h0 = initial_state is not None
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, None if g is None else g.dtype, None if beta is None else beta.dtype,
+                      w.dtype, None if e is None else e.dtype, None if initial_state is None else initial_state.dtype)
         if final is not None:
             final = final.float() if p.acc != torch.float64 else final
         return o, final
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        raise NotImplementedError
+        q, k, v, beta, w, e, G, Tinv, P, Y, h_all, cu_seqlens, table, offsets = ctx.saved_tensors
+        p, scale = ctx.plan, ctx.scale
+        varlen = cu_seqlens is not None
+        dummy = k
+        do = do.contiguous()
+        TN = p.T * p.n_h
+        dev = q.device
+        dY = torch.empty(p.B, TN, p.H, p.V, device=dev, dtype=p.acc) if p.mode else None
+        dU = torch.empty(p.B, TN, p.H, p.V, device=dev, dtype=p.acc) if p.mode != 1 else None
+        e_ = dummy if e is None else e
+        G_ = dummy if G is None else G
+        beta_ = dummy if beta is None else beta
+        output_backward_kernel[(p.n_chunks, p.H)](
+            q, w, e_, G_, do, dummy if dY is None else dY, dummy if dU is None else dU, cu_seqlens, table, p.T, p.NT, scale,
+            BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, **_common(p),
+        )
+        dh_all = torch.empty_like(h_all)
+        dh0 = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if ctx.has_h0 else None
+        state_backward_kernel[(triton.cdiv(p.V, p.BV), p.n_seq * p.H)](
+            q, w, e_, beta_, G_, dummy if P is None else P, dummy if dY is None else dY, dummy if dU is None else dU, do,
+            dh_all, dummy if dfinal is None else dfinal.contiguous(), dummy if dh0 is None else dh0,
+            cu_seqlens, offsets, p.T, p.NT, scale, BQ=p.BQ, MODE=p.mode, GATE=p.gate,
+            USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, **_common(p),
+        )
+        grad = lambda x: torch.empty(x.shape, device=dev, dtype=p.acc)  # noqa: E731
+        dq, dk, dv = grad(q), grad(k), grad(v)
+        dw = None if ctx.tied else grad(w)
+        de = None if e is None else grad(e)
+        dbeta = None if beta is None else grad(beta)
+        dg = None if G is None else grad(G)
+        chunk_backward_kernel[(p.n_chunks, p.H)](
+            q, k, w, e_, beta_, v, G_, dummy if Tinv is None else Tinv, h_all, dh_all,
+            dummy if Y is None else Y, dummy if dY is None else dY, dummy if dU is None else dU, do,
+            dq, dk, dummy if dw is None else dw, dummy if de is None else de, dv,
+            dummy if dbeta is None else dbeta, dummy if dg is None else dg,
+            cu_seqlens, table, p.T, p.NT, scale, BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate,
+            HAS_BETA=p.has_beta, TIED=ctx.tied, IS_VARLEN=varlen, **_common(p),
+        )
+        cast = lambda x, dt: None if x is None else x.to(dt)  # noqa: E731
+        tq, tk, tv, tg, tb, tw, te, th = ctx.dtypes
+        return (cast(dq, tq), cast(dk, tk), cast(dv, tv), cast(dg, tg), cast(dbeta, tb), cast(dw, tw),
+                cast(de, te), cast(dh0, th), None, None, None, None, None)
 
 
 def linear_recurrence_triton(
@@ -182,6 +226,15 @@ def linear_recurrence_triton(
     `CHUNK_SIZE`.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if q.shape[1] == 0:  # nothing to run: the state passes through unchanged
+        B, _, H, K = q.shape
+        o = v.new_zeros(B, 0, H, v.shape[-1])
+        if not output_final_state:
+            return o, None
+        n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        final = q.new_zeros(n_seq, H, K, v.shape[-1], dtype=acc) if initial_state is None else initial_state.to(acc).clone()
+        return o, final
     o, final = ChunkRecurrence.apply(
         q, k, v, g, beta, write_key, erase, initial_state, scale, n_h, output_final_state, cu_seqlens, chunk_size
     )

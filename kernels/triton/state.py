@@ -25,7 +25,7 @@ from .decay import decay_rows, load_gate, load_rows, store_rows
 
 
 @triton.jit
-def _end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE: tl.constexpr, NH: tl.constexpr,
+def end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE: tl.constexpr, NH: tl.constexpr,
                K: tl.constexpr, ACC: tl.constexpr):
     """`(G_L, G_L - G_i)`: the chunk's total log-decay and each sub-step's decay to the end."""
     if GATE == 2:
@@ -80,7 +80,7 @@ def state_forward_kernel(
         row_k = tok0 * NH * H * K + i_h * K
         row_v = tok0 * NH * H * V + i_h * V
         p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
-        g_last, to_end = _end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE, NH, K, ACC)
+        g_last, to_end = end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE, NH, K, ACC)
         h_next = _decay_state(h, g_last, GATE)
         if MODE != 0:
             pp = load_rows(P + row_k, i_sub, valid, H * K, offs_k, K, ACC)
@@ -135,7 +135,7 @@ def state_backward_kernel(
         row_k = tok0 * NH * H * K + i_h * K
         row_v = tok0 * NH * H * V + i_h * V
         p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
-        g_last, to_end = _end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE, NH, K, ACC)
+        g_last, to_end = end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE, NH, K, ACC)
 
         qq = load_rows(q + tok0 * H * K + i_h * K, i_q, valid_q, H * K, offs_k, K, ACC)
         qq = decay_rows(qq, load_gate(p_g, i_q, valid_q, stride_g, offs_k, GATE, K, ACC), GATE) * scale

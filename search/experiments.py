@@ -1,0 +1,222 @@
+"""Experiments: a list of training runs compared on one task, as one YAML file.
+
+A reproduction of a paper's finding is an experiment (`specs/experiments/*.yaml`):
+
+```yaml
+name: deltaproduct-s3
+task: {name: s3, preset: cpu, options: {train_len: 32}}
+train: {steps: 3000}                   # keyword options of search.trainer.train
+set: [model.layers=1, mixer.short_conv=0]   # overrides for every run
+seeds: [0]
+runs:
+  - {name: "n_h=2, beta in [0,2]", spec: ../models/deltaproduct-2.yaml}
+  - {name: "n_h=1, beta in [0,2]", spec: ../models/deltaproduct-2.yaml, set: [mixer.transition.n_h=1]}
+report: [token_acc@32, token_acc@64, seq_acc@64]
+```
+
+`archspec experiment FILE --out DIR` trains every run and seed into
+`DIR/<run>/s<seed>/` and rewrites `DIR/results.json` and `DIR/results.md` (a table of the
+report metrics, per seed and the mean) after each one, atomically, so an interrupted
+experiment keeps what it finished; running it again skips the runs already done.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from archspec.atomic import write_text_atomic
+from archspec.errors import ArchspecError
+from archspec.spec.yaml_source import (
+    Override,
+    apply_overrides,
+    error_from_problems,
+    load_yaml_with_locations,
+    locate_problems,
+    validation_problems,
+)
+
+from .tasks import get_task
+from .trainer import METRICS_FILE, json_safe, train
+
+RESULTS_JSON = "results.json"
+RESULTS_MD = "results.md"
+# Keyword options an experiment may not pass to train(): the runner sets them.
+RUNNER_SETS: tuple[str, ...] = ("seed", "out_dir", "quiet", "device", "task_options", "preset", "overrides", "diagnostics", "spec_label")
+# What an experiment's `train:` may set: train()'s keyword options less the runner's own.
+TRAIN_OPTIONS = [n for n in inspect.signature(train).parameters if n not in ("spec", "task", *RUNNER_SETS)]
+
+
+class TaskRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    preset: str = "cpu"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class RunRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, description="How the run appears in the results table.")
+    spec: str = Field(min_length=1, description="Model spec, relative to the experiment file.")
+    set: list[str] = Field(default_factory=list, description="Overrides after the experiment's own.")
+    train: dict[str, Any] = Field(default_factory=dict, description="Trainer options over the experiment's.")
+
+
+class Experiment(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    description: str = ""
+    task: TaskRef
+    train: dict[str, Any] = Field(default_factory=dict)
+    set: list[str] = Field(default_factory=list)
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    runs: list[RunRef] = Field(min_length=1)
+    report: list[str] = Field(min_length=1, description="Metric names shown in results.md.")
+    diagnostics: bool = False
+
+
+def slug(name: str) -> str:
+    """A folder name for a run: `n_h=2, beta in [0,2]` -> `n_h-2-beta-in-0-2`."""
+    return re.sub(r"[^A-Za-z0-9_.]+", "-", name).strip("-").lower() or "run"
+
+
+def load_experiment(path: str | os.PathLike[str], overrides: Iterable[Override] = ()) -> tuple[Experiment, Path]:
+    """Read and validate an experiment file; errors name file:line:column and the field."""
+    doc = load_yaml_with_locations(path, what="experiment")
+    doc = apply_overrides(doc, list(overrides))
+    title = f"invalid experiment {doc.source}"
+    try:
+        exp = Experiment.model_validate(doc.data)
+    except ValidationError as exc:
+        raise error_from_problems(title, validation_problems(exc, doc, model=Experiment)) from None
+    base = Path(path).resolve().parent
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    names = [r.name for r in exp.runs]
+    for i, run in enumerate(exp.runs):
+        if not (base / run.spec).is_file():
+            problems.append((("runs", i, "spec"), f"no such model spec {run.spec!r} (relative to the experiment file)"))
+        if names.count(run.name) > 1 or [slug(n) for n in names].count(slug(run.name)) > 1:
+            problems.append((("runs", i, "name"), f"run name {run.name!r} is not unique"))
+    for where, options in [(("train",), exp.train)] + [(("runs", i, "train"), r.train) for i, r in enumerate(exp.runs)]:
+        for key in options:
+            if key in RUNNER_SETS:
+                problems.append((where + (key,), f"{key!r} is set by the experiment runner"))
+            elif key not in TRAIN_OPTIONS:
+                problems.append((where + (key,), f"the trainer has no option {key!r}; it takes {', '.join(TRAIN_OPTIONS)}"))
+    try:
+        get_task(exp.task.name, exp.task.preset, **exp.task.options)
+    except ArchspecError as exc:
+        problems.append((("task",), str(exc)))
+    if problems:
+        raise error_from_problems(title, locate_problems(doc, problems))
+    return exp, base
+
+
+def _mean(values: list[float | None]) -> float | None:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else None
+
+
+def results_table(exp: Experiment, results: dict[str, dict[str, Any]]) -> str:
+    """Markdown: one row per run, the report metrics as mean over finished seeds (and
+    each seed's value when there are several), status, steps and seconds."""
+    lines = [f"# {exp.name}", ""]
+    if exp.description:
+        lines += [exp.description.strip(), ""]
+    opts = ", ".join(f"{k}={v}" for k, v in exp.task.options.items())
+    lines += [f"Task `{exp.task.name}` (preset {exp.task.preset}{', ' + opts if opts else ''}); seeds {exp.seeds}.", ""]
+    header = ["run", *exp.report, "status", "steps", "seconds"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for run in exp.runs:
+        per_seed = results.get(run.name, {})
+        cells = [run.name]
+        for metric in exp.report:
+            values = [per_seed[str(s)]["metrics"].get(metric) for s in exp.seeds if str(s) in per_seed]
+            mean = _mean(values)
+            cell = "-" if mean is None else f"{mean:.3f}"
+            if len(values) > 1:
+                cell += " (" + ", ".join("-" if v is None else f"{v:.3f}" for v in values) + ")"
+            cells.append(cell)
+        done = [per_seed[str(s)] for s in exp.seeds if str(s) in per_seed]
+        cells.append(", ".join(sorted({d["status"] for d in done})) or "not run")
+        cells.append(", ".join(str(d["steps_done"]) for d in done) or "-")
+        cells.append(", ".join(f"{d['seconds']:.0f}" for d in done) or "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_experiment(
+    path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    device: str | None = None,
+    overrides: Iterable[Override] = (),
+    only: Iterable[str] = (),
+    fresh: bool = False,
+    quiet: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """Train every run and seed of the experiment (or the runs named in `only`)."""
+    exp, base = load_experiment(path, overrides)
+    wanted = set(only)
+    unknown = wanted - {r.name for r in exp.runs} - {slug(r.name) for r in exp.runs}
+    if unknown:
+        raise ArchspecError(f"--only {', '.join(sorted(unknown))}: no such run; runs: {', '.join(r.name for r in exp.runs)}")
+    out = Path(out_dir)
+    results: dict[str, dict[str, Any]] = {}
+    for run in exp.runs:
+        results[run.name] = {}
+        for seed in exp.seeds:
+            folder = out / slug(run.name) / f"s{seed}"
+            metrics_file = folder / METRICS_FILE
+            selected = not wanted or run.name in wanted or slug(run.name) in wanted
+            if metrics_file.exists() and (not fresh or not selected):
+                record = json.loads(metrics_file.read_text())
+                if record.get("status") in ("ok", "diverged"):
+                    results[run.name][str(seed)] = _summary(record)
+                    continue
+            if not selected:
+                continue
+            task = get_task(exp.task.name, exp.task.preset, **exp.task.options)
+            result = train(
+                str(base / run.spec),
+                task,
+                seed=seed,
+                device=device,
+                out_dir=folder,
+                overrides=[*exp.set, *run.set],
+                diagnostics=exp.diagnostics,
+                quiet=quiet,
+                preset=exp.task.preset,
+                spec_label=run.spec,
+                **{**exp.train, **run.train},
+            )
+            results[run.name][str(seed)] = _summary(result.record)
+            _write_results(out, exp, results)
+    _write_results(out, exp, results)
+    return results
+
+
+def _summary(record: dict[str, Any]) -> dict[str, Any]:
+    train = record.get("train", {})
+    return {
+        "status": record.get("status"),
+        "reason": record.get("reason"),
+        "metrics": {k: v for k, v in record.get("metrics", {}).items()},
+        "steps_done": train.get("steps_done", 0),
+        "seconds": train.get("seconds", 0.0),
+        "device": train.get("device"),
+    }
+
+
+def _write_results(out: Path, exp: Experiment, results: dict[str, dict[str, Any]]) -> None:
+    payload = {"experiment": exp.model_dump(mode="json"), "results": results}
+    write_text_atomic(out / RESULTS_JSON, json.dumps(json_safe(payload), indent=2, allow_nan=False) + "\n")
+    write_text_atomic(out / RESULTS_MD, results_table(exp, results))

@@ -89,13 +89,15 @@ class _DyadicChannelScores:
         nr = n_h if rows == "substeps" else 1
         K = x.shape[-1]
         out = x.new_zeros(*batch, ct * nr, ct * n_h)
-        # Leaves: pairs within one token, no gate between them.
-        xt, yt = x.reshape(*batch, ct, nr, 1, K), y.reshape(*batch, ct, 1, n_h, K)
-        leaves = (xt * yt).sum(-1)  # [..., Ct, nr, n_h]
-        if rows == "substeps":
-            leaves = leaves.tril(-1)  # strictly earlier sub-steps only
-        token_pairs = out.view(*batch, ct, nr, ct, n_h)
-        torch.diagonal(token_pairs, dim1=-4, dim2=-2).copy_(leaves.movedim(-3, -1))
+        # Leaves: pairs within one token, no gate between them (none when a token has a
+        # single sub-step and rows are sub-steps: nothing is strictly earlier in it).
+        if rows == "queries" or n_h > 1:
+            xt, yt = x.reshape(*batch, ct, nr, 1, K), y.reshape(*batch, ct, 1, n_h, K)
+            leaves = (xt * yt).sum(-1)  # [..., Ct, nr, n_h]
+            if rows == "substeps":
+                leaves = leaves.tril(-1)  # strictly earlier sub-steps only
+            token_pairs = out.view(*batch, ct, nr, ct, n_h)
+            torch.diagonal(token_pairs, dim1=-4, dim2=-2).copy_(leaves.movedim(-3, -1))
         # Level m: rows of each block's second half against columns of its first half.
         for m, col_factor, row_factor in self.levels:
             nb = ct // (2 * m)

@@ -168,6 +168,14 @@ def test_early_stop_and_evaluation_of_a_perfect_model(monkeypatch):
     assert result.metrics["token_acc@32"] == 1.0 and result.metrics["seq_acc@32"] == 1.0
 
 
+def test_time_limit_ends_the_loop_and_still_evaluates():
+    result = trainer.train(
+        DELTANET, tiny_s3(), steps=10_000, overrides=TINY, quiet=True, measure_throughput=False, time_limit_s=0.0
+    )
+    assert result.status == "ok" and result.steps_done == 1 and result.record["train"]["time_limited"]
+    assert "token_acc@8" in result.metrics
+
+
 def test_schedule_by_hand():
     cfg = trainer.TrainConfig(steps=110, batch_size=1, lr=1.0, warmup_steps=10, eval_every=10, min_lr_ratio=0.1)
     assert trainer.lr_factor(0, cfg) == pytest.approx(0.1)
@@ -208,3 +216,45 @@ def test_cli_train_bad_input_is_one_clear_line(tmp_path, capsys, argv, message):
     code = main(["train", DELTANET, "--out", str(tmp_path), "--quiet", *argv])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def _experiment_file(tmp_path, **extra) -> Path:
+    import yaml
+
+    data = {
+        "name": "tiny",
+        "task": {"name": "s3", "options": {"train_len": 4, "eval_size": 8}},
+        "train": {"steps": 2, "batch_size": 4, "measure_throughput": False},
+        "set": TINY,
+        "seeds": [0, 1],
+        "runs": [
+            {"name": "dn", "spec": DELTANET},
+            {"name": "dp2", "spec": DELTANET, "set": ["mixer.transition.n_h=2", "mixer.transition.beta_range=[0,2]"]},
+        ],
+        "report": ["token_acc@4", "token_acc@8"],
+        **extra,
+    }
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_experiment_runs_every_run_and_seed_then_resumes(tmp_path, capsys):
+    path, out = _experiment_file(tmp_path), tmp_path / "out"
+    assert main(["experiment", str(path), "--out", str(out), "--quiet"]) == 0
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert set(results) == {"dn", "dp2"} and set(results["dn"]) == {"0", "1"}
+    # Each cell of results.md is the mean of the seeds' metrics.json values.
+    seeds = [json.loads((out / "dp2" / f"s{s}" / "metrics.json").read_text())["metrics"]["token_acc@8"] for s in (0, 1)]
+    row = next(line for line in (out / "results.md").read_text().splitlines() if line.startswith("| dp2 |"))
+    assert f"{sum(seeds) / 2:.3f} ({seeds[0]:.3f}, {seeds[1]:.3f})" in row
+    stamp = (out / "dn" / "s0" / "metrics.json").stat().st_mtime_ns
+    assert main(["experiment", str(path), "--out", str(out), "--quiet", "--only", "dp2", "--fresh"]) == 0
+    assert (out / "dn" / "s0" / "metrics.json").stat().st_mtime_ns == stamp  # not retrained
+
+
+def test_experiment_errors_name_the_field(tmp_path, capsys):
+    path = _experiment_file(tmp_path, train={"stepz": 3}, runs=[{"name": "x", "spec": "nope.yaml"}])
+    assert main(["experiment", str(path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "train.stepz" in err and "no option 'stepz'" in err and "runs[0].spec" in err and "nope.yaml" in err

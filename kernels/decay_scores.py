@@ -83,6 +83,27 @@ class _DyadicChannelScores:
             }
             self.levels.append((m, cols, rows))
             m *= 2
+        # The same q, k, w, a enter several score matrices: their rescaled halves are
+        # kept per input tensor (the tensor is held too, so its id stays unique).
+        self._rescaled: dict[tuple, tuple[Tensor, list[Tensor]]] = {}
+
+    def _halves(self, x: Tensor, side: str) -> list[Tensor]:
+        """Per level: `x`'s rows in each block's second half times `exp(G_r - ref)`
+        (`side` "substeps"/"queries"), or its columns in the first half times
+        `exp(ref - G_c)` (`side` "columns")."""
+        key = (id(x), side)
+        if key not in self._rescaled or self._rescaled[key][0] is not x:
+            K = x.shape[-1]
+            per_token = self.n_h if side != "queries" else 1
+            hats = []
+            for m, col_factor, row_factor in self.levels:
+                blocks = x.reshape(*self.batch, self.ct // (2 * m), 2, m * per_token, K)
+                if side == "columns":
+                    hats.append(blocks[..., 0, :, :] * col_factor)
+                else:
+                    hats.append(blocks[..., 1, :, :] * row_factor[side])
+            self._rescaled[key] = (x, hats)
+        return self._rescaled[key][1]
 
     def __call__(self, x: Tensor, y: Tensor, rows: Rows) -> Tensor:
         ct, n_h, batch = self.ct, self.n_h, self.batch
@@ -99,10 +120,8 @@ class _DyadicChannelScores:
             token_pairs = out.view(*batch, ct, nr, ct, n_h)
             torch.diagonal(token_pairs, dim1=-4, dim2=-2).copy_(leaves.movedim(-3, -1))
         # Level m: rows of each block's second half against columns of its first half.
-        for m, col_factor, row_factor in self.levels:
+        for (m, _, _), rows_hat, cols_hat in zip(self.levels, self._halves(x, rows), self._halves(y, "columns")):
             nb = ct // (2 * m)
-            rows_hat = x.reshape(*batch, nb, 2, m * nr, K)[..., 1, :, :] * row_factor[rows]
-            cols_hat = y.reshape(*batch, nb, 2, m * n_h, K)[..., 0, :, :] * col_factor
             cross = rows_hat @ cols_hat.transpose(-1, -2)  # [..., nb, m*nr, m*n_h]
             block_pairs = out.view(*batch, nb, 2, m * nr, nb, 2, m * n_h)
             same_block = torch.diagonal(block_pairs, dim1=-6, dim2=-3)  # [..., 2, m*nr, 2, m*n_h, nb]

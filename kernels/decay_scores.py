@@ -65,43 +65,48 @@ class _DyadicChannelScores:
     def __init__(self, G: Tensor, ct: int, n_h: int):
         if ct & (ct - 1):
             raise ValueError(f"channel-gate scores need a power-of-two number of tokens per chunk, got {ct}")
-        *self.batch, _, K = G.shape
+        *self.batch, _, self.K = G.shape
         self.ct, self.n_h = ct, n_h
-        gy = G.reshape(*self.batch, ct, n_h, K)
-        g_rows = {"substeps": gy, "queries": gy[..., -1:, :]}  # a read-out sits at its token's end
-        # per level (block of 2m tokens): m, the column factors of the first halves and the
-        # row factors of the second halves, exp(ref - G_c) and exp(G_r - ref), both <= 1
-        self.levels: list[tuple[int, Tensor, dict[str, Tensor]]] = []
-        m = 1
-        while m < ct:
-            nb = ct // (2 * m)
-            halves = gy.reshape(*self.batch, nb, 2, m * n_h, K)
-            ref = halves[..., 0, -1:, :]  # G at the block's midpoint: [..., nb, 1, K]
-            cols = torch.exp(ref - halves[..., 0, :, :])
-            rows = {
-                kind: torch.exp(g.reshape(*self.batch, nb, 2, -1, K)[..., 1, :, :] - ref) for kind, g in g_rows.items()
-            }
-            self.levels.append((m, cols, rows))
-            m *= 2
-        # The same q, k, w, a enter several score matrices: their rescaled halves are
-        # kept per input tensor (the tensor is held too, so its id stays unique).
+        self.G = G  # [..., L, K]
+        self.G_query = G.reshape(*self.batch, ct, n_h, self.K)[..., -1, :]  # a read-out sits at its token's end
+        self.block_sizes = [1 << level for level in range(ct.bit_length() - 1)]  # m = 1, 2, .., Ct/2
+        # Decay factors and rescaled inputs, made on first use: the same G, q, k, w, a
+        # enter several score matrices (inputs are held too, so their ids stay unique).
+        self._factors: dict[str, list[Tensor]] = {}
         self._rescaled: dict[tuple, tuple[Tensor, list[Tensor]]] = {}
 
+    def _blocks(self, x: Tensor, m: int, per_token: int) -> Tensor:
+        """`[..., Ct*per_token, D]` -> `[..., nb, 2, m*per_token, D]`: halves of 2m-token blocks."""
+        return x.reshape(*self.batch, self.ct // (2 * m), 2, m * per_token, x.shape[-1])
+
+    def _level_factors(self, side: str) -> list[Tensor]:
+        """Per block size `m`: `exp(ref - G_c)` for the columns of each block's first half
+        (`side` "columns"), or `exp(G_r - ref)` for the rows of its second half ("substeps",
+        "queries"); `ref` is G at the block's midpoint, so both are <= 1."""
+        if side not in self._factors:
+            factors = []
+            for m in self.block_sizes:
+                g_cols = self._blocks(self.G, m, self.n_h)
+                ref = g_cols[..., 0, -1:, :]  # [..., nb, 1, K]
+                if side == "columns":
+                    factors.append(torch.exp(ref - g_cols[..., 0, :, :]))
+                else:
+                    g_rows = self._blocks(self.G, m, self.n_h) if side == "substeps" else self._blocks(self.G_query, m, 1)
+                    factors.append(torch.exp(g_rows[..., 1, :, :] - ref))
+            self._factors[side] = factors
+        return self._factors[side]
+
     def _halves(self, x: Tensor, side: str) -> list[Tensor]:
-        """Per level: `x`'s rows in each block's second half times `exp(G_r - ref)`
-        (`side` "substeps"/"queries"), or its columns in the first half times
-        `exp(ref - G_c)` (`side` "columns")."""
+        """Per block size: `x`'s rows of each block's second half (`side` "substeps" or
+        "queries") or its columns of the first half ("columns"), times their factors."""
         key = (id(x), side)
         if key not in self._rescaled or self._rescaled[key][0] is not x:
-            K = x.shape[-1]
-            per_token = self.n_h if side != "queries" else 1
-            hats = []
-            for m, col_factor, row_factor in self.levels:
-                blocks = x.reshape(*self.batch, self.ct // (2 * m), 2, m * per_token, K)
-                if side == "columns":
-                    hats.append(blocks[..., 0, :, :] * col_factor)
-                else:
-                    hats.append(blocks[..., 1, :, :] * row_factor[side])
+            per_token = 1 if side == "queries" else self.n_h
+            half = 0 if side == "columns" else 1
+            hats = [
+                self._blocks(x, m, per_token)[..., half, :, :] * factor
+                for m, factor in zip(self.block_sizes, self._level_factors(side))
+            ]
             self._rescaled[key] = (x, hats)
         return self._rescaled[key][1]
 
@@ -120,7 +125,7 @@ class _DyadicChannelScores:
             token_pairs = out.view(*batch, ct, nr, ct, n_h)
             torch.diagonal(token_pairs, dim1=-4, dim2=-2).copy_(leaves.movedim(-3, -1))
         # Level m: rows of each block's second half against columns of its first half.
-        for (m, _, _), rows_hat, cols_hat in zip(self.levels, self._halves(x, rows), self._halves(y, "columns")):
+        for m, rows_hat, cols_hat in zip(self.block_sizes, self._halves(x, rows), self._halves(y, "columns")):
             nb = ct // (2 * m)
             cross = rows_hat @ cols_hat.transpose(-1, -2)  # [..., nb, m*nr, m*n_h]
             block_pairs = out.view(*batch, nb, 2, m * nr, nb, 2, m * n_h)

@@ -47,7 +47,7 @@ For householder `a = beta w` folds the erase into the write: the value written w
 `U - D (Tk S_0 + Tu)` into `T (U - D (k * Gamma) S_0)`: one inverse with beta on the rows,
 as in flash-linear-attention's DeltaNet (its `w` and `u` are `P` and `N` here).
 
-and the only sequential part is, chunk after chunk (the `chunk_delta_h` loop of
+The only sequential part is then, chunk after chunk (the `chunk_delta_h` loop of
 flash-linear-attention, in these terms):
 
     nu  = N - P S_0                                  ("v_new")

@@ -87,9 +87,8 @@ def test_erase_with_beta_matches_naive():
     assert_matches_naive(inputs, chunk_sizes=(6, None))
 
 
-def test_diagonal_with_beta_is_a_scaled_write():
-    # `beta` given without erase on a diagonal layer is the delta rule; here: a write-only
-    # path (no beta, no erase) with an untied key and initial state across many chunks.
+def test_write_only_path_over_many_chunks():
+    # No beta, no erase (diagonal): an untied key and an initial state across five chunks.
     case = Case(gate="channel", transition="diagonal", write_key="untied", initial_state=True)
     assert_matches_naive(make_inputs(case, B=2, T=40, H=1, K=4, V=3, seed=6), chunk_sizes=(8,))
 
@@ -239,6 +238,25 @@ def test_osdn_cu_seqlens_restarts_d():
     w2, d2 = osdn_write_keys(**alone, eta=0.3, backend="torch")
     torch.testing.assert_close(w[:, 8:], w2, **F64)
     torch.testing.assert_close(d[2:3], d2, **F64)
+
+
+def graph_size(t: torch.Tensor) -> int:
+    """Number of autograd nodes reachable from `t`."""
+    seen, stack = set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return len(seen)
+
+
+def test_osdn_graph_does_not_grow_with_length():
+    short, long = (osdn_inputs(T=T, n_h=2, retain=True, d0_shape=(2, 4)) for T in (4, 300))
+    sizes = [graph_size(osdn_write_keys(**x, backend="torch")[0]) for x in (short, long)]
+    assert sizes[0] == sizes[1] < 40
+    assert graph_size(osdn_write_keys(**short, backend="naive")[0]) > sizes[0]  # the loop's graph grows
 
 
 def test_osdn_scan_gradcheck():

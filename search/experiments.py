@@ -170,37 +170,42 @@ def run_experiment(
     if unknown:
         raise ArchspecError(f"--only {', '.join(sorted(unknown))}: no such run; runs: {', '.join(r.name for r in exp.runs)}")
     out = Path(out_dir)
-    results: dict[str, dict[str, Any]] = {}
+
+    def selected(run: RunRef) -> bool:
+        return not wanted or run.name in wanted or slug(run.name) in wanted
+
+    # First what earlier invocations finished, so that results.md shows it from the start.
+    results: dict[str, dict[str, Any]] = {run.name: {} for run in exp.runs}
+    todo: list[tuple[RunRef, int, Path]] = []
     for run in exp.runs:
-        results[run.name] = {}
         for seed in exp.seeds:
             folder = out / slug(run.name) / f"s{seed}"
             metrics_file = folder / METRICS_FILE
-            selected = not wanted or run.name in wanted or slug(run.name) in wanted
-            if metrics_file.exists() and (not fresh or not selected):
+            if metrics_file.exists() and not (fresh and selected(run)):
                 record = json.loads(metrics_file.read_text())
                 if record.get("status") in ("ok", "diverged"):
                     results[run.name][str(seed)] = _summary(record)
                     continue
-            if not selected:
-                continue
-            task = get_task(exp.task.name, exp.task.preset, **exp.task.options)
-            result = train(
-                str(base / run.spec),
-                task,
-                seed=seed,
-                device=device,
-                out_dir=folder,
-                overrides=[*exp.set, *run.set],
-                diagnostics=exp.diagnostics,
-                quiet=quiet,
-                preset=exp.task.preset,
-                spec_label=run.spec,
-                **{**exp.train, **run.train},
-            )
-            results[run.name][str(seed)] = _summary(result.record)
-            _write_results(out, exp, results)
+            if selected(run):
+                todo.append((run, seed, folder))
     _write_results(out, exp, results)
+    for run, seed, folder in todo:
+        task = get_task(exp.task.name, exp.task.preset, **exp.task.options)
+        result = train(
+            str(base / run.spec),
+            task,
+            seed=seed,
+            device=device,
+            out_dir=folder,
+            overrides=[*exp.set, *run.set],
+            diagnostics=exp.diagnostics,
+            quiet=quiet,
+            preset=exp.task.preset,
+            spec_label=run.spec,
+            **{**exp.train, **run.train},
+        )
+        results[run.name][str(seed)] = _summary(result.record)
+        _write_results(out, exp, results)
     return results
 
 

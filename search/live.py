@@ -25,6 +25,7 @@ from ray.tune import Callback
 from archspec.search.pareto import front_of
 from archspec.search.rundir import FAILED, RunDir, TrialRecord, trained_count
 from archspec.search.space import SearchSpec
+from archspec.search.trial import record_from_result
 from archspec.search.tables import counts_line, front_table, short_fields
 
 MAX_FRONT_ROWS = 12
@@ -37,11 +38,11 @@ class RecordingCallback(Callback):
         self.run = run
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
-        record = result.get("record")
-        if record:
-            existing = self.run.read_trial(int(record["number"]))
+        record = record_from_result(result)
+        if record is not None:
+            existing = self.run.read_trial(record.number)
             if existing is None or existing.status is None:
-                self.run.write_trial_result(TrialRecord.from_json(record))
+                self.run.write_trial_result(record)
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         number = int(trial.config["trial_number"])

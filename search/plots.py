@@ -55,15 +55,19 @@ def plot_accuracy(
         for split, curve in entries:
             label = curve.label if len(curves) == 1 else f"{split}: {curve.label}"
             values = _finite(curve.values)
-            if sparse:  # e.g. recall: only query positions are scored
+            if curve.positions is not None:  # one point per split, e.g. per test length
+                ax.plot(curve.positions, values, marker="o", label=label)
+            elif sparse:  # e.g. recall: only query positions are scored
                 ax.plot(_positions(values), values, marker=".", linestyle="none", label=label)
             else:
                 ax.plot(_positions(values), values, label=label)
         ax.axvline(train_len, color="grey", linestyle="--", linewidth=1, label=f"training length {train_len}")
-        ax.set_xlabel("position t")
+        by_length = all(c.positions is not None for _, c in entries)
+        ax.set_xlabel("sequence length" if by_length else "position t")
         ax.set_ylabel(ylabel)
         if ylabel == "accuracy":
-            ax.set_ylim(-0.02, 1.02)
+            # scaled accuracy can fall below 0 (worse than chance)
+            ax.set_ylim(min([-0.02, *(v for _, c in entries for v in _finite(c.values) if not math.isnan(v))]), 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if title:

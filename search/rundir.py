@@ -107,6 +107,7 @@ class TrialRecord:
     finished_at: float | None = None
     host: str | None = None
     device: str | None = None
+    placement: dict[str, Any] = field(default_factory=dict)  # Ray node, cluster address, GPU ids
 
     @property
     def duration_s(self) -> float | None:

@@ -66,8 +66,18 @@ class SearchOutcome:
 # --------------------------------------------------------------------------- run directory
 
 
-def prepare_run(out: str | os.PathLike[str], loaded: LoadedSearch | None, *, resume: bool, trials: int | None) -> tuple[RunDir, LoadedSearch]:
-    """Create the run directory, or check it for a resume; returns the search to run.
+@dataclass(frozen=True)
+class RunPlan:
+    """What a session will run, decided before anything is written or started."""
+
+    run: RunDir
+    loaded: LoadedSearch  # the search as it will run (base_file: the run's base.yaml once written)
+    fresh: bool  # a new run directory: search.yaml and base.yaml are still to be written
+    note: str | None  # why search.yaml is (re)written, or None when it stays as it is
+
+
+def resolve_run(out: str | os.PathLike[str], loaded: LoadedSearch | None, *, resume: bool, trials: int | None) -> RunPlan:
+    """Check the run directory and decide the search to run; writes nothing.
 
     The stored `search.yaml` (with `base: base.yaml`) is what a resumed search runs: the
     base spec file may have changed since, the run must not. Only the number of trials
@@ -83,12 +93,11 @@ def prepare_run(out: str | os.PathLike[str], loaded: LoadedSearch | None, *, res
         stored = load_search_spec(run.search_file)
         if loaded is not None:
             _check_same_search(stored, loaded, run)
-        spec = stored.spec
+        spec, note = stored.spec, None
         wanted = trials or (loaded.spec.budget.trials if loaded is not None else None)
         if wanted is not None and wanted != spec.budget.trials:
-            spec = _with_trials(spec, wanted)
-            _write_search(run, spec, note=f"budget.trials changed to {wanted} on resume")
-        return run, LoadedSearch(spec=spec, base=stored.base, base_file=run.base_file, source=str(run.search_file))
+            spec, note = _with_trials(spec, wanted), f"budget.trials changed to {wanted} on resume"
+        return RunPlan(run, LoadedSearch(spec, stored.base, run.base_file, str(run.search_file)), False, note)
     if loaded is None:
         raise ArchspecError(f"{run.path}: nothing to resume (no {run.search_file.name}); give the search spec to start one")
     if run.path.exists() and any(run.path.iterdir()):
@@ -97,10 +106,18 @@ def prepare_run(out: str | os.PathLike[str], loaded: LoadedSearch | None, *, res
             [(Location(origin=f"--out {out}"), None, "choose an empty or new directory, so that nothing there is overwritten")],
         )
     spec = _with_trials(loaded.spec, trials) if trials else loaded.spec
-    write_yaml_atomic(run.base_file, loaded.base.model_dump(mode="json", exclude_none=True),
-                      header=f"# the base spec of this search, resolved from {loaded.base_file}\n")
-    _write_search(run, spec, note=f"resolved from {loaded.source}")
-    return run, LoadedSearch(spec=spec, base=loaded.base, base_file=run.base_file, source=str(run.search_file))
+    return RunPlan(run, LoadedSearch(spec, loaded.base, loaded.base_file, loaded.source), True, f"resolved from {loaded.source}")
+
+
+def write_run(plan: RunPlan) -> LoadedSearch:
+    """Write what `resolve_run` decided; returns the search as read from the run directory."""
+    run, loaded = plan.run, plan.loaded
+    if plan.fresh:
+        write_yaml_atomic(run.base_file, loaded.base.model_dump(mode="json", exclude_none=True),
+                          header=f"# the base spec of this search, resolved from {loaded.base_file}\n")
+    if plan.note:
+        _write_search(run, loaded.spec, note=plan.note)
+    return LoadedSearch(loaded.spec, loaded.base, run.base_file, str(run.search_file))
 
 
 def _with_trials(spec: SearchSpec, trials: int) -> SearchSpec:
@@ -242,55 +259,102 @@ def run_search(
     """Run (or resume) a search into the run directory `out`."""
     from archspec.search.samplers import make_sampler
 
-    run, loaded = prepare_run(out, loaded, resume=resume, trials=trials)
-    spec = loaded.spec
-    base_values = loaded.base_values
-    sampler = make_sampler(spec)
-    study = open_study(run, spec, sampler)
-    reconcile(run, study, spec.metric_names)
-
+    plan = resolve_run(out, loaded, resume=resume, trials=trials)
+    run, spec = plan.run, plan.loaded.spec
+    base_values = plan.loaded.base_values
     setup = TrialSetup(run_dir=str(run.path), search=spec, train_fn=train_fn)
     tasks = [make_task(ref) for ref in spec.tasks]
-    target = spec.budget.trials
-    if spec.sampler == "grid":
-        points = grid_points(spec.space, base_values)
-        if not study.trials:  # a fresh grid: queue every point once
-            for point in points:
-                study.enqueue_trial(optuna_params(spec.space, point, base_values))
-        target = min(target, _trainable_grid_size(points, setup, tasks))
-    trained = trained_count(run.read_trials())
-    outcome = SearchOutcome(run=run, spec=spec, target=target, trained=trained)
-    if outcome.complete:
-        return outcome
+    points = grid_points(spec.space, base_values) if spec.sampler == "grid" else []
+
+    def target() -> int:  # needs the run's base.yaml
+        return min(spec.budget.trials, _trainable_grid_size(points, setup, tasks)) if points else spec.budget.trials
+
+    outcome = SearchOutcome(run=run, spec=spec, target=spec.budget.trials, trained=trained_count(run.read_trials()))
+    if not plan.fresh:
+        outcome.target = target()
+        if outcome.complete:
+            write_run(plan)
+            return outcome
 
     def define_by_run(trial: Any) -> dict[str, Any]:
         return {"trial_number": trial.number, "overrides": suggest_overrides(trial, spec.space, base_values)}
 
+    handed_out: dict[str, int] = {}  # overrides -> trial number, accepted this session (no files yet)
+
     def reject(number: int, overrides: dict[str, Any]) -> Rejection | None:
-        rejection, metrics = _repeat_of(run, overrides, spec.metric_names), {}
+        rejection, metrics = _repeat_of(run, overrides, spec.metric_names, handed_out), {}
         if rejection is None:
             verdict = precheck(setup, overrides, tasks)
             if verdict.status == OK:
+                handed_out[json.dumps(overrides, sort_keys=True)] = number
                 return None
             rejection, metrics = Rejection(verdict.status, verdict.reason or ""), verdict.cost
-        now = time.time()
-        run.write_trial_result(TrialRecord(
-            number=number, status=rejection.status, reason=rejection.reason, overrides=dict(overrides),
-            metrics=metrics, started_at=now, finished_at=now,
-        ))
+        _record_rejection(run, number, overrides, rejection, metrics)
         return rejection
 
     with ray_session(address, spec):
-        _check_resources_fit(spec, address)
-        outcome.stopped_because, outcome.exhausted = _fit(setup, spec, run, study, sampler, define_by_run, reject, target - trained, live)
+        _check_resources_fit(spec, address)  # before anything is written: a refused run leaves no trace
+        write_run(plan)
+        outcome.target = target()
+        sampler = make_sampler(spec)
+        study = open_study(run, spec, sampler)
+        reconcile(run, study, spec.metric_names)
+        if points and not study.trials:
+            _queue_grid(study, points, setup, tasks, base_values)
+        remaining = outcome.target - trained_count(run.read_trials())
+        if remaining > 0:
+            outcome.stopped_because, outcome.exhausted = _fit(setup, spec, run, sampler, define_by_run, reject, remaining, live)
     outcome.trained = trained_count(run.read_trials())
     return outcome
 
 
-def _repeat_of(run: RunDir, overrides: dict[str, Any], metric_names: list[str]) -> Rejection | None:
-    """A proposal identical to a trial that trained or is training is not trained again."""
+def _record_rejection(run: RunDir, number: int, overrides: dict[str, Any], rejection: Rejection, metrics: dict[str, float]) -> None:
+    now = time.time()
+    run.write_trial_result(TrialRecord(
+        number=number, status=rejection.status, reason=rejection.reason, overrides=dict(overrides),
+        metrics=metrics, started_at=now, finished_at=now,
+    ))
+
+
+def _queue_grid(study: Any, points: list[dict[str, Any]], setup: TrialSetup, tasks: list[Any], base_values: dict[str, Any]) -> None:
+    """A fresh grid: record the points the precheck refuses, queue the others once each.
+
+    Refused points are asked and told one by one before anything else is queued, so
+    that the study hands back exactly that point (it pops the oldest queued trial).
+    """
+    from optuna.trial import TrialState
+
+    space = setup.search.space
+    good = []
+    for point in points:
+        verdict = precheck(setup, point, tasks)
+        if verdict.status == OK:
+            good.append(point)
+            continue
+        study.enqueue_trial(optuna_params(space, point, base_values))
+        trial = study.ask()
+        overrides = suggest_overrides(trial, space, base_values)
+        rejection = Rejection(verdict.status, verdict.reason or "")
+        trial.set_user_attr("overrides", overrides)
+        trial.set_user_attr("status", rejection.status)
+        trial.set_user_attr("reason", rejection.reason)
+        study.tell(trial, state=TrialState.FAIL)
+        _record_rejection(setup.run, trial.number, overrides, rejection, verdict.cost)
+    for point in good:
+        study.enqueue_trial(optuna_params(space, point, base_values))
+
+
+def _repeat_of(run: RunDir, overrides: dict[str, Any], metric_names: list[str], handed_out: dict[str, int]) -> Rejection | None:
+    """A proposal identical to a trial that trained or is training is not trained again.
+
+    `handed_out` covers trials accepted moments ago whose worker has not started yet.
+    """
     key = json.dumps(overrides, sort_keys=True)
-    for record in run.read_trials():
+    records = run.read_trials()
+    finished = {r.number for r in records if r.status is not None}
+    if key in handed_out and handed_out[key] not in finished:
+        return Rejection(DUPLICATE, f"the same overrides as trial {handed_out[key]}, which is still training")
+    for record in records:
         if record.status not in (None, *TRAINED_STATUSES) or json.dumps(record.overrides, sort_keys=True) != key:
             continue
         values = [record.metrics.get(m) for m in metric_names] if record.status == OK else None
@@ -304,7 +368,7 @@ def _trainable_grid_size(points: list[dict[str, Any]], setup: TrialSetup, tasks:
     return sum(precheck(setup, point, tasks).status == OK for point in points)
 
 
-def _fit(setup, spec, run, study, sampler, define_by_run, reject, remaining, live) -> tuple[str | None, bool]:
+def _fit(setup, spec, run, sampler, define_by_run, reject, remaining, live) -> tuple[str | None, bool]:
     import optuna
     from ray import tune
 

@@ -28,7 +28,8 @@ from optuna.trial import TrialState
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
-from archspec.search.rundir import OK
+from archspec.search.rundir import DUPLICATE, OK
+from archspec.search.trial import record_from_result
 
 # Proposals rejected in a row before the search gives up: the space is then (almost)
 # entirely outside the constraints, and the user should hear so instead of waiting.
@@ -83,15 +84,15 @@ class ArchspecOptunaSearch(OptunaSearch):
                 return config
             ot_trial.set_user_attr("status", rejection.status)
             ot_trial.set_user_attr("reason", rejection.reason)
+            repeats += rejection.status == DUPLICATE
             if rejection.values is not None:
-                repeats += 1
                 self._ot_study.tell(ot_trial, rejection.values, state=TrialState.COMPLETE)
             else:
                 self._ot_study.tell(ot_trial, state=TrialState.FAIL)
             del self._ot_trials[trial_id]  # the next round asks the study for a new trial
         self.exhausted = repeats == MAX_REJECTIONS_IN_A_ROW
         self.stopped_because = (
-            f"the sampler proposed only points already trained in its last {MAX_REJECTIONS_IN_A_ROW} proposals: "
+            f"the sampler proposed only points already trained or training in its last {MAX_REJECTIONS_IN_A_ROW} proposals: "
             "the space looks exhausted" if self.exhausted else
             f"{MAX_REJECTIONS_IN_A_ROW} proposals in a row were refused, broke a constraint or repeated a trial; "
             "loosen the constraints or widen the space (see the `skipped`/`invalid` trials)"
@@ -110,9 +111,9 @@ class ArchspecOptunaSearch(OptunaSearch):
             ot_trial.set_user_attr("status", OK)
             self._ot_study.tell(ot_trial, values, state=TrialState.COMPLETE)
         else:
-            record = (result or {}).get("record") or {}
+            record = record_from_result(result)
             ot_trial.set_user_attr("status", (result or {}).get("status") or "failed")
-            ot_trial.set_user_attr("reason", record.get("reason") or ("the trial's worker failed" if error else "no result"))
+            ot_trial.set_user_attr("reason", (record and record.reason) or ("the trial's worker failed" if error else "no result"))
             self._ot_study.tell(ot_trial, state=TrialState.FAIL)
         self._completed_trials.add(trial_id)
 

@@ -159,6 +159,8 @@ def evaluate(
         if with_curves:
             curves[split] = task.curves(outcome, split)
     metrics.update(task.summarize(metrics))
+    if with_curves and (across := task.summary_curves(metrics)):
+        curves["by length"] = across
     model.train(was_training)
     return metrics, curves
 
@@ -425,7 +427,7 @@ def _write_outputs(out: Path, record: dict[str, Any], curves: dict[str, list[Cur
         spec_name = record["spec"].get("name", "") if isinstance(record["spec"], dict) else ""
         title = f"{spec_name} on {task.name}".strip()
         if curves:
-            png = plots.plot_accuracy(curves, task.train_len, out / "accuracy.png", title=title)
+            png = plots.plot_accuracy(curves, task.plot_train_len, out / "accuracy.png", title=title)
             if png is not None:
                 files["accuracy_plot"] = png.name
         if diagnostics and "diagnostics" in record:

@@ -14,6 +14,7 @@ model's `params`, `flops_per_token` and `state_bytes` (of the first task's vocab
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import socket
 import time
@@ -26,7 +27,8 @@ from archspec.errors import ArchspecError
 from archspec.search.rundir import DIVERGED, FAILED, INVALID, OK, SKIPPED, TRIAL_SPEC_FILE, RunDir, TrialRecord, write_yaml_atomic
 from archspec.search.space import SearchSpec, TaskRef
 
-TrainFn = Callable[..., Any]  # train(spec, task, *, steps, seed, device, out_dir, ...) -> TrainResult
+TrainFn = Callable[..., Any]
+RECORD_KEY = "archspec_record"  # the reported result's copy of the trial record  # train(spec, task, *, steps, seed, device, out_dir, ...) -> TrainResult
 
 
 @dataclass(frozen=True)
@@ -143,10 +145,13 @@ def default_train() -> TrainFn:
     return train
 
 
-def execute_trial(setup: TrialSetup, number: int, overrides: Mapping[str, Any]) -> TrialRecord:
+def execute_trial(
+    setup: TrialSetup, number: int, overrides: Mapping[str, Any], placement: Mapping[str, Any] | None = None
+) -> TrialRecord:
     """Train one trial on every task and write its record; never raises for a bad trial."""
     run, search = setup.run, setup.search
-    record = TrialRecord(number=number, status=None, overrides=dict(overrides), started_at=time.time(), host=socket.gethostname())
+    record = TrialRecord(number=number, status=None, overrides=dict(overrides), started_at=time.time(),
+                         host=socket.gethostname(), placement=dict(placement or {}))
     folder = run.trial_dir(number)
     try:
         record.device = device_for(setup)
@@ -226,19 +231,29 @@ def _finite(value: Any) -> bool:
 def report_payload(record: TrialRecord, metric_names: list[str]) -> dict[str, Any]:
     """What the trial reports to Ray: the objectives when it is ok, and the whole record.
 
-    The record travels along so that the driver can write `result.json` itself when the
-    worker ran on a node whose files it cannot see.
+    The record travels along (as JSON text: Ray flattens nested results) so that the
+    driver can write `result.json` itself when the worker ran on a node whose files it
+    cannot see. Ray insists on every objective key in every result: a trial that is not
+    ok reports them as None.
     """
-    payload: dict[str, Any] = {"trial_number": record.number, "status": record.status, "record": record.to_json()}
-    if record.status == OK:
-        payload.update({m: record.metrics[m] for m in metric_names})
+    payload: dict[str, Any] = {"trial_number": record.number, "status": record.status, RECORD_KEY: json.dumps(record.to_json())}
+    payload.update({m: record.metrics[m] if record.status == OK else None for m in metric_names})
     return payload
+
+
+def record_from_result(result: Mapping[str, Any] | None) -> TrialRecord | None:
+    """The trial record a reported result carries, if any."""
+    text = (result or {}).get(RECORD_KEY)
+    return TrialRecord.from_json(json.loads(text)) if text else None
 
 
 def trainable(config: dict[str, Any], setup: TrialSetup) -> None:
     """The Ray Tune function trainable (bound with `tune.with_parameters`)."""
+    import ray
     from ray import tune
 
-    record = execute_trial(setup, int(config["trial_number"]), config["overrides"])
+    context = ray.get_runtime_context()
+    placement = {"node_id": context.get_node_id(), "cluster": context.gcs_address, "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+    record = execute_trial(setup, int(config["trial_number"]), config["overrides"], placement)
     tune.report(report_payload(record, setup.search.metric_names))
 

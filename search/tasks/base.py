@@ -61,11 +61,13 @@ class Preset:
 
 @dataclass(frozen=True)
 class Curve:
-    """A per-position curve for the accuracy plot: `values[t]` at position `t + 1`."""
+    """A curve for the accuracy plot: `values[i]` at `positions[i]`, or at position `i + 1`
+    when `positions` is None (per-position curves)."""
 
     label: str
     values: list[float]
     ylabel: str = "accuracy"
+    positions: list[int] | None = None
 
 
 class Task(ABC):
@@ -127,6 +129,15 @@ class Task(ABC):
     def summarize(self, metrics: dict[str, float]) -> dict[str, float]:
         """Metrics that combine several splits (e.g. a mean over test lengths)."""
         return {}
+
+    def summary_curves(self, metrics: dict[str, float]) -> list[Curve]:
+        """Curves across splits (e.g. accuracy against test length); none by default."""
+        return []
+
+    @property
+    def plot_train_len(self) -> int:
+        """Where the plots mark the training length (in the curves' position units)."""
+        return self.train_len
 
     def diagnostic_batch(self, max_sequences: int = 16) -> Batch:
         """A few evaluation sequences to replay for diagnostics: the longest split."""

@@ -25,7 +25,7 @@ import torch
 from archspec.errors import ArchspecError
 
 from ..metrics import TokenOutcome, scaled_accuracy, token_accuracy
-from .base import Batch, Preset, Task, TrainPreset
+from .base import Batch, Curve, Preset, Task, TrainPreset
 
 MODULUS = 5
 
@@ -143,6 +143,19 @@ class _FormalTask(Task):
     def summarize(self, metrics: dict[str, float]) -> dict[str, float]:
         tests = [metrics[f"scaled_acc@{n}"] for n in self.eval_lengths if f"scaled_acc@{n}" in metrics]
         return {"scaled_acc": sum(tests) / len(tests)} if tests else {}
+
+    def summary_curves(self, metrics: dict[str, float]) -> list[Curve]:
+        lengths = [n for n in self.eval_lengths if f"scaled_acc@{n}" in metrics]
+        if not lengths:
+            return []
+        return [
+            Curve("accuracy at the query", [metrics[f"token_acc@{n}"] for n in lengths], positions=lengths),
+            Curve("scaled accuracy", [metrics[f"scaled_acc@{n}"] for n in lengths], positions=lengths),
+        ]
+
+    @property
+    def plot_train_len(self) -> int:
+        return self.max_train_len  # curves are against the string length, without the query
 
 
 @dataclass

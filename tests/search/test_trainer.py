@@ -258,3 +258,25 @@ def test_experiment_errors_name_the_field(tmp_path, capsys):
     assert main(["experiment", str(path), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "train.stepz" in err and "no option 'stepz'" in err and "runs[0].spec" in err and "nope.yaml" in err
+
+
+@pytest.mark.parametrize(
+    "task,options,expected",
+    [
+        ("a5", ["train_len=4", "eval_size=4"], "seq_acc@16"),
+        ("d4", ["train_len=4", "eval_size=4"], "token_acc@8"),
+        ("mod_arith", ["eval_lengths=[41]", "eval_size=4"], "scaled_acc@41"),
+        ("mod_arith_brackets", ["eval_lengths=[45]", "eval_size=4"], "scaled_acc"),
+        ("mqar", ["eval_size=4"], "token_acc@64"),
+        ("mqar_twice", ["eval_size=4"], "seq_acc@64"),
+        ("bytes_lm", ["seq_len=16", "eval_windows=4"], "bpb"),
+    ],
+)
+def test_every_task_trains_and_evaluates_from_the_cli(tmp_path, task, options, expected):
+    out = tmp_path / task
+    argv = ["train", DELTANET, "--task", task, "--steps", "2", "--batch-size", "4", "--out", str(out), "--quiet", "--no-throughput"]
+    argv += [a for o in options for a in ("--task-option", o)] + [a for s in TINY for a in ("--set", s)]
+    assert main(argv) == 0
+    metrics = json.loads((out / "metrics.json").read_text())["metrics"]
+    assert math.isfinite(metrics[expected])
+    assert (out / "accuracy.png").exists()

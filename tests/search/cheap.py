@@ -2,8 +2,9 @@
 
 Quality is a known function of the spec (more Householder factors and a [0, 2] beta
 range help, as on state tracking), so tests can predict fronts. Behaviours for failure
-tests are switched by the spec itself: a `channel` gate diverges, `short_conv: 2` raises.
-`CHEAP_SLEEP` (seconds) slows every trial down, for the kill-and-resume test.
+tests are switched by the spec itself: `short_conv: 3` (or a `channel` gate) diverges,
+`short_conv: 2` raises. `CHEAP_SLEEP` (seconds) slows every trial down and `CHEAP_LOG`
+(a file) gets one line per call, for the kill-and-resume test.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def quality(spec) -> float:
 def cheap_train(spec, task, *, steps, seed, device, out_dir=None, **options):
     from archspec.cost import estimate
 
+    if os.environ.get("CHEAP_LOG"):
+        with open(os.environ["CHEAP_LOG"], "a") as log:
+            log.write(f"{out_dir}\n")
     time.sleep(float(os.environ.get("CHEAP_SLEEP", "0")))
     if out_dir is not None:  # leave a trace, as the trainer does
         Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -38,6 +42,6 @@ def cheap_train(spec, task, *, steps, seed, device, out_dir=None, **options):
     if spec.mixer.short_conv == 2:
         raise RuntimeError("cheap_train was told to crash (short_conv: 2)")
     params = float(estimate(spec).params)
-    if spec.mixer.resolved_gate == "channel":
+    if spec.mixer.resolved_gate == "channel" or spec.mixer.short_conv == 3:
         return CheapResult("diverged", {"token_acc@16": float("nan"), "params": params}, "loss became nan at step 3")
     return CheapResult("ok", {"token_acc@16": quality(spec), "params": params, "steps": float(steps)})

@@ -1,0 +1,336 @@
+"""The search runner end to end, on Ray, with a cheap objective (tests/search/cheap.py):
+constraints skip trials before training, failing and diverging trials are recorded and
+kept off the front, a killed search resumes without redoing finished trials, and a
+search joins a Ray head on loopback and places GPU trials there.
+
+Ray costs ~4 s to start and ~3 s per trial on 2 cores: few trials, short sleeps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pytest
+from ray import cloudpickle
+
+import tests.search.cheap as cheap
+from archspec.search.cli import main
+from archspec.search.pareto import nondominated_mask, read_run
+from archspec.search.rundir import RunDir
+from archspec.search.space import load_search_spec
+from archspec.search.trial import TrialSetup, compose_spec, cost_metrics, execute_trial, make_task
+
+# Ray workers cannot import the test package: ship the cheap objective by value.
+cloudpickle.register_pickle_by_value(cheap)
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "specs" / "search" / "bases" / "tiny-deltanet.yaml"
+PYTHON = sys.executable
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def write_spec(tmp_path: Path, body: str, name: str = "search.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(f"name: t\nbase: {TINY}\n" + textwrap.dedent(body))
+    return path
+
+
+def params_of(tmp_path: Path, overrides: dict) -> float:
+    """The cost model's parameter count of the tiny base with overrides, on S3 (vocab 6)."""
+    search = load_search_spec(write_spec(tmp_path, FAILURES.format(limit=1e9), "probe.yaml")).spec
+    setup = TrialSetup(run_dir=str(tmp_path / "probe"), search=search)
+    RunDir(setup.run_dir).path.mkdir(exist_ok=True)
+    task = make_task(search.tasks[0])
+    from archspec import load_spec
+
+    return cost_metrics(load_spec(TINY, list(overrides.items()) + [("model.vocab_size", task.vocab_size)]), task)["params"]
+
+
+FAILURES = """\
+space:
+  mixer.transition.n_h: {{choices: [1, 2, 3]}}
+  mixer.short_conv: {{choices: [4, 2, 3], when: {{mixer.transition.n_h: 1}}}}
+task: {{name: s3, options: {{train_len: 8, eval_size: 64}}}}
+objectives:
+  - token_acc@16: max
+  - params: min
+constraints: ["params <= {limit}"]
+budget: {{trials: 10, steps: 7}}
+sampler: grid
+resources: {{cpu: 1}}
+train: {{lr: 0.5}}
+"""
+
+
+def test_search_end_to_end_with_constraint_failure_and_divergence(tmp_path):
+    """Grid of 5 points: n_h = 3 breaks the constraint (skipped, never trained); with n_h = 1,
+    short_conv 2 crashes and 3 diverges; the two healthy trials form the front."""
+    limit = (params_of(tmp_path, {"mixer.transition.n_h": 2}) + params_of(tmp_path, {"mixer.transition.n_h": 3})) / 2
+    path = write_spec(tmp_path, FAILURES.format(limit=limit))
+    out = tmp_path / "run"
+    from archspec.search.runner import run_search
+
+    outcome = run_search(load_search_spec(path), out, train_fn=cheap.cheap_train, live=False)
+    assert outcome.complete and outcome.target == 4 and outcome.trained == 4
+
+    run = RunDir(out)
+    assert run.search_file.is_file() and run.base_file.is_file() and run.study_file.is_file()
+    records = {json.dumps(r.overrides, sort_keys=True): r for r in run.read_trials()}
+    by = lambda **o: records[json.dumps({f"mixer.{k}": v for k, v in o.items()}, sort_keys=True)]  # noqa: E731
+
+    skipped = by(**{"transition.n_h": 3})
+    assert skipped.status == "skipped" and f"violates params <= {limit:g}" in skipped.reason
+    assert skipped.metrics["params"] > limit
+    assert not run.trial_dir(skipped.number).joinpath("s3").exists()  # never trained
+
+    crashed = by(**{"transition.n_h": 1, "short_conv": 2})
+    assert crashed.status == "failed" and "told to crash" in crashed.reason
+    assert "RuntimeError" in (run.trial_dir(crashed.number) / "error.txt").read_text()
+    diverged = by(**{"transition.n_h": 1, "short_conv": 3})
+    assert diverged.status == "diverged" and "nan" in diverged.reason
+
+    ok = [by(**{"transition.n_h": 1, "short_conv": 4}), by(**{"transition.n_h": 2})]
+    from archspec import load_spec
+
+    for record in ok:
+        assert record.status == "ok"
+        spec = load_spec(run.trial_dir(record.number) / "spec.yaml")
+        assert record.metrics["token_acc@16"] == cheap.quality(spec)  # the objective's own numbers
+        calls = json.loads((run.trial_dir(record.number) / "s3" / "calls.json").read_text())
+        assert calls["steps"] == 7 and calls["options"] == {"lr": 0.5, "quiet": True} and calls["device"] == "cpu"
+
+    # The study holds the same story: values for ok trials, FAIL for the rest.
+    study = optuna.load_study(study_name="archspec", storage=run.study_url)
+    states = {t.number: t for t in study.trials}
+    for record in ok:
+        assert states[record.number].values == [record.metrics["token_acc@16"], record.metrics["params"]]
+    for record in (skipped, crashed, diverged):
+        assert states[record.number].state == optuna.trial.TrialState.FAIL
+        assert states[record.number].user_attrs["status"] == record.status
+
+    # Front: brute force over the ok trials; failed/diverged never enter it.
+    summary = read_run(out)
+    values = np.array([[r.metrics["token_acc@16"], r.metrics["params"]] for r in ok])
+    expected = {r.number for r, keep in zip(ok, nondominated_mask(values, [True, False])) if keep}
+    assert {r.number for r in summary.front} == expected == {r.number for r in ok}
+
+
+def test_duplicates_are_answered_from_the_record(tmp_path):
+    """A space with two points and a budget of five: only two trials train, the search
+    ends as exhausted, and repeats of finished trials carry their values into the study."""
+    body = """\
+    space:
+      mixer.transition.n_h: {choices: [1, 2]}
+    task: {name: s3, options: {train_len: 8, eval_size: 64}}
+    objectives:
+      - token_acc@16: max
+      - params: min
+    budget: {trials: 5, steps: 3}
+    sampler: random
+    resources: {cpu: 1, concurrent: 1}   # one at a time: every repeat comes after its original ended
+    """
+    from archspec.search import searcher
+    from archspec.search.runner import run_search
+
+    old = searcher.MAX_REJECTIONS_IN_A_ROW
+    searcher.MAX_REJECTIONS_IN_A_ROW = 20  # give up sooner than a real search would
+    try:
+        outcome = run_search(load_search_spec(write_spec(tmp_path, body)), tmp_path / "run", train_fn=cheap.cheap_train, live=False)
+    finally:
+        searcher.MAX_REJECTIONS_IN_A_ROW = old
+    assert outcome.trained == 2 and outcome.exhausted and "exhausted" in outcome.stopped_because
+    records = RunDir(tmp_path / "run").read_trials()
+    trained = [r for r in records if r.status == "ok"]
+    assert sorted(r.overrides["mixer.transition.n_h"] for r in trained) == [1, 2]
+    repeats = [r for r in records if r.status == "duplicate"]
+    assert repeats and all("the same overrides as trial" in r.reason for r in repeats)
+    study = optuna.load_study(study_name="archspec", storage=RunDir(tmp_path / "run").study_url)
+    for r in repeats:
+        t = study.trials[r.number]
+        original = next(o for o in trained if o.overrides == r.overrides)
+        assert r.reason.endswith("ended ok")
+        assert t.values == [original.metrics["token_acc@16"], original.metrics["params"]]  # known values, not retrained
+
+
+# --------------------------------------------------------------------------- resume
+
+RESUMABLE = """\
+space:
+  mixer.transition.n_h: {int: [1, 4]}
+  model.d_model: {choices: [32, 48, 64]}
+task: {name: s3, options: {train_len: 8, eval_size: 64}}
+objectives:
+  - token_acc@16: max
+  - params: min
+budget: {trials: 6, steps: 3}
+sampler: random
+resources: {cpu: 1}
+"""
+
+DRIVER = """\
+import sys
+from ray import cloudpickle
+import tests.search.cheap as cheap
+cloudpickle.register_pickle_by_value(cheap)
+from archspec.search.runner import run_search
+from archspec.search.space import load_search_spec
+run_search(load_search_spec(sys.argv[1]), sys.argv[2], train_fn=cheap.cheap_train, live=False)
+"""
+
+
+def finished(run: RunDir) -> list:
+    return [r for r in run.read_trials() if r.status in ("ok", "failed", "diverged")]
+
+
+def test_resume_after_kill_9(tmp_path):
+    path = write_spec(tmp_path, RESUMABLE)
+    out = tmp_path / "run"
+    log = tmp_path / "calls.log"
+    env = {**os.environ, "CHEAP_SLEEP": "1.5", "CHEAP_LOG": str(log), "PYTHONPATH": str(REPO)}
+    # Its own session: kill -9 reaches the driver and the Ray processes it started, nothing else.
+    proc = subprocess.Popen([PYTHON, "-c", DRIVER, str(path), str(out)], env=env, cwd=REPO,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = RunDir(out)
+    try:
+        deadline = time.time() + 120
+        while len(finished(run)) < 2 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.3)
+        assert len(finished(run)) >= 2, proc.stderr.read().decode() if proc.poll() is not None else "too slow"
+        # `archspec pareto` on the running search.
+        live = subprocess.run([PYTHON, "-m", "archspec.search.cli", "pareto", str(out), "--json"],
+                              capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+        assert live.returncode == 0, live.stderr
+        assert json.loads(live.stdout)["trials_completed"] >= 2
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    before = {r.number: r for r in finished(run)}
+    assert 2 <= len(before) < 6
+
+    from archspec.search.runner import run_search
+
+    os.environ["CHEAP_LOG"] = str(log)
+    try:
+        outcome = run_search(None, out, resume=True, train_fn=cheap.cheap_train, live=False)
+    finally:
+        del os.environ["CHEAP_LOG"]
+    assert outcome.complete and outcome.trained == 6
+    after = {r.number: r for r in finished(run)}
+    assert len(after) == 6
+    for number, record in before.items():  # finished trials were not touched
+        assert after[number].finished_at == record.finished_at
+    calls = log.read_text().split()
+    assert len(calls) == len(set(calls))  # no trial directory trained twice
+    assert {str(run.trial_dir(n) / "s3") for n in after} <= set(calls)
+    # Trials cut off by the kill are marked and were tried again under new numbers.
+    interrupted = [r for r in run.read_trials() if r.status == "interrupted"]
+    study = optuna.load_study(study_name="archspec", storage=run.study_url)
+    assert all(t.state != optuna.trial.TrialState.RUNNING for t in study.trials)
+    told_ok = {t.number for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("status") == "ok"}
+    assert told_ok == {n for n, r in after.items() if r.status == "ok"}
+    for record in interrupted:
+        assert any(t.user_attrs.get("requeued_from") == record.number for t in study.trials)
+    # A second resume has nothing left to do and trains nothing.
+    again = run_search(None, out, resume=True, train_fn=cheap.cheap_train, live=False)
+    assert again.complete and len(log.read_text().split()) == len(calls)
+
+
+def test_starting_over_an_existing_run_is_refused(tmp_path, capsys):
+    path = write_spec(tmp_path, RESUMABLE)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "precious.txt").write_text("mine")
+    assert main(["search", str(path), "--out", str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert (out / "precious.txt").read_text() == "mine"
+    assert main(["search", "--resume", "--out", str(tmp_path / "nothing")]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cluster_mode_places_gpu_trials_on_the_head(tmp_path):
+    """`ray start --head` on loopback declaring one (fake) GPU; trials that reserve a GPU
+    run there, one at a time, each assigned GPU 0."""
+    port = free_port()
+    temp = Path("/tmp") / f"asr-{os.getpid()}-{port}"  # short: Ray's socket paths are limited
+    ray_bin = str(Path(PYTHON).with_name("ray"))
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(REPO)}
+    head = subprocess.Popen(
+        [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+         "--num-cpus", "2", "--num-gpus", "1", "--include-dashboard", "false", "--temp-dir", str(temp)],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    body = RESUMABLE.replace("budget: {trials: 6, steps: 3}", "budget: {trials: 2, steps: 3}").replace(
+        "resources: {cpu: 1}", "resources: {cpu: 1, gpu: 1}")
+    path = write_spec(tmp_path, body)
+    try:
+        from archspec.search.runner import run_search
+
+        deadline = time.time() + 60
+        while True:  # wait for the head to accept connections
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.time() < deadline and head.poll() is None, "the Ray head did not start"
+                time.sleep(0.5)
+        outcome = run_search(load_search_spec(path), tmp_path / "run", address=f"127.0.0.1:{port}",
+                             train_fn=cheap.cheap_train, live=False)
+        assert outcome.complete
+        records = [r for r in RunDir(tmp_path / "run").read_trials() if r.status == "ok"]
+        assert len(records) == 2
+        for record in records:
+            assert record.placement["cluster"].endswith(f":{port}")  # the head we started (its host resolved)
+            assert record.placement["gpu_ids"] == ["0"]
+            assert record.device == "cpu"  # the GPU is declared, not real: training falls back
+        # One GPU, one trial at a time: their runs do not overlap.
+        first, second = sorted(records, key=lambda r: r.started_at)
+        assert first.finished_at <= second.started_at + 0.5
+    finally:
+        head.send_signal(signal.SIGINT)  # `ray start --block` stops its processes on Ctrl-C (SIGTERM takes ~30 s)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+
+
+def test_a_trial_that_asks_for_more_than_the_cluster_has_is_refused(tmp_path, capsys):
+    body = RESUMABLE.replace("resources: {cpu: 1}", "resources: {cpu: 64}")
+    path = write_spec(tmp_path, body)
+    assert main(["search", str(path), "--out", str(tmp_path / "run"), "--no-live"]) == 2
+    err = capsys.readouterr().err
+    assert "resources.cpu" in err and "asks for 64 CPU" in err
+
+
+def test_execute_trial_records_a_crash_without_ray(tmp_path):
+    """The worker-side path alone: a crashing objective gives a failed record, not an exception."""
+    search = load_search_spec(write_spec(tmp_path, FAILURES.format(limit=1e9))).spec
+    run = RunDir(tmp_path / "run")
+    from archspec.search.rundir import write_yaml_atomic
+
+    write_yaml_atomic(run.base_file, {"extends": str(TINY), "name": "tiny"})
+    setup = TrialSetup(run_dir=str(run.path), search=search, train_fn=cheap.cheap_train)
+    record = execute_trial(setup, 3, {"mixer.short_conv": 2})
+    assert record.status == "failed" and "RuntimeError: cheap_train was told to crash" in record.reason
+    assert run.read_trial(3).status == "failed"
+    spec = compose_spec(run, {"mixer.short_conv": 4}, task=make_task(search.tasks[0]))
+    assert spec.model.vocab_size == 6

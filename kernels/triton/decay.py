@@ -114,7 +114,7 @@ def scores(
         for s in tl.static_range(1, BT // SC):
             ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
             in_s = ((pos_a // SC) == s) & valid_a
-            before = (pos_b < s * SC) & valid_b
+            before = (pos_b < s * SC) & valid_b & (s * SC < n_sub)  # an empty sub-chunk has no ref
             xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
             xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
             out += tl.dot(xa_s, tl.trans(xb_s), input_precision=PREC, out_dtype=ACC)
@@ -153,7 +153,7 @@ def apply_left(
         for s in tl.static_range(1, BT // SC):
             ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
             in_s = ((pos_a // SC) == s) & valid_a
-            before = (pos_b < s * SC) & valid_b
+            before = (pos_b < s * SC) & valid_b & (s * SC < n_sub)  # an empty sub-chunk has no ref
             m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
             xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
             part = tl.dot(m_s, xb_s, input_precision=PREC, out_dtype=ACC)
@@ -193,7 +193,7 @@ def apply_right(
         for s in tl.static_range(1, BT // SC):
             ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
             in_s = ((pos_a // SC) == s) & valid_a
-            before = (pos_b < s * SC) & valid_b
+            before = (pos_b < s * SC) & valid_b & (s * SC < n_sub)  # an empty sub-chunk has no ref
             m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
             xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
             part = tl.dot(tl.trans(m_s), xa_s, input_precision=PREC, out_dtype=ACC)

@@ -1,0 +1,127 @@
+"""Compile every kernel specialization for Hopper (sm_90) on a machine without a GPU.
+
+Runs the backend's forward and backward on CPU tensors with each launch replaced by an
+offline `triton.compile` for `cuda:90`, then reads registers, spills and shared memory
+off the cubin (`cuobjdump`, shipped with Triton). GPU compile errors (shapes the
+interpreter accepts but the compiler rejects) and register spills show up here, before
+any device time is spent. Usage:
+
+    python -m archspec.kernels.triton.compile_report            # a representative set
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+_TYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16",
+          torch.int32: "i32", torch.int64: "i64"}
+TARGET = GPUTarget("cuda", 90, 32)
+REPORT: list[dict] = []
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    return {k: int(v) for k, v in found.items()}
+
+
+class _OfflineLauncher:
+    def __init__(self, fn, grid):
+        self.fn, self.grid = fn, grid
+
+    def __call__(self, *args, **kwargs):
+        fn = self.fn
+        names = fn.arg_names
+        values = dict(zip(names, args))
+        values.update(kwargs)
+        options = {k: values.pop(k) for k in ("num_warps", "num_stages") if k in values}
+        signature, constexprs = {}, {}
+        for i, name in enumerate(names):
+            val = values.get(name)
+            param = fn.params[i]
+            if param.is_constexpr or val is None:
+                signature[name] = "constexpr"
+                constexprs[name] = val
+            elif isinstance(val, torch.Tensor):
+                signature[name] = "*" + _TYPES[val.dtype]
+            elif isinstance(val, bool):
+                signature[name] = "i1"
+            elif isinstance(val, int):
+                signature[name] = "i32"
+            elif isinstance(val, float):
+                signature[name] = "fp32"
+            else:
+                raise TypeError(f"{fn.__name__}: cannot type argument {name}={val!r}")
+        src = ASTSource(fn, signature, constexprs)
+        compiled = triton.compile(src, target=TARGET, options=options)
+        usage = _resource_usage(compiled.asm["cubin"])
+        flags = {k: (v if not hasattr(v, "name") else v.name) for k, v in constexprs.items() if v is not None}
+        REPORT.append({"kernel": fn.__name__, **usage, "flags": flags})
+
+
+def offline(fn_module_kernels: list) -> None:
+    """Route `kernel[grid](...)` of the given JITFunctions to the offline compiler."""
+    for kernel in fn_module_kernels:
+        kernel.__class__ = type("Offline" + kernel.__class__.__name__, (kernel.__class__,),
+                                {"__getitem__": lambda self, grid: _OfflineLauncher(self, grid)})
+
+
+def main() -> None:
+    os.environ.pop("TRITON_INTERPRET", None)
+    from . import backward, gate, osdn, output, prepare, state
+    from .recurrence import linear_recurrence_triton
+    offline([gate.gate_cumsum_kernel, prepare.prepare_kernel, state.state_forward_kernel, state.state_backward_kernel,
+             output.output_kernel, output.output_backward_kernel, backward.chunk_backward_kernel,
+             osdn.osdn_forward_kernel, osdn.osdn_backward_kernel])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    B, T, H, K, V = 1, 128, 2, 128, 128
+    dtype = torch.bfloat16
+    plans = [dict(name="deltanet", beta=True), dict(name="gdn", beta=True, gate="scalar"),
+             dict(name="kda", beta=True, gate="channel"), dict(name="gla", gate="channel"),
+             dict(name="rwkv7", erase=True, gate="channel", untied=True), dict(name="dp3-gated", beta=True, gate="scalar", n_h=3)]
+    for plan in plans:
+        n_h = plan.get("n_h", 1)
+        TN = T * n_h
+        t = lambda *s: torch.randn(*s, dtype=dtype, requires_grad=True)  # noqa: E731
+        kw = dict(q=t(B, T, H, K), k=t(B, TN, H, K), v=t(B, TN, H, V), n_h=n_h, output_final_state=True)
+        if plan.get("beta"):
+            kw["beta"] = t(B, TN, H)
+        if plan.get("gate") == "scalar":
+            kw["g"] = t(B, T, H)
+        elif plan.get("gate") == "channel":
+            kw["g"] = t(B, T, H, K)
+        if plan.get("erase"):
+            kw["erase"] = t(B, TN, H, K)
+        if plan.get("untied"):
+            kw["write_key"] = t(B, TN, H, K)
+        start = len(REPORT)
+        o, s = linear_recurrence_triton(**kw)
+        (o.float().sum() + s.sum()).backward()
+        for row in REPORT[start:]:
+            print(f"{plan['name']:10s} {row['kernel']:26s} regs {row.get('REG', '?'):>4} stack {row.get('STACK', '?'):>6} "
+                  f"shared {row.get('SHARED', '?'):>6} local {row.get('LOCAL', '?'):>6}")
+    from .osdn import osdn_write_keys_triton
+    k = torch.randn(B, T, H, K, dtype=dtype, requires_grad=True)
+    start = len(REPORT)
+    w, d = osdn_write_keys_triton(k, torch.rand(B, T, H, dtype=dtype), retain=torch.rand(B, T, H, dtype=dtype))
+    (w.float().sum() + d.sum()).backward()
+    for row in REPORT[start:]:
+        print(f"{'osdn':10s} {row['kernel']:26s} regs {row.get('REG', '?'):>4} stack {row.get('STACK', '?'):>6}")
+
+
+if __name__ == "__main__":
+    main()

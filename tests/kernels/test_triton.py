@@ -1,0 +1,197 @@
+"""The Triton chunk kernel against the naive token loop (the definition).
+
+Without CUDA the kernels run under `TRITON_INTERPRET=1` (set in `tests/conftest.py`),
+about 50x slower than torch, so shapes are small (T <= 72, K = V = 16) and the chunk is
+shortened to 16 or 32 sub-steps so that every sequence spans several chunks. Inputs and
+reference are float64: the kernel then runs in float64 too (`ACC`), and a wrong term in
+any formula shows up as an error of 1e-3 or more against a tolerance of 1e-9. Lower
+precisions are checked separately against the float64 reference.
+
+Every test compares outputs, the final state and the gradient of every input (q, k, v,
+g, beta, write_key, erase, initial_state) under random output and state cotangents.
+The GPU counterpart at realistic shapes is `benchmarks/triton_gpu_check.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from archspec.kernels import linear_recurrence
+from tests.kernels.cases import Case, make_inputs, tensor_args
+
+triton = pytest.importorskip("triton")
+from archspec.kernels.triton import linear_recurrence_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _run(fn, inputs: dict, seed: int = 7) -> dict[str, torch.Tensor]:
+    """Outputs, final state and every input gradient under fixed random cotangents."""
+    o, state = fn(inputs)
+    gen = torch.Generator().manual_seed(seed)
+    d_o = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o)
+    d_s = torch.randn(state.shape, generator=gen, dtype=torch.float64).to(state)
+    leaves = tensor_args(inputs)
+    grads = torch.autograd.grad((o * d_o).sum() + (state * d_s).sum(), list(leaves.values()), allow_unused=True)
+    out = {"o": o, "final_state": state}
+    for (name, leaf), grad in zip(leaves.items(), grads):
+        out["d_" + name] = torch.zeros_like(leaf) if grad is None else grad
+    return out
+
+
+def _naive(inputs: dict) -> dict[str, torch.Tensor]:
+    ref = {k: (v.detach().double().cpu().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    return _run(lambda a: linear_recurrence(**a, output_final_state=True, backend="naive"), ref)
+
+
+def _triton(inputs: dict, chunk_size: int | None = 16) -> dict[str, torch.Tensor]:
+    return _run(lambda a: linear_recurrence_triton(**a, output_final_state=True, chunk_size=chunk_size), inputs)
+
+
+def _assert_close(got: dict, want: dict, tol: float, tols: dict[str, float] | None = None) -> None:
+    """Relative Frobenius error of every entry below `tol` (or its entry in `tols`)."""
+    assert got.keys() == want.keys()
+    for name in want:
+        g, w = got[name].double().cpu(), want[name]
+        assert torch.isfinite(g).all(), f"{name}: non-finite values"
+        err = ((g - w).norm() / w.norm().clamp_min(1e-12)).item()
+        limit = (tols or {}).get(name, tol)
+        assert err < limit, f"{name}: relative error {err:.2e} > {limit:.0e}"
+
+
+# One case per (transition, gate) with n_h, write key, beta range and initial state
+# varied across them: every flag of the kernel is switched on somewhere and every
+# combination of MODE x GATE is compiled.
+PATHS = [
+    Case(gate="none", transition="diagonal"),
+    Case(gate="scalar", transition="diagonal", write_key="untied", initial_state=True),
+    Case(gate="channel", transition="diagonal"),
+    Case(gate="none", transition="householder"),  # DeltaNet
+    Case(gate="scalar", transition="householder", beta_scale=2.0),  # Gated DeltaNet, [0, 2]
+    Case(gate="channel", transition="householder", initial_state=True),  # KDA
+    Case(gate="none", transition="householder", n_h=2, write_key="preconditioned"),  # OSDN-DeltaProduct
+    Case(gate="scalar", transition="householder", n_h=3, beta_scale=2.0, initial_state=True),  # gated DeltaProduct
+    Case(gate="channel", transition="householder", n_h=2, write_key="preconditioned"),
+    Case(gate="none", transition="rwkv7", write_key="untied", initial_state=True),
+    Case(gate="scalar", transition="rwkv7", n_h=2, write_key="untied", beta_scale=2.0),
+    Case(gate="channel", transition="rwkv7", write_key="untied"),  # RWKV-7
+]
+
+
+@pytest.mark.parametrize("case", PATHS, ids=lambda c: c.id)
+def test_every_path_matches_naive(case: Case) -> None:
+    inputs = make_inputs(case, B=2, T=20, H=2, K=16, V=16, device=DEVICE, seed=1)
+    _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
+
+
+def test_rwkv7_with_beta_weighted_writes() -> None:
+    """`erase` and `beta` together: `S <- S - e (S^T k)^T + beta w v^T`."""
+    inputs = make_inputs(Case(gate="scalar", transition="rwkv7", n_h=2, write_key="untied"), B=1, T=20, H=2, K=16, V=16, device=DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    inputs["beta"] = (2 * torch.rand(inputs["k"].shape[:3], generator=gen, dtype=torch.float64)).to(DEVICE).requires_grad_()
+    _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Case(gate="channel", transition="householder", beta_scale=2.0), Case(gate="channel", transition="rwkv7", n_h=2, write_key="untied")],
+    ids=lambda c: c.id,
+)
+def test_channel_gate_across_sub_chunks(case: Case) -> None:
+    """Chunks of 32 sub-steps hold two channel-gate sub-chunks: the factorized cross terms."""
+    inputs = make_inputs(case, B=1, T=40, H=1, K=16, V=16, device=DEVICE, seed=2)
+    _assert_close(_triton(inputs, chunk_size=32), _naive(inputs), tol=1e-9)
+
+
+def test_default_chunk_and_deep_products() -> None:
+    """The production chunk (64 sub-steps) with n_h = 8 (8 tokens per chunk) and n_h = 5."""
+    for n_h in (8, 5):
+        case = Case(gate="scalar", transition="householder", n_h=n_h, beta_scale=2.0, initial_state=True)
+        inputs = make_inputs(case, B=1, T=18, H=1, K=16, V=16, device=DEVICE, seed=n_h)
+        _assert_close(_triton(inputs, chunk_size=None), _naive(inputs), tol=1e-9)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # the interpreter warns on any exp overflow
+def test_strong_channel_decay_stays_exact() -> None:
+    """Cumulative decays far below e^-88 inside a chunk: exp(-G) would overflow float32.
+
+    The gates are about -30 per token, so 32 sub-steps decay by e^-960; the kernel never
+    forms exp of a positive number and stays finite and exact in float32. `d_g` is itself
+    tiny here (norm ~0.05) while the terms it sums are of order 1: its error is float32
+    rounding of those terms (~2e-7 absolute), hence the looser relative bound.
+    """
+    case = Case(gate="channel", transition="rwkv7", write_key="untied")
+    inputs = make_inputs(case, B=1, T=40, H=1, K=16, V=16, device=DEVICE, seed=4, gate_strength=60.0)
+    inputs32 = {k: (v.detach().float().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    _assert_close(_triton(inputs32, chunk_size=32), _naive(inputs), tol=1e-5, tols={"d_g": 3e-4})
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_low_precision_inputs(dtype: torch.dtype, tol: float) -> None:
+    """float32 / bfloat16 / float16 inputs, float32 accumulation, against float64."""
+    case = Case(gate="scalar", transition="householder", n_h=2, beta_scale=2.0, initial_state=True)
+    inputs = make_inputs(case, B=1, T=24, H=2, K=16, V=16, dtype=dtype, device=DEVICE, seed=5)
+    got = _triton(inputs)
+    assert got["o"].dtype == dtype and got["final_state"].dtype == torch.float32
+    assert all(got["d_" + n].dtype == t.dtype for n, t in tensor_args(inputs).items())
+    _assert_close(got, _naive(inputs), tol=tol)
+
+
+def _packed(case: Case, lengths: list[int], seed: int) -> tuple[dict, torch.Tensor]:
+    """One packed batch (B = 1) of sequences with the given token lengths."""
+    inputs = make_inputs(case, B=1, T=sum(lengths), H=2, K=16, V=16, device=DEVICE, seed=seed)
+    if case.initial_state:
+        gen = torch.Generator().manual_seed(seed + 1)
+        inputs["initial_state"] = torch.randn(len(lengths), 2, 16, 16, generator=gen, dtype=torch.float64).to(DEVICE).requires_grad_()
+    cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0).to(torch.int32)
+    return inputs, cu
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Case(gate="scalar", transition="householder", n_h=2, initial_state=True), Case(gate="channel", transition="rwkv7", write_key="untied")],
+    ids=lambda c: c.id,
+)
+def test_packed_sequences(case: Case) -> None:
+    """cu_seqlens: matches the naive loop on the packed batch, and each sequence equals
+    running it alone (no leakage across boundaries, including a sequence of length 0)."""
+    lengths = [11, 0, 3, 17]
+    inputs, cu = _packed(case, lengths, seed=6)
+    got = _run(lambda a: linear_recurrence_triton(**a, output_final_state=True, cu_seqlens=cu, chunk_size=16), inputs)
+    ref = {k: (v.detach().double().cpu().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    want = _run(lambda a: linear_recurrence(**a, output_final_state=True, cu_seqlens=cu.cpu(), backend="naive"), ref)
+    _assert_close(got, want, tol=1e-9)
+
+    # each sequence alone, with no cu_seqlens at all
+    n_h = case.n_h
+    packed_o, packed_s = got["o"], got["final_state"]
+    for n, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if end == start:
+            continue
+        alone = {}
+        for name, val in inputs.items():
+            if not isinstance(val, torch.Tensor):
+                alone[name] = val
+            elif name == "initial_state":
+                alone[name] = val[n : n + 1]
+            elif name in ("q", "g"):
+                alone[name] = val[:, start:end]
+            else:
+                alone[name] = val[:, start * n_h : end * n_h]
+        o, s = linear_recurrence_triton(**alone, output_final_state=True, chunk_size=16)
+        assert torch.allclose(o, packed_o[:, start:end], rtol=0, atol=1e-12)
+        assert torch.allclose(s, packed_s[n : n + 1], rtol=0, atol=1e-12)
+
+
+def test_empty_sequence_passes_state_through() -> None:
+    inputs = make_inputs(Case(initial_state=True), B=2, T=0, H=2, K=16, V=16, device=DEVICE)
+    o, s = linear_recurrence(**inputs, output_final_state=True, backend="triton")
+    assert o.shape == (2, 0, 2, 16)
+    assert torch.equal(s, inputs["initial_state"].detach().float() if s.dtype == torch.float32 else inputs["initial_state"].detach())
+
+
+def test_oversized_head_dim_is_refused() -> None:
+    q = torch.zeros(1, 4, 1, 512, device=DEVICE)
+    with pytest.raises(ValueError, match="head dims K=512"):
+        linear_recurrence(q, q, torch.zeros(1, 4, 1, 16, device=DEVICE), backend="triton")

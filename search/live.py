@@ -141,7 +141,7 @@ class LiveView:
                                if isinstance(record.metrics.get(m), (int, float)))
             why = f" ({record.reason})" if record.reason else ""
             self.console.print(f"trial {record.number}: {record.status}{why} {values}  [{trained}/{self.target} trained]",
-                               markup=False, highlight=False)
+                               markup=False, highlight=False, soft_wrap=True)
 
     def render(self) -> Group:
         records = self.run.read_trials()

@@ -26,6 +26,7 @@ from typing import Any
 import moocore
 import numpy as np
 
+from archspec.atomic import write_atomic
 from archspec.search.rundir import OK, RunDir, TrialRecord, status_counts, trained_count
 from archspec.search.space import Objective
 
@@ -285,12 +286,10 @@ def plot_fronts(runs: Sequence[RunSummary], path: str | Path) -> Path:
     fig.suptitle("Pareto fronts: " + " vs ".join(r.name for r in runs))
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Atomic: a plot being refreshed is never seen half-written.
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    try:  # atomic: a plot being refreshed is never seen half-written
+        write_atomic(path, lambda handle: fig.savefig(handle, format="png", dpi=120))
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -27,12 +27,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from archspec.atomic import write_text_atomic
 
 SEARCH_FILE = "search.yaml"
 BASE_FILE = "base.yaml"
@@ -60,21 +61,6 @@ TRAINED_STATUSES = (OK, FAILED, DIVERGED)
 STATUSES = (OK, FAILED, DIVERGED, SKIPPED, INVALID, DUPLICATE, INTERRUPTED)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` so that readers see the old file or the whole new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _jsonable(value: Any) -> Any:
     """JSON has no NaN or inf: a diverged metric is written as null, not as invalid JSON."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -87,11 +73,11 @@ def _jsonable(value: Any) -> Any:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    write_atomic(path, json.dumps(_jsonable(data), indent=2, sort_keys=False, allow_nan=False) + "\n")
+    write_text_atomic(path, json.dumps(_jsonable(data), indent=2, sort_keys=False, allow_nan=False) + "\n")
 
 
 def write_yaml_atomic(path: Path, data: Any, header: str = "") -> None:
-    write_atomic(path, header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+    write_text_atomic(path, header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
 
 
 @dataclass

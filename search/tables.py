@@ -61,6 +61,8 @@ def front_table(records: Sequence[TrialRecord], objectives: Sequence[Objective],
 
 
 def _value(value: Any) -> str:
+    if value is None:  # an override of None un-sets the field (its default applies)
+        return "unset"
     return number(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 

@@ -12,8 +12,10 @@ whose worker died before it could write anything.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
@@ -52,19 +54,24 @@ class RecordingCallback(Callback):
         now = time.time()
         self.run.write_trial_result(TrialRecord(
             number=number, status=FAILED, overrides=dict(trial.config.get("overrides", {})),
-            reason=f"the trial's Ray worker failed: {_last_line(trial)}",
+            reason=f"the trial's Ray worker failed: {_error_text(trial)}",
             started_at=existing.started_at if existing else None, finished_at=now,
         ))
 
 
-def _last_line(trial: Any) -> str:
-    """The last line of the error Ray recorded for a trial (the exception itself)."""
-    try:
-        error = trial.get_error()
-    except Exception:  # Ray could not read its own error file
-        error = None
-    lines = [line for line in str(error or "").strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "no error recorded"
+def _error_text(trial: Any, limit: int = 400) -> str:
+    """What Ray recorded of a trial's failure, on one line (its local error file first:
+    the copy in the experiment storage is synced later)."""
+    text = ""
+    path = getattr(trial, "error_file", None)
+    if path and Path(path).is_file():
+        text = Path(path).read_text(errors="replace")
+    else:
+        with contextlib.suppress(Exception):  # Ray could not read its own record
+            text = str(trial.get_error() or "")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("Failure #")]
+    flat = " ".join(lines)
+    return (flat[:limit] + "...") if len(flat) > limit else (flat or "no error recorded")
 
 
 class _ViewCallback(Callback):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -396,6 +397,8 @@ def _fit(setup, spec, run, sampler, define_by_run, reject, remaining, live) -> t
             failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
         ),
     )
+    # Ray Tune's warnings on Ctrl-C point to `Tuner.restore`; here `--resume` is the way back.
+    logging.getLogger("ray.tune").setLevel(logging.ERROR)
     with view:
         tuner.fit()
     return searcher.stopped_because, searcher.exhausted

@@ -237,7 +237,7 @@ def report_payload(record: TrialRecord, metric_names: list[str]) -> dict[str, An
     ok reports them as None.
     """
     payload: dict[str, Any] = {"trial_number": record.number, "status": record.status, RECORD_KEY: json.dumps(record.to_json())}
-    payload.update({m: record.metrics[m] if record.status == OK else None for m in metric_names})
+    payload.update({m: record.metrics.get(m) if record.status == OK else None for m in metric_names})
     return payload
 
 

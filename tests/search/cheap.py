@@ -3,7 +3,7 @@
 Quality is a known function of the spec (more Householder factors and a [0, 2] beta
 range help, as on state tracking), so tests can predict fronts. Behaviours for failure
 tests are switched by the spec itself: `short_conv: 3` (or a `channel` gate) diverges,
-`short_conv: 2` raises. `CHEAP_SLEEP` (seconds) slows every trial down and `CHEAP_LOG`
+`short_conv: 2` raises, `short_conv: 5` kills the worker process. `CHEAP_SLEEP` (seconds) slows every trial down and `CHEAP_LOG`
 (a file) gets one line per call, for the kill-and-resume test.
 """
 
@@ -41,6 +41,8 @@ def cheap_train(spec, task, *, steps, seed, device, out_dir=None, **options):
         (Path(out_dir) / "calls.json").write_text(json.dumps({"steps": steps, "seed": seed, "device": device, "options": options}))
     if spec.mixer.short_conv == 2:
         raise RuntimeError("cheap_train was told to crash (short_conv: 2)")
+    if spec.mixer.short_conv == 5:  # the whole worker process dies, as on a segfault or OOM kill
+        os._exit(3)
     params = float(estimate(spec).params)
     if spec.mixer.resolved_gate == "channel" or spec.mixer.short_conv == 3:
         return CheapResult("diverged", {"token_acc@16": float("nan"), "params": params}, "loss became nan at step 3")

@@ -59,7 +59,7 @@ def params_of(tmp_path: Path, overrides: dict) -> float:
 FAILURES = """\
 space:
   mixer.transition.n_h: {{choices: [1, 2, 3]}}
-  mixer.short_conv: {{choices: [4, 2, 3], when: {{mixer.transition.n_h: 1}}}}
+  mixer.short_conv: {{choices: [4, 2, 3, 5], when: {{mixer.transition.n_h: 1}}}}
 task: {{name: s3, options: {{train_len: 8, eval_size: 64}}}}
 objectives:
   - token_acc@16: max
@@ -73,15 +73,16 @@ train: {{lr: 0.5}}
 
 
 def test_search_end_to_end_with_constraint_failure_and_divergence(tmp_path):
-    """Grid of 5 points: n_h = 3 breaks the constraint (skipped, never trained); with n_h = 1,
-    short_conv 2 crashes and 3 diverges; the two healthy trials form the front."""
+    """Grid of 6 points: n_h = 3 breaks the constraint (skipped, never trained); with n_h = 1,
+    short_conv 2 raises, 3 diverges and 5 kills its worker; the two healthy trials form
+    the front, and the search goes on past every failure."""
     limit = (params_of(tmp_path, {"mixer.transition.n_h": 2}) + params_of(tmp_path, {"mixer.transition.n_h": 3})) / 2
     path = write_spec(tmp_path, FAILURES.format(limit=limit))
     out = tmp_path / "run"
     from archspec.search.runner import run_search
 
     outcome = run_search(load_search_spec(path), out, train_fn=cheap.cheap_train, live=False)
-    assert outcome.complete and outcome.target == 4 and outcome.trained == 4
+    assert outcome.complete and outcome.target == 5 and outcome.trained == 5
 
     run = RunDir(out)
     assert run.search_file.is_file() and run.base_file.is_file() and run.study_file.is_file()
@@ -98,6 +99,8 @@ def test_search_end_to_end_with_constraint_failure_and_divergence(tmp_path):
     assert "RuntimeError" in (run.trial_dir(crashed.number) / "error.txt").read_text()
     diverged = by(**{"transition.n_h": 1, "short_conv": 3})
     assert diverged.status == "diverged" and "nan" in diverged.reason
+    died = by(**{"transition.n_h": 1, "short_conv": 5})
+    assert died.status == "failed" and "Ray worker failed" in died.reason, died.reason
 
     ok = [by(**{"transition.n_h": 1, "short_conv": 4}), by(**{"transition.n_h": 2})]
     from archspec import load_spec
@@ -114,7 +117,7 @@ def test_search_end_to_end_with_constraint_failure_and_divergence(tmp_path):
     states = {t.number: t for t in study.trials}
     for record in ok:
         assert states[record.number].values == [record.metrics["token_acc@16"], record.metrics["params"]]
-    for record in (skipped, crashed, diverged):
+    for record in (skipped, crashed, diverged, died):
         assert states[record.number].state == optuna.trial.TrialState.FAIL
         assert states[record.number].user_attrs["status"] == record.status
 
@@ -334,3 +337,81 @@ def test_execute_trial_records_a_crash_without_ray(tmp_path):
     assert run.read_trial(3).status == "failed"
     spec = compose_spec(run, {"mixer.short_conv": 4}, task=make_task(search.tasks[0]))
     assert spec.model.vocab_size == 6
+
+
+def test_live_view_shows_running_trials_and_the_front(tmp_path):
+    from rich.console import Console
+
+    from archspec.search.live import LiveView
+    from archspec.search.rundir import TrialRecord
+
+    spec = load_search_spec(write_spec(tmp_path, RESUMABLE)).spec
+    run = RunDir(tmp_path / "run")
+    for number, acc, params in ((0, 0.9, 300.0), (1, 0.5, 400.0)):  # trial 1 is dominated
+        run.write_trial_result(TrialRecord(number=number, status="ok", overrides={"mixer.transition.n_h": number + 2},
+                                           metrics={"token_acc@16": acc, "params": params}, started_at=0.0, finished_at=1.0))
+    terminal = Console(record=True, width=150, force_terminal=True)
+    view = LiveView(run, spec, target=6, console=terminal)
+    view.started(7, {"mixer.transition.n_h": 4, "model.d_model": 32})
+    terminal.print(view.render())
+    text = terminal.export_text()
+    assert "2/6 trained" in text and "n_h=4, d_model=32" in text
+    assert "current front (1 trials)" in text and "0.9" in text and "0.5" not in text
+
+    log = Console(record=True, width=150, force_terminal=False)  # CI logs: a line per finished trial
+    view = LiveView(run, spec, target=6, console=log)
+    with view:
+        run.write_trial_result(TrialRecord(number=2, status="failed", reason="boom", started_at=0.0, finished_at=1.0))
+        view.ended(2)
+    lines = log.export_text().splitlines()
+    assert lines == ["trial 2: failed (boom)   [3/6 trained]"]
+
+
+def test_reconcile_tells_unheard_results_and_requeues_cut_off_trials(tmp_path):
+    """The two crash windows, without Ray: a trial that wrote its result but was never told
+    to the study, and one that was running when the driver died."""
+    from archspec.search.rundir import TrialRecord
+    from archspec.search.runner import reconcile
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    study = optuna.create_study(storage=run.study_url, study_name="archspec",
+                                directions=["maximize", "minimize"])
+    finished_unheard, cut_off = study.ask(), study.ask()
+    for trial, n_h in ((finished_unheard, 1), (cut_off, 2)):
+        trial.suggest_categorical("mixer.transition.n_h", [1, 2])
+        trial.set_user_attr("overrides", {"mixer.transition.n_h": trial.params["mixer.transition.n_h"]})
+    run.write_trial_result(TrialRecord(number=finished_unheard.number, status="ok", metrics={"acc": 0.7, "params": 10.0},
+                                       started_at=0.0, finished_at=1.0))
+    run.write_trial_start(TrialRecord(number=cut_off.number, status=None, started_at=0.0))
+
+    assert reconcile(run, study, ["acc", "params"]) == 1
+    trials = study.get_trials()
+    assert trials[0].state == optuna.trial.TrialState.COMPLETE and trials[0].values == [0.7, 10.0]
+    assert trials[1].state == optuna.trial.TrialState.FAIL and trials[1].user_attrs["status"] == "interrupted"
+    assert run.read_trial(cut_off.number).status == "interrupted"
+    assert run.read_trial(cut_off.number).overrides == {"mixer.transition.n_h": cut_off.params["mixer.transition.n_h"]}
+    queued = study.ask()  # the cut-off point comes back first, with the same parameters
+    assert queued.suggest_categorical("mixer.transition.n_h", [1, 2]) == cut_off.params["mixer.transition.n_h"]
+
+
+def test_driver_writes_results_it_cannot_see(tmp_path):
+    """A trial on another node (no shared files): the driver writes result.json from the report."""
+    from archspec.search.live import RecordingCallback
+    from archspec.search.rundir import TrialRecord
+    from archspec.search.trial import report_payload
+
+    run = RunDir(tmp_path / "run")
+    record = TrialRecord(number=4, status="ok", metrics={"acc": 0.8, "params": 5.0}, overrides={"mixer.heads": 2},
+                         started_at=1.0, finished_at=2.0, host="node-7")
+    payload = report_payload(record, ["acc", "params"])
+    assert payload["acc"] == 0.8 and payload["status"] == "ok"
+    RecordingCallback(run).on_trial_result(0, [], None, payload)
+    assert run.read_trial(4).to_json() == record.to_json()
+    # A result the worker wrote itself is never replaced.
+    mine = TrialRecord(number=5, status="failed", reason="real", started_at=1.0, finished_at=2.0)
+    run.write_trial_result(mine)
+    RecordingCallback(run).on_trial_result(0, [], None, report_payload(TrialRecord(number=5, status="ok"), ["acc"]))
+    assert run.read_trial(5).reason == "real"
+    failed = report_payload(TrialRecord(number=6, status="diverged", metrics={"acc": None}), ["acc", "params"])
+    assert failed["acc"] is None and failed["params"] is None  # Ray wants every objective key

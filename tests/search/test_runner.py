@@ -65,7 +65,7 @@ objectives:
   - token_acc@16: max
   - params: min
 constraints: ["params <= {limit}"]
-budget: {{trials: 10, steps: 7}}
+budget: {{trials: 10, steps: 7, time_per_trial: 30}}
 sampler: grid
 resources: {{cpu: 1}}
 train: {{lr: 0.5}}
@@ -110,7 +110,7 @@ def test_search_end_to_end_with_constraint_failure_and_divergence(tmp_path):
         spec = load_spec(run.trial_dir(record.number) / "spec.yaml")
         assert record.metrics["token_acc@16"] == cheap.quality(spec)  # the objective's own numbers
         calls = json.loads((run.trial_dir(record.number) / "s3" / "calls.json").read_text())
-        assert calls["steps"] == 7 and calls["options"] == {"lr": 0.5, "quiet": True} and calls["device"] == "cpu"
+        assert calls["steps"] == 7 and calls["options"] == {"lr": 0.5, "quiet": True, "time_limit_s": 30} and calls["device"] == "cpu"
 
     # The study holds the same story: values for ok trials, FAIL for the rest.
     study = optuna.load_study(study_name="archspec", storage=run.study_url)

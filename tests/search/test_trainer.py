@@ -204,13 +204,18 @@ def test_cli_train_writes_metrics(tmp_path, capsys):
     out = tmp_path / "run"
     code = main([
         "train", DELTANET, "--task", "parity", "--steps", "4", "--out", str(out), "--quiet", "--no-throughput",
-        "--task-option", "eval_lengths=[40,50]", "--task-option", "eval_size=8",
+        "--task-option", "eval_lengths=[40,50]", "--task-option", "eval_size=8", "--diagnostics",
         *[a for s in TINY for a in ("--set", s)],
     ])
     assert code == 0
     record = json.loads((out / "metrics.json").read_text())
     assert set(record["metrics"]) >= {"scaled_acc@40", "scaled_acc@50", "scaled_acc", "params"}
     assert record["task"]["eval_lengths"] == [40, 50]
+    # Diagnostics: one layer of two heads, replayed on the longest split (50 symbols + query).
+    assert set(record["metrics"]) >= {"erank@0.0", "erank@0.1", "q_geo@0", "q_geo", "max_factor_norm"}
+    assert len(record["diagnostics"]["erank"][0][0]) == 51
+    assert record["metrics"]["max_factor_norm"] == pytest.approx(1.0)  # DeltaNet: symmetric factors
+    assert (out / "diagnostics.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,7 @@ from .decay import apply_left, apply_right, causal_mask, decay_rows, load_gate, 
 from .state import end_decay
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def chunk_backward_kernel(
     q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, dU, do,
     dq, dk, dw, de, dv, dbeta, dg,

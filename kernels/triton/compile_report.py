@@ -6,7 +6,7 @@ off the cubin (`cuobjdump`, shipped with Triton). GPU compile errors (shapes the
 interpreter accepts but the compiler rejects) and register spills show up here, before
 any device time is spent. Usage:
 
-    python -m archspec.kernels.triton.compile_report            # a representative set
+    python -m archspec.kernels.triton.compile_report [deltanet,kda,...]   # default: all
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ class _OfflineLauncher:
         src = ASTSource(fn, signature, constexprs)
         compiled = triton.compile(src, target=TARGET, options=options)
         usage = _resource_usage(compiled.asm["cubin"])
+        ptx = compiled.asm.get("ptx", "")
+        usage["mma"] = ",".join(sorted({m.split(".")[0] + "." + m.split(".")[1] for m in re.findall(r"(?:wgmma|mma)\.\w+\.\w+", ptx)}))
+        if os.environ.get("ARCHSPEC_DUMP"):
+            Path(os.environ["ARCHSPEC_DUMP"]).mkdir(parents=True, exist_ok=True)
+            (Path(os.environ["ARCHSPEC_DUMP"]) / f"{fn.__name__}.ptx").write_text(ptx)
         flags = {k: (v if not hasattr(v, "name") else v.name) for k, v in constexprs.items() if v is not None}
         REPORT.append({"kernel": fn.__name__, **usage, "flags": flags})
 
@@ -93,7 +98,10 @@ def main() -> None:
     plans = [dict(name="deltanet", beta=True), dict(name="gdn", beta=True, gate="scalar"),
              dict(name="kda", beta=True, gate="channel"), dict(name="gla", gate="channel"),
              dict(name="rwkv7", erase=True, gate="channel", untied=True), dict(name="dp3-gated", beta=True, gate="scalar", n_h=3)]
+    only = set(sys.argv[1].split(",")) if len(sys.argv) > 1 else None
     for plan in plans:
+        if only and plan["name"] not in only:
+            continue
         n_h = plan.get("n_h", 1)
         TN = T * n_h
         t = lambda *s: torch.randn(*s, dtype=dtype, requires_grad=True)  # noqa: E731
@@ -113,7 +121,9 @@ def main() -> None:
         (o.float().sum() + s.sum()).backward()
         for row in REPORT[start:]:
             print(f"{plan['name']:10s} {row['kernel']:26s} regs {row.get('REG', '?'):>4} stack {row.get('STACK', '?'):>6} "
-                  f"shared {row.get('SHARED', '?'):>6} local {row.get('LOCAL', '?'):>6}")
+                  f"shared {row.get('SHARED', '?'):>6} {row.get('mma', '')}")
+    if only and "osdn" not in only:
+        return
     from .osdn import osdn_write_keys_triton
     k = torch.randn(B, T, H, K, dtype=dtype, requires_grad=True)
     start = len(REPORT)

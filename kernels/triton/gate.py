@@ -14,7 +14,7 @@ import triton.language as tl
 from .chunks import chunk_of_program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def gate_cumsum_kernel(
     g, G, cu_seqlens, chunk_table, T, NT,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr,

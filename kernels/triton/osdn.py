@@ -51,7 +51,7 @@ def _step_terms(d, kk, b_i, eps, eta, BETA_AWARE: tl.constexpr):
     return s, sq, n, c, b, tl.sum(d * s, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def osdn_forward_kernel(
     k, beta, retain, d0, w, traj, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NH: tl.constexpr,
@@ -86,7 +86,7 @@ def osdn_forward_kernel(
     tl.store(d_final + i_nh * K + offs, d.to(d_final.dtype.element_ty), mask=mk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def osdn_backward_kernel(
     k, beta, retain, traj, dw, dd_final, dk, dbeta, dretain, dd0, cu_seqlens, T, eta, d_min, d_max, eps,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NH: tl.constexpr,

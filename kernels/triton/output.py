@@ -54,7 +54,7 @@ def query_scores(
     return decay_rows(qq, gq, GATE) * scale, m_e, m_w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def output_kernel(
     q, w, e, beta, v, G, Y, h_all, o, cu_seqlens, chunk_table, T, NT, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -91,7 +91,7 @@ def output_kernel(
         store_rows(o + tok0 * H * V + i_h * V, out, i_q, valid_q, H * V, offs_v, V)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def output_backward_kernel(
     q, w, e, G, do, dY, dU, cu_seqlens, chunk_table, T, NT, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,

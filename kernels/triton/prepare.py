@@ -22,7 +22,7 @@ from .decay import decay_rows, load_gate, load_rows, scores, store_rows
 from .solve import unit_lower_inverse
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def prepare_kernel(
     k, w, e, beta, v, G, Tinv, P, X, cu_seqlens, chunk_table, T, NT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,

@@ -18,6 +18,7 @@ every input gradient (`backward.py`). See `docs/kernel.md` for the algorithm and
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,9 @@ Tensor = torch.Tensor
 CHUNK_SIZE = 64  # sub-steps per chunk (see docs/kernel.md, "Chunk size")
 SUB_CHUNK = 16  # channel-gate sub-chunk: pairs inside it are decayed element by element
 MAX_HEAD_DIM = 256
+# (chunk-parallel, state pass) warps per program; ARCHSPEC_TRITON_WARPS="8,4" overrides (tuning)
+_STATE_BV = int(os.environ.get("ARCHSPEC_TRITON_STATE_BV", "32"))
+_WARPS = tuple(int(x) for x in os.environ.get("ARCHSPEC_TRITON_WARPS", "8,4").split(","))
 
 
 @dataclass(frozen=True)
@@ -56,12 +60,15 @@ class Plan:
     BQ: int
     BK: int
     BV: int
+    BVS: int  # V block of the state passes
     SC: int
     NT: int
     n_seq: int
     n_chunks: int
     acc: torch.dtype
     prec: str
+    warps: int  # chunk-parallel kernels
+    state_warps: int  # the two sequential state passes
 
     @property
     def tl_acc(self):
@@ -87,14 +94,19 @@ def _plan(q, k, v, g, beta, erase, n_h, cu_seqlens, chunk_table_count, chunk_siz
         has_beta=beta is not None,
         BT=BT, TC=TC, BQ=max(16, triton.next_power_of_2(TC)),
         BK=max(16, triton.next_power_of_2(K)), BV=max(16, min(64, triton.next_power_of_2(V))),
+        BVS=max(16, min(_STATE_BV, triton.next_power_of_2(V))),
         SC=min(SUB_CHUNK, BT), NT=NT, n_seq=n_seq,
         n_chunks=B * NT if cu_seqlens is None else chunk_table_count,
         acc=acc, prec="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32",
+        warps=_WARPS[0], state_warps=_WARPS[1],
     )
 
 
-def _common(p: Plan) -> dict:
-    return dict(H=p.H, K=p.K, V=p.V, BK=p.BK, BV=p.BV, BT=p.BT, TC=p.TC, NH=p.n_h, ACC=p.tl_acc, PREC=p.prec)
+def _common(p: Plan, state: bool = False) -> dict:
+    """Constexprs shared by every kernel; the state passes take narrower V blocks (more
+    programs in flight, a smaller state tile in registers)."""
+    return dict(H=p.H, K=p.K, V=p.V, BK=p.BK, BV=p.BVS if state else p.BV, BT=p.BT, TC=p.TC, NH=p.n_h,
+                ACC=p.tl_acc, PREC=p.prec)
 
 
 class ChunkRecurrence(torch.autograd.Function):
@@ -132,22 +144,24 @@ class ChunkRecurrence(torch.autograd.Function):
             prepare_kernel[(p.n_chunks, p.H)](
                 k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
                 Tinv, P, X, cu_seqlens, table, p.T, p.NT, SC=p.SC, MODE=p.mode, GATE=p.gate,
-                HAS_BETA=p.has_beta, IS_VARLEN=varlen, **_common(p),
+                HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=p.warps, **_common(p),
             )
         h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=dev, dtype=p.acc)
         final = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if output_final_state else None
-        state_forward_kernel[(triton.cdiv(p.V, p.BV), p.n_seq * p.H)](
+        state_forward_kernel[(triton.cdiv(p.V, p.BVS), p.n_seq * p.H)](
             k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
             dummy if P is None else P, dummy if X is None else X, dummy if Y is None else Y,
             h_all, dummy if initial_state is None else initial_state.contiguous(), dummy if final is None else final,
             cu_seqlens, offsets, p.T, p.NT, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta,
-            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen, **_common(p),
+            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen, num_warps=p.state_warps,
+            **_common(p, state=True),
         )
         o = torch.empty(p.B, p.T, p.H, p.V, device=dev, dtype=v.dtype)
         output_kernel[(p.n_chunks, p.H)](
             q, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
             dummy if Y is None else Y, h_all, o, cu_seqlens, table, p.T, p.NT, scale,
-            BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, **_common(p),
+            BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=p.warps,
+            **_common(p),
         )
         ctx.save_for_backward(q, k, v, beta, w, e, G, Tinv, P, Y, h_all, cu_seqlens, table, offsets)
         ctx.plan, ctx.scale, ctx.tied = p, scale, write_key is None
@@ -174,15 +188,16 @@ class ChunkRecurrence(torch.autograd.Function):
         beta_ = dummy if beta is None else beta
         output_backward_kernel[(p.n_chunks, p.H)](
             q, w, e_, G_, do, dummy if dY is None else dY, dummy if dU is None else dU, cu_seqlens, table, p.T, p.NT, scale,
-            BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, **_common(p),
+            BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, num_warps=p.warps, **_common(p),
         )
         dh_all = torch.empty_like(h_all)
         dh0 = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if ctx.has_h0 else None
-        state_backward_kernel[(triton.cdiv(p.V, p.BV), p.n_seq * p.H)](
+        state_backward_kernel[(triton.cdiv(p.V, p.BVS), p.n_seq * p.H)](
             q, w, e_, beta_, G_, dummy if P is None else P, dummy if dY is None else dY, dummy if dU is None else dU, do,
             dh_all, dummy if dfinal is None else dfinal.contiguous(), dummy if dh0 is None else dh0,
             cu_seqlens, offsets, p.T, p.NT, scale, BQ=p.BQ, MODE=p.mode, GATE=p.gate,
-            USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, **_common(p),
+            USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, num_warps=p.state_warps,
+            **_common(p, state=True),
         )
         grad = lambda x: torch.empty(x.shape, device=dev, dtype=p.acc)  # noqa: E731
         dq, dk, dv = grad(q), grad(k), grad(v)
@@ -196,7 +211,7 @@ class ChunkRecurrence(torch.autograd.Function):
             dq, dk, dummy if dw is None else dw, dummy if de is None else de, dv,
             dummy if dbeta is None else dbeta, dummy if dg is None else dg,
             cu_seqlens, table, p.T, p.NT, scale, BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate,
-            HAS_BETA=p.has_beta, TIED=ctx.tied, IS_VARLEN=varlen, **_common(p),
+            HAS_BETA=p.has_beta, TIED=ctx.tied, IS_VARLEN=varlen, num_warps=p.warps, **_common(p),
         )
         cast = lambda x, dt: None if x is None else x.to(dt)  # noqa: E731
         tq, tk, tv, tg, tb, tw, te, th = ctx.dtypes

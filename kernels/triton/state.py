@@ -50,7 +50,7 @@ def _decay_state(h, g_last, GATE: tl.constexpr):
         return h
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def state_forward_kernel(
     k, w, e, beta, v, G, P, X, Y, h_all, h0, ht, cu_seqlens, chunk_offsets, T, NT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -101,7 +101,7 @@ def state_forward_kernel(
         tl.store(ht + (n * H + i_h) * K * V + state_offs, h.to(ht.dtype.element_ty), mask=state_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def state_backward_kernel(
     q, w, e, beta, G, P, dY, dU, do, dh_all, dht, dh0, cu_seqlens, chunk_offsets, T, NT, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,

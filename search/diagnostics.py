@@ -16,10 +16,14 @@ what the kernels never materialise:
 - the spectral norm of each transition factor, `I - beta w k^T` (delta rule) or
   `I - e k^T` (rwkv7), and its maximum: above 1 only for non-normal factors such as
   OSDN's (RECURRENCE.md, "Stability rule"). The gate's `exp(g) <= 1` is left out.
+- the write gain `<w, k> / |k|^2` of each delta-rule sub-step: 1 for a tied write key,
+  `<d, k*k>` for OSDN's `w = d * k` with a unit key, so its mean shows how far the
+  preconditioner has moved the step along the keys.
 
 Metric names: `erank@<layer>.<head>` (mean over sequences and positions),
-`q_geo@<layer>` and `q_geo@<layer>.<head>`, `max_factor_norm@<layer>`, and over the whole
-model `q_geo` and `max_factor_norm`. Layers and heads count from 0.
+`q_geo@<layer>` and `q_geo@<layer>.<head>`, `max_factor_norm@<layer>`, `write_gain@<layer>`
+(delta-rule layers only), and over the whole model `q_geo` and `max_factor_norm`. Layers
+and heads count from 0.
 """
 
 from __future__ import annotations
@@ -64,11 +68,13 @@ def factor(k: Tensor, *, beta: Tensor | None, write_key: Tensor | None, erase: T
 @dataclass
 class LayerReplay:
     """One layer's replay: `erank` `[B, T, H]`, `residual_ratio` `[B, T*n_h, H]` (NaN where
-    skipped), `factor_norm` `[B, T*n_h, H]` (NaN when the factor is the identity)."""
+    skipped), `factor_norm` `[B, T*n_h, H]` (NaN when the factor is the identity),
+    `write_gain` `[B, T*n_h, H]` (NaN without a delta rule)."""
 
     erank: Tensor
     residual_ratio: Tensor
     factor_norm: Tensor
+    write_gain: Tensor
     n_h: int
 
 
@@ -90,6 +96,10 @@ def replay(captured: dict) -> LayerReplay:
     erank = torch.empty(B, T, H, dtype=torch.float64)
     ratio = torch.full((B, T * n_h, H), float("nan"), dtype=torch.float64)
     norms = torch.full((B, T * n_h, H), float("nan"), dtype=torch.float64)
+    gain = torch.full((B, T * n_h, H), float("nan"), dtype=torch.float64)
+    if beta is not None and erase is None:
+        w = k if write_key is None else write_key
+        gain = (w * k).sum(-1) / (k * k).sum(-1).clamp(min=torch.finfo(torch.float64).tiny)
     for t in range(T):
         if g is not None:
             state = apply_gate(state, g[:, t])
@@ -109,7 +119,7 @@ def replay(captured: dict) -> LayerReplay:
             if f is not None:
                 norms[:, i] = torch.linalg.matrix_norm(f, ord=2)
         erank[:, t] = effective_rank(state)
-    return LayerReplay(erank, ratio, norms, n_h)
+    return LayerReplay(erank, ratio, norms, gain, n_h)
 
 
 @dataclass
@@ -141,6 +151,8 @@ def summarize(layers: list[LayerReplay]) -> DiagnosticsReport:
         metrics[f"q_geo@{li}"] = geometric_mean(layer.residual_ratio)
         finite_norms = layer.factor_norm[torch.isfinite(layer.factor_norm)]
         metrics[f"max_factor_norm@{li}"] = float(finite_norms.max()) if finite_norms.numel() else 1.0
+        if torch.isfinite(layer.write_gain).any():
+            metrics[f"write_gain@{li}"] = _nanmean(layer.write_gain)
         all_ratios.append(layer.residual_ratio.flatten())
         all_norms.append(metrics[f"max_factor_norm@{li}"])
 

@@ -66,7 +66,9 @@ def test_residual_ratio_of_a_preconditioned_write_by_hand():
     # Effective ranks: 1 for the rank-one state, then that of singular values (1.5, 3).
     p = torch.tensor([1.5, 3.0]) / 4.5
     assert r.erank[0, :2, 0].tolist() == pytest.approx([1.0, math.exp(-(p * p.log()).sum().item())])
+    assert r.write_gain[0, :, 0].tolist() == pytest.approx([1.5, 1.0, 1.0])
     report = dg.summarize([r])
+    assert report.metrics["write_gain@0"] == pytest.approx(3.5 / 3)
     assert report.metrics["q_geo@0"] == pytest.approx(math.exp((math.log(0.0625) + math.log(1e-12) + math.log(0.25)) / 3))
 
 
@@ -133,4 +135,5 @@ def test_capture_of_a_real_model_matches_closed_forms(spec):
     assert set(report.metrics) >= {"erank@0.0", "erank@1.1", "q_geo@0", "q_geo@1.0", "max_factor_norm@1", "q_geo"}
     if spec == "deltanet.yaml":  # symmetric factors with beta in [0, 1]: norm exactly 1
         assert report.metrics["max_factor_norm"] == pytest.approx(1.0)
+        assert report.metrics["write_gain@0"] == pytest.approx(1.0)
     assert all(m.capture is False and m.captured is None for m in model.mixers())

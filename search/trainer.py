@@ -42,7 +42,7 @@ from .metrics import concat_outcomes, outcome_from_logits
 from .tasks import Task, get_task
 from .tasks.base import Batch, Curve
 
-Status = str  # "ok" | "diverged" | "failed"
+Status = str  # "ok" | "diverged" | "failed" ("interrupted" only in a metrics.json left by Ctrl-C)
 METRICS_FILE = "metrics.json"
 MAX_HISTORY = 500  # loss entries kept in metrics.json
 
@@ -303,6 +303,12 @@ def train(
     except (RuntimeError, torch.OutOfMemoryError) as exc:  # a kernel or memory failure: record it, do not crash
         status, reason = "failed", f"{type(exc).__name__}: {exc}"
         record["traceback"] = traceback.format_exc()
+    except KeyboardInterrupt:
+        # Keep what the run measured, then let the interrupt end the program.
+        record.update(status="interrupted", reason="interrupted by the user", metrics=metrics, history=history, evals=evals)
+        if out is not None:
+            write_metrics(out, record)
+        raise
 
     record["status"], record["reason"] = status, reason
     record["metrics"] = metrics

@@ -295,3 +295,26 @@ def test_every_task_trains_and_evaluates_from_the_cli(tmp_path, task, options, e
     metrics = json.loads((out / "metrics.json").read_text())["metrics"]
     assert math.isfinite(metrics[expected])
     assert (out / "accuracy.png").exists()
+
+
+def test_ctrl_c_keeps_what_was_measured(tmp_path, monkeypatch):
+    original = trainer.build_model_for_task
+
+    def build(spec, task, overrides=()):
+        built = original(spec, task, overrides)
+        calls = []
+
+        def interrupt(module, inputs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+
+        built.model.register_forward_pre_hook(interrupt)
+        return built
+
+    monkeypatch.setattr(trainer, "build_model_for_task", build)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(DELTANET, tiny_s3(), steps=10, out_dir=tmp_path, overrides=TINY, quiet=True, measure_throughput=False)
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert record["status"] == "interrupted" and record["metrics"]["params"] > 0
+    assert [h["step"] for h in record["history"]] == [1, 2]

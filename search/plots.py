@@ -26,6 +26,7 @@ from .tasks.base import Curve  # noqa: E402
 
 
 def _save(fig: plt.Figure, path: str | os.PathLike[str]) -> Path:
+    fig.tight_layout()  # keep axis labels of neighbouring panels apart
     write_atomic(path, lambda handle: fig.savefig(handle, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
     return Path(path)

@@ -275,10 +275,9 @@ def plot_fronts(runs: Sequence[RunSummary], path: str | Path) -> Path:
                 ax.plot(xs, ys, color=color, linewidth=1.2, zorder=2)
             ax.set_xlabel(_axis_label(objectives[j]))
         ax.set_ylabel(_axis_label(objectives[i]))
-        if objectives[i].metric in ("params", "flops_per_token", "state_bytes") and j != -1:
-            ax.set_yscale("log")
-        if j != -1 and objectives[j].metric in ("params", "flops_per_token", "state_bytes"):
-            ax.set_xscale("log")
+        if j != -1:
+            _log_if_wide(ax, "x", [r for run in runs for r in run.records], objectives[j])
+        _log_if_wide(ax, "y", [r for run in runs for r in run.records], objectives[i])
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     for panel in range(len(pairs), rows * columns):
@@ -291,6 +290,14 @@ def plot_fronts(runs: Sequence[RunSummary], path: str | Path) -> Path:
     finally:
         plt.close(fig)
     return path
+
+
+def _log_if_wide(ax: Any, axis: str, records: Sequence[TrialRecord], objective: Objective) -> None:
+    """A log axis for a positive metric spanning more than a decade (parameters, FLOPs)."""
+    values = [v for r in records if r.status == OK
+              and isinstance(v := r.metrics.get(objective.metric), (int, float)) and math.isfinite(v)]
+    if values and min(values) > 0 and max(values) / min(values) > 10:
+        (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
 
 
 def _axis_label(objective: Objective) -> str:

@@ -2,14 +2,16 @@
 
 One session of a search:
 
-1. The run directory is created (the resolved search spec and base spec are written) or,
-   with `resume`, read back and checked against the spec given now.
-2. The Optuna study (SQLite in the run directory) is opened and reconciled with the trial
+1. The run directory is checked: a new one must be empty; an existing one is resumed
+   (`resume`), from its stored search spec, which a spec given again must match.
+2. Ray is started locally (or joined at `address`) and must be able to place one trial
+   (`resources`); only then is anything written (the resolved search and base specs).
+3. The Optuna study (SQLite in the run directory) is opened and reconciled with the trial
    files: trials that finished but were never told to the study are told now; trials a
    crash cut off are marked `interrupted` and their point is queued to run again.
-3. Ray is started locally (or joined at `address`), and a `Tuner` runs the remaining
-   trials with `ArchspecOptunaSearch`, each trial reserving `resources` (GPU trials land
-   on GPU nodes), while the live view shows what runs and the current front.
+4. A `Tuner` runs the remaining trials with `ArchspecOptunaSearch`, each trial reserving
+   `resources` (GPU trials land on GPU nodes), while the live view shows what runs and
+   the current front.
 
 Finished trials are never redone: the budget counts the trials that were trained
 (`ok`, `failed`, `diverged`), and only the difference is asked of Ray.
@@ -32,8 +34,9 @@ from archspec.errors import ArchspecError, Location
 from archspec.search.rundir import (
     DUPLICATE,
     INTERRUPTED,
-    TRAINED_STATUSES,
     OK,
+    STUDY_NAME,
+    TRAINED_STATUSES,
     RunDir,
     TrialRecord,
     trained_count,
@@ -155,8 +158,6 @@ def open_study(run: RunDir, spec: SearchSpec, sampler: Any) -> Any:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    from archspec.search.rundir import STUDY_NAME
-
     storage = optuna.storages.RDBStorage(run.study_url)
     return optuna.create_study(
         storage=storage, study_name=STUDY_NAME, sampler=sampler, load_if_exists=True,
@@ -180,7 +181,7 @@ def reconcile(run: RunDir, study: Any, metric_names: list[str]) -> int:
             if values is not None and all(isinstance(v, (int, float)) for v in values):
                 study.tell(trial.number, values, state=TrialState.COMPLETE)
             else:
-                study._storage.set_trial_user_attr(trial._trial_id, "status", record.status)
+                _annotate(study, trial, "status", record.status)
                 study.tell(trial.number, state=TrialState.FAIL)
             continue
         overrides = trial.user_attrs.get("overrides", {})
@@ -189,34 +190,39 @@ def reconcile(run: RunDir, study: Any, metric_names: list[str]) -> int:
             number=trial.number, status=INTERRUPTED, overrides=overrides, started_at=started, finished_at=time.time(),
             reason="the search stopped (crash, kill or Ctrl-C) before this trial finished; its point was queued again",
         ))
-        study._storage.set_trial_user_attr(trial._trial_id, "status", INTERRUPTED)
+        _annotate(study, trial, "status", INTERRUPTED)
         study.tell(trial.number, state=TrialState.FAIL)
         study.enqueue_trial(dict(trial.params), user_attrs={"requeued_from": trial.number})
         requeued += 1
     return requeued
 
 
+def _annotate(study: Any, trial: Any, key: str, value: Any) -> None:
+    """A user attribute on a running trial known only as a `FrozenTrial` (after a crash,
+    no `optuna.Trial` object is left); Optuna has no public call for that."""
+    import optuna
+
+    optuna.Trial(study, trial._trial_id).set_user_attr(key, value)
+
+
 # --------------------------------------------------------------------------- ray
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, spec: SearchSpec) -> Iterator[None]:
+def ray_session(address: str | None) -> Iterator[None]:
     """A local Ray started for this search, or a connection to the cluster at `address`."""
     import ray
 
     temp_dir = None
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     if address:
+        _check_reachable(address)
         kwargs["address"] = address
     else:
         # address="local": a private Ray, even if a `ray start` cluster runs on this machine.
         # A short private temp dir: Ray's socket paths must stay under ~100 characters.
         temp_dir = tempfile.mkdtemp(prefix="archspec-ray-")
         kwargs.update(address="local", _temp_dir=temp_dir)
-        if spec.resources.gpu:
-            import torch
-
-            kwargs["num_gpus"] = torch.cuda.device_count()
     try:
         ray.init(**kwargs)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -228,6 +234,26 @@ def ray_session(address: str | None, spec: SearchSpec) -> Iterator[None]:
         ray.shutdown()  # with --address this only disconnects; the cluster keeps running
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Ray waits for a cluster that does not answer for minutes: ask its port first."""
+    import socket
+
+    if address == "auto" or "://" in address:  # found by Ray itself, or a Ray Client address
+        return
+    origin = Location(origin=f"--address {address}")
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ArchspecError("bad --address", [(origin, None, "give the Ray head as HOST:PORT, e.g. 10.0.0.5:6379")])
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ArchspecError(
+            f"no Ray cluster answers at {address}",
+            [(origin, None, f"{exc.strerror or exc}; start one there with `ray start --head --port {port}` "
+              "(add --num-gpus N to declare GPUs), or leave out --address to run on this machine")],
+        ) from None
 
 
 def _check_resources_fit(spec: SearchSpec, address: str | None) -> None:
@@ -293,7 +319,7 @@ def run_search(
         _record_rejection(run, number, overrides, rejection, metrics)
         return rejection
 
-    with ray_session(address, spec):
+    with ray_session(address):
         _check_resources_fit(spec, address)  # before anything is written: a refused run leaves no trace
         write_run(plan)
         outcome.target = target()
@@ -374,7 +400,6 @@ def _fit(setup, spec, run, sampler, define_by_run, reject, remaining, live) -> t
     from ray import tune
 
     from archspec.search.live import LiveView, RecordingCallback
-    from archspec.search.rundir import STUDY_NAME
     from archspec.search.trial import trainable
 
     searcher = ArchspecOptunaSearch(

@@ -316,12 +316,22 @@ def test_cluster_mode_places_gpu_trials_on_the_head(tmp_path):
             head.wait()
 
 
+def test_an_address_where_no_ray_answers_is_refused_at_once(tmp_path, capsys):
+    path = write_spec(tmp_path, RESUMABLE)
+    started = time.time()
+    assert main(["search", str(path), "--out", str(tmp_path / "run"), "--address", f"127.0.0.1:{free_port()}"]) == 2
+    assert time.time() - started < 10  # Ray itself would wait for minutes
+    assert "no Ray cluster answers at 127.0.0.1:" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_trial_that_asks_for_more_than_the_cluster_has_is_refused(tmp_path, capsys):
     body = RESUMABLE.replace("resources: {cpu: 1}", "resources: {cpu: 64}")
     path = write_spec(tmp_path, body)
     assert main(["search", str(path), "--out", str(tmp_path / "run"), "--no-live"]) == 2
     err = capsys.readouterr().err
     assert "resources.cpu" in err and "asks for 64 CPU" in err
+    assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
 def test_execute_trial_records_a_crash_without_ray(tmp_path):

@@ -425,3 +425,4 @@ def test_driver_writes_results_it_cannot_see(tmp_path):
     assert run.read_trial(5).reason == "real"
     failed = report_payload(TrialRecord(number=6, status="diverged", metrics={"acc": None}), ["acc", "params"])
     assert failed["acc"] is None and failed["params"] is None  # Ray wants every objective key
+

@@ -233,3 +233,27 @@ def test_active_looks_at_sampled_values_then_the_base(tmp_path):
     n_h = loaded.spec.space["mixer.transition.n_h"]
     assert active(n_h, {}, loaded.base_values)  # the base is householder
     assert not active(n_h, {"mixer.transition.type": "diagonal"}, loaded.base_values)
+
+
+@pytest.mark.parametrize("name, kind", [("tpe", optuna.samplers.TPESampler), ("nsga2", optuna.samplers.NSGAIISampler),
+                                        ("random", optuna.samplers.RandomSampler), ("grid", optuna.samplers.RandomSampler)])
+def test_samplers_are_seeded_and_reproducible(tmp_path, name, kind):
+    """The same search spec proposes the same trials; another seed proposes others."""
+    from archspec.search.samplers import make_sampler
+
+    def proposals(seed: int) -> list[dict]:
+        loaded = load_search_spec(write(tmp_path, GOOD), [f"sampler={name}", f"seed={seed}", "budget.trials=40"])
+        sampler = make_sampler(loaded.spec)
+        assert isinstance(sampler, kind)
+        study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+        out = []
+        for _ in range(14):  # past TPE's and NSGA-II's random start-up
+            trial = study.ask()
+            overrides = suggest_overrides(trial, loaded.spec.space, loaded.base_values)
+            study.tell(trial, [overrides.get("mixer.transition.n_h", 0) / 3, len(json.dumps(overrides))])
+            out.append(overrides)
+        return out
+
+    first = proposals(0)
+    assert proposals(0) == first
+    assert proposals(1) != first

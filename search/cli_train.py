@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--task", required=True, metavar="NAME", help=f"one of: {', '.join(task_names())}")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a spec field by its dotted key (repeatable), e.g. --set mixer.n_h=2",
+        help="override a spec field by its dotted key (repeatable), e.g. --set mixer.transition.n_h=2",
     )
     p.add_argument(
         "--task-option", dest="task_options", action="append", default=[], metavar="KEY=VALUE",

@@ -100,11 +100,11 @@ class _NullCallback(Callback):
 class LiveView:
     """A context manager: the live display while the Tuner runs."""
 
-    def __init__(self, run: RunDir, spec: SearchSpec, *, target: int, enabled: bool = True, console: Console | None = None):
+    def __init__(self, run: RunDir, spec: SearchSpec, *, target: int, live: bool = True, console: Console | None = None):
         self.run, self.spec, self.target = run, spec, target
         self.console = console or Console()
-        self.interactive = enabled and self.console.is_terminal
-        self.enabled = enabled
+        # The redrawn display needs a terminal; elsewhere (or asked not to) a line per trial.
+        self.interactive = live and self.console.is_terminal
         self.running: dict[int, tuple[dict[str, Any], float]] = {}
         self.lock = threading.Lock()
         self.callback = _ViewCallback(self)
@@ -136,7 +136,7 @@ class LiveView:
 
     def _announce_finished(self) -> None:
         """Non-interactive: one line per trial that ended since the last call."""
-        if not self.enabled or self.interactive:
+        if self.interactive:
             return
         records = self.run.read_trials()
         trained = trained_count(records)

@@ -26,7 +26,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -330,7 +330,7 @@ def run_search(
             _queue_grid(study, points, setup, tasks, base_values)
         remaining = outcome.target - trained_count(run.read_trials())
         if remaining > 0:
-            outcome.stopped_because, outcome.exhausted = _fit(setup, spec, run, sampler, define_by_run, reject, remaining, live)
+            outcome.stopped_because, outcome.exhausted = _fit(setup, spec, run, sampler, define_by_run, reject, remaining, outcome.target, live)
     outcome.trained = trained_count(run.read_trials())
     return outcome
 
@@ -395,7 +395,18 @@ def _trainable_grid_size(points: list[dict[str, Any]], setup: TrialSetup, tasks:
     return sum(precheck(setup, point, tasks).status == OK for point in points)
 
 
-def _fit(setup, spec, run, sampler, define_by_run, reject, remaining, live) -> tuple[str | None, bool]:
+def _fit(
+    setup: TrialSetup,
+    spec: SearchSpec,
+    run: RunDir,
+    sampler: Any,
+    define_by_run: Callable[[Any], dict[str, Any]],
+    reject: Callable[[int, dict[str, Any]], Rejection | None],
+    remaining: int,
+    target: int,
+    live: bool,
+) -> tuple[str | None, bool]:
+    """Run `remaining` trials with Ray Tune; returns why the searcher stopped early, if it did."""
     import optuna
     from ray import tune
 
@@ -410,7 +421,7 @@ def _fit(setup, spec, run, sampler, define_by_run, reject, remaining, live) -> t
     run.ray_dir.mkdir(parents=True, exist_ok=True)
     session = f"session-{sum(1 for _ in run.ray_dir.iterdir()):03d}"
     resources = {"cpu": spec.resources.cpu, "gpu": spec.resources.gpu}
-    view = LiveView(run, spec, target=spec.budget.trials, enabled=live)
+    view = LiveView(run, spec, target=target, live=live)
     tuner = tune.Tuner(
         tune.with_resources(tune.with_parameters(trainable, setup=setup), resources),
         tune_config=tune.TuneConfig(

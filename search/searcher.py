@@ -7,6 +7,8 @@ Two things the stock searcher does not do, and a search of architectures needs:
   the study (failed, or a repeat with the values already known), recorded in the run
   directory, and the searcher asks for another, so a rejected spec costs neither a
   Ray worker nor the trial budget.
+- **A misspelt objective** makes the first trial fail with the metric names it did
+  report; the searcher then stops instead of failing every trial of the budget.
 - **Failed trials.** With several objectives, the stock `on_trial_complete` tells the
   study a list of `None`s for a trial that reported no values; Optuna refuses that and
   the trial stays RUNNING forever. Here a trial without finite objective values is told
@@ -29,7 +31,7 @@ from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 from archspec.search.rundir import DUPLICATE, OK
-from archspec.search.trial import record_from_result
+from archspec.search.trial import MISSING_OBJECTIVES, record_from_result
 
 # Proposals rejected in a row before the search gives up: the space is then (almost)
 # entirely outside the constraints, and the user should hear so instead of waiting.
@@ -115,6 +117,10 @@ class ArchspecOptunaSearch(OptunaSearch):
             ot_trial.set_user_attr("status", (result or {}).get("status") or "failed")
             ot_trial.set_user_attr("reason", (record and record.reason) or ("the trial's worker failed" if error else "no result"))
             self._ot_study.tell(ot_trial, state=TrialState.FAIL)
+            if record and record.reason and record.reason.startswith(MISSING_OBJECTIVES):
+                # Every architecture reports the same metric names on a task: do not spend
+                # the budget on a misspelt objective.
+                self.stopped_because = f"{record.reason}; fix `objectives:` in the search spec"
         self._completed_trials.add(trial_id)
 
     def save(self, checkpoint_path: str) -> None:

@@ -27,8 +27,11 @@ from archspec.errors import ArchspecError
 from archspec.search.rundir import DIVERGED, FAILED, INVALID, OK, SKIPPED, TRIAL_SPEC_FILE, RunDir, TrialRecord, write_yaml_atomic
 from archspec.search.space import SearchSpec, TaskRef
 
-TrainFn = Callable[..., Any]
-RECORD_KEY = "archspec_record"  # the reported result's copy of the trial record  # train(spec, task, *, steps, seed, device, out_dir, ...) -> TrainResult
+TrainFn = Callable[..., Any]  # train(spec, task, *, steps, seed, device, out_dir, ...) -> TrainResult
+RECORD_KEY = "archspec_record"  # the reported result's copy of the trial record
+# Starts the reason of a trial whose training went fine but did not produce an objective:
+# a misspelt metric name, which every further trial would repeat.
+MISSING_OBJECTIVES = "objective metric(s) missing or not finite:"
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,8 @@ def execute_trial(
             missing = [m for m in search.metric_names if not _finite(record.metrics.get(m))]
             if missing:
                 record.status = FAILED
-                record.reason = f"objective metric(s) {', '.join(missing)} missing or not finite; the trial reported {', '.join(sorted(record.metrics))}"
+                record.reason = (f"{MISSING_OBJECTIVES} {', '.join(missing)}; the trial reported "
+                                 f"{', '.join(sorted(k for k, v in record.metrics.items() if _finite(v)))}")
     except ArchspecError as exc:
         record.status, record.reason = FAILED, _one_line(exc)
     except Exception as exc:  # a crash in one trial must not end the search

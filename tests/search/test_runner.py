@@ -426,3 +426,18 @@ def test_driver_writes_results_it_cannot_see(tmp_path):
     failed = report_payload(TrialRecord(number=6, status="diverged", metrics={"acc": None}), ["acc", "params"])
     assert failed["acc"] is None and failed["params"] is None  # Ray wants every objective key
 
+
+
+def test_a_misspelt_objective_stops_the_search_after_one_trial(tmp_path):
+    """Through the command line with the real trainer (3 steps): the first trial reports
+    its metrics, none is the objective, and the search stops instead of spending its budget."""
+    body = RESUMABLE.replace("token_acc@16: max", "token_acc@61: max").replace("resources: {cpu: 1}", "resources: {cpu: 1, concurrent: 1}")
+    path = write_spec(tmp_path, body)
+    done = subprocess.run([PYTHON, "-m", "archspec.search.cli", "search", str(path), "--out", str(tmp_path / "run"), "--no-live"],
+                          capture_output=True, text=True, cwd=REPO, timeout=180)
+    assert done.returncode == 1, done.stderr
+    assert "the search stopped: objective metric(s) missing or not finite: token_acc@61" in done.stderr
+    assert "token_acc@16" in done.stderr  # what the trial did report, to fix the name
+    (record,) = [r for r in RunDir(tmp_path / "run").read_trials() if r.status is not None]
+    assert record.status == "failed" and record.metrics["tokens_per_s"] > 0  # the real trainer ran
+    assert (RunDir(tmp_path / "run").trial_dir(record.number) / "s3" / "metrics.json").is_file()

@@ -46,19 +46,18 @@ TRIAL_SPEC_FILE = "spec.yaml"
 TRIAL_RESULT_FILE = "result.json"
 
 # Trial statuses. `ok`, `failed` and `diverged` trials were trained and count against the
-# budget; `skipped` (a constraint failed on the cost model), `invalid` (the sampled spec
-# was refused) and `duplicate` (the same overrides as a trial trained or running) never
-# reached training; `interrupted` trials were cut off by a crash or Ctrl-C and are tried
-# again on --resume.
+# budget; `skipped` (a constraint failed on the cost model) and `invalid` (the sampled
+# spec was refused) never reached training; `interrupted` trials were cut off by a crash
+# or Ctrl-C and are tried again on --resume. (Proposals that repeat a trial are kept in
+# the study only, as pruned trials: see `searcher.py`.)
 OK = "ok"
 FAILED = "failed"
 DIVERGED = "diverged"
 SKIPPED = "skipped"
 INVALID = "invalid"
-DUPLICATE = "duplicate"
 INTERRUPTED = "interrupted"
 TRAINED_STATUSES = (OK, FAILED, DIVERGED)
-STATUSES = (OK, FAILED, DIVERGED, SKIPPED, INVALID, DUPLICATE, INTERRUPTED)
+STATUSES = (OK, FAILED, DIVERGED, SKIPPED, INVALID, INTERRUPTED)
 
 
 def _jsonable(value: Any) -> Any:

@@ -32,7 +32,6 @@ from typing import Any
 
 from archspec.errors import ArchspecError, Location
 from archspec.search.rundir import (
-    DUPLICATE,
     INTERRUPTED,
     OK,
     STUDY_NAME,
@@ -42,7 +41,7 @@ from archspec.search.rundir import (
     trained_count,
     write_yaml_atomic,
 )
-from archspec.search.searcher import ArchspecOptunaSearch, Rejection
+from archspec.search.searcher import DUPLICATE, ArchspecOptunaSearch, Rejection
 from archspec.search.space import LoadedSearch, SearchSpec, grid_points, load_search_spec, optuna_params, suggest_overrides
 from archspec.search.trial import TrainFn, TrialSetup, make_task, precheck
 
@@ -309,14 +308,15 @@ def run_search(
     handed_out: dict[str, int] = {}  # overrides -> trial number, accepted this session (no files yet)
 
     def reject(number: int, overrides: dict[str, Any]) -> Rejection | None:
-        rejection, metrics = _repeat_of(run, overrides, spec.metric_names, handed_out), {}
-        if rejection is None:
-            verdict = precheck(setup, overrides, tasks)
-            if verdict.status == OK:
-                handed_out[json.dumps(overrides, sort_keys=True)] = number
-                return None
-            rejection, metrics = Rejection(verdict.status, verdict.reason or ""), verdict.cost
-        _record_rejection(run, number, overrides, rejection, metrics)
+        repeat = _repeat_of(run, overrides, handed_out)
+        if repeat is not None:
+            return repeat  # lives in the study only: a run directory of repeats helps nobody
+        verdict = precheck(setup, overrides, tasks)
+        if verdict.status == OK:
+            handed_out[json.dumps(overrides, sort_keys=True)] = number
+            return None
+        rejection = Rejection(verdict.status, verdict.reason or "")
+        _record_rejection(run, number, overrides, rejection, verdict.cost)
         return rejection
 
     with ray_session(address):
@@ -371,7 +371,7 @@ def _queue_grid(study: Any, points: list[dict[str, Any]], setup: TrialSetup, tas
         study.enqueue_trial(optuna_params(space, point, base_values))
 
 
-def _repeat_of(run: RunDir, overrides: dict[str, Any], metric_names: list[str], handed_out: dict[str, int]) -> Rejection | None:
+def _repeat_of(run: RunDir, overrides: dict[str, Any], handed_out: dict[str, int]) -> Rejection | None:
     """A proposal identical to a trial that trained or is training is not trained again.
 
     `handed_out` covers trials accepted moments ago whose worker has not started yet.
@@ -384,9 +384,8 @@ def _repeat_of(run: RunDir, overrides: dict[str, Any], metric_names: list[str], 
     for record in records:
         if record.status not in (None, *TRAINED_STATUSES) or json.dumps(record.overrides, sort_keys=True) != key:
             continue
-        values = [record.metrics.get(m) for m in metric_names] if record.status == OK else None
         state = "is still training" if record.status is None else f"ended {record.status}"
-        return Rejection(DUPLICATE, f"the same overrides as trial {record.number}, which {state}", values)
+        return Rejection(DUPLICATE, f"the same overrides as trial {record.number}, which {state}")
     return None
 
 
@@ -416,7 +415,7 @@ def _fit(
     searcher = ArchspecOptunaSearch(
         define_by_run=define_by_run, reject=reject, metric=spec.metric_names,
         mode=[o.direction for o in spec.objectives], sampler=sampler,
-        storage=optuna.storages.RDBStorage(run.study_url), study_name=STUDY_NAME,
+        storage=optuna.storages.RDBStorage(run.study_url), study_name=STUDY_NAME, seed=spec.seed,
     )
     run.ray_dir.mkdir(parents=True, exist_ok=True)
     session = f"session-{sum(1 for _ in run.ray_dir.iterdir()):03d}"

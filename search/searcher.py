@@ -3,10 +3,10 @@
 Two things the stock searcher does not do, and a search of architectures needs:
 
 - **Reject before training.** Each proposal is checked in the driver (spec valid, cost
-  constraints hold, not a repeat of a trained trial). A rejected proposal is told to
-  the study (failed, or a repeat with the values already known), recorded in the run
-  directory, and the searcher asks for another, so a rejected spec costs neither a
-  Ray worker nor the trial budget.
+  constraints hold, not a repeat of a trial trained or training). A rejected proposal
+  is told to the study (failed; a repeat as pruned), a refused one is recorded in the
+  run directory, and the searcher asks for another, so a rejected spec costs neither
+  a Ray worker nor the trial budget.
 - **A misspelt objective** makes the first trial fail with the metric names it did
   report; the searcher then stops instead of failing every trial of the budget.
 - **Failed trials.** With several objectives, the stock `on_trial_complete` tells the
@@ -30,23 +30,21 @@ from optuna.trial import TrialState
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
-from archspec.search.rundir import DUPLICATE, OK
+from archspec.search.rundir import OK
 from archspec.search.trial import MISSING_OBJECTIVES, record_from_result
 
 # Proposals rejected in a row before the search gives up: the space is then (almost)
 # entirely outside the constraints, and the user should hear so instead of waiting.
 MAX_REJECTIONS_IN_A_ROW = 500
+DUPLICATE = "duplicate"  # the status of a proposal that repeats a trial trained or training
 
 
 @dataclass(frozen=True)
 class Rejection:
-    """Why a proposal is not trained. `values`: the objective values of the identical
-    trial it repeats, told to the study as this trial's (Optuna's advice for duplicates:
-    the sampler learns the point is known without paying for it again)."""
+    """Why a proposal is not trained: `status` is `skipped`, `invalid` or `duplicate`."""
 
     status: str
     reason: str
-    values: list[float] | None = None
 
 
 class ArchspecOptunaSearch(OptunaSearch):
@@ -54,7 +52,13 @@ class ArchspecOptunaSearch(OptunaSearch):
 
     `define_by_run(trial) -> {"trial_number": n, "overrides": {...}}` samples a proposal;
     `reject(number, overrides) -> Rejection | None` decides whether it may train (and
-    records it if not).
+    records a refused spec or a broken constraint in the run directory).
+
+    Repeats: a model-based sampler that is sure of its best points proposes them again
+    and again (TPE in a small discrete space did so hundreds of times in a row). A repeat
+    is told to the study as PRUNED (samplers leave it out of their model, it never ran)
+    and the next proposal of the same round is drawn at random, which finds the points
+    not tried yet; when even those draws only repeat, the space is exhausted.
     """
 
     def __init__(
@@ -67,9 +71,11 @@ class ArchspecOptunaSearch(OptunaSearch):
         sampler: optuna.samplers.BaseSampler,
         storage: optuna.storages.BaseStorage,
         study_name: str,
+        seed: int = 0,
     ):
         super().__init__(space=define_by_run, metric=metric, mode=mode, sampler=sampler, storage=storage, study_name=study_name)
         self._reject = reject
+        self._explorer = optuna.samplers.RandomSampler(seed=seed)
         self.stopped_because: str | None = None
         self.exhausted = False  # stopped because every proposal repeated a known trial
 
@@ -77,8 +83,9 @@ class ArchspecOptunaSearch(OptunaSearch):
         if self.stopped_because:
             return Searcher.FINISHED
         repeats = 0
+        explore = False
         for _ in range(MAX_REJECTIONS_IN_A_ROW):
-            config = super().suggest(trial_id)
+            config = self._propose(trial_id, explore)
             ot_trial = self._ot_trials[trial_id]
             ot_trial.set_user_attr("overrides", config["overrides"])
             rejection = self._reject(config["trial_number"], config["overrides"])
@@ -86,20 +93,28 @@ class ArchspecOptunaSearch(OptunaSearch):
                 return config
             ot_trial.set_user_attr("status", rejection.status)
             ot_trial.set_user_attr("reason", rejection.reason)
-            repeats += rejection.status == DUPLICATE
-            if rejection.values is not None:
-                self._ot_study.tell(ot_trial, rejection.values, state=TrialState.COMPLETE)
-            else:
-                self._ot_study.tell(ot_trial, state=TrialState.FAIL)
+            explore = rejection.status == DUPLICATE
+            repeats += explore
+            self._ot_study.tell(ot_trial, state=TrialState.PRUNED if explore else TrialState.FAIL)
             del self._ot_trials[trial_id]  # the next round asks the study for a new trial
         self.exhausted = repeats == MAX_REJECTIONS_IN_A_ROW
         self.stopped_because = (
-            f"the sampler proposed only points already trained or training in its last {MAX_REJECTIONS_IN_A_ROW} proposals: "
-            "the space looks exhausted" if self.exhausted else
+            f"the last {MAX_REJECTIONS_IN_A_ROW} proposals (most drawn at random) all repeated trials "
+            "already trained or training: the space looks exhausted" if self.exhausted else
             f"{MAX_REJECTIONS_IN_A_ROW} proposals in a row were refused, broke a constraint or repeated a trial; "
             "loosen the constraints or widen the space (see the `skipped`/`invalid` trials)"
         )
         return Searcher.FINISHED
+
+    def _propose(self, trial_id: str, explore: bool) -> dict:
+        """One proposal from the study's sampler, or (`explore`) from the random one."""
+        if not explore:
+            return super().suggest(trial_id)
+        sampler, self._ot_study.sampler = self._ot_study.sampler, self._explorer
+        try:
+            return super().suggest(trial_id)
+        finally:
+            self._ot_study.sampler = sampler
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         if trial_id in self._completed_trials or trial_id not in self._ot_trials:

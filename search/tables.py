@@ -71,7 +71,7 @@ def counts_line(records: Sequence[TrialRecord]) -> str:
     counts = status_counts(records)
     trained = trained_count(records)
     parts = [f"{trained} trained ({counts['ok']} ok, {counts['failed']} failed, {counts['diverged']} diverged)"]
-    for status in ("skipped", "invalid", "duplicate", "interrupted", "running"):
+    for status in ("skipped", "invalid", "interrupted", "running"):
         if counts.get(status):
             parts.append(f"{counts[status]} {status}")
     return "; ".join(parts)

@@ -128,9 +128,9 @@ def test_search_end_to_end_with_constraint_failure_and_divergence(tmp_path):
     assert {r.number for r in summary.front} == expected == {r.number for r in ok}
 
 
-def test_duplicates_are_answered_from_the_record(tmp_path):
-    """A space with two points and a budget of five: only two trials train, the search
-    ends as exhausted, and repeats of finished trials carry their values into the study."""
+def test_repeats_are_not_trained_and_the_search_ends_when_the_space_is_exhausted(tmp_path):
+    """A space of two points and a budget of five: two trials train, repeats are told to
+    the study as pruned (no trial directory), and the search ends as exhausted."""
     body = """\
     space:
       mixer.transition.n_h: {choices: [1, 2]}
@@ -139,8 +139,8 @@ def test_duplicates_are_answered_from_the_record(tmp_path):
       - token_acc@16: max
       - params: min
     budget: {trials: 5, steps: 3}
-    sampler: random
-    resources: {cpu: 1, concurrent: 1}   # one at a time: every repeat comes after its original ended
+    sampler: tpe
+    resources: {cpu: 1, concurrent: 1}
     """
     from archspec.search import searcher
     from archspec.search.runner import run_search
@@ -152,17 +152,50 @@ def test_duplicates_are_answered_from_the_record(tmp_path):
     finally:
         searcher.MAX_REJECTIONS_IN_A_ROW = old
     assert outcome.trained == 2 and outcome.exhausted and "exhausted" in outcome.stopped_because
-    records = RunDir(tmp_path / "run").read_trials()
-    trained = [r for r in records if r.status == "ok"]
-    assert sorted(r.overrides["mixer.transition.n_h"] for r in trained) == [1, 2]
-    repeats = [r for r in records if r.status == "duplicate"]
-    assert repeats and all("the same overrides as trial" in r.reason for r in repeats)
-    study = optuna.load_study(study_name="archspec", storage=RunDir(tmp_path / "run").study_url)
-    for r in repeats:
-        t = study.trials[r.number]
-        original = next(o for o in trained if o.overrides == r.overrides)
-        assert r.reason.endswith("ended ok")
-        assert t.values == [original.metrics["token_acc@16"], original.metrics["params"]]  # known values, not retrained
+    run = RunDir(tmp_path / "run")
+    records = run.read_trials()
+    assert sorted(r.overrides["mixer.transition.n_h"] for r in records) == [1, 2]
+    assert all(r.status == "ok" for r in records)
+    study = optuna.load_study(study_name="archspec", storage=run.study_url)
+    repeats = [t for t in study.trials if t.user_attrs.get("status") == "duplicate"]
+    assert len(repeats) >= 20 and all(t.state == optuna.trial.TrialState.PRUNED for t in repeats)
+    trained = {r.number: r.overrides for r in records}
+    for t in repeats:
+        original = int(t.user_attrs["reason"].split("trial ")[1].split(",")[0])
+        assert t.user_attrs["overrides"] == trained[original]
+
+
+def test_repeats_are_explored_away_from(tmp_path):
+    """TPE in a small discrete space keeps proposing its best points; the random draws
+    after a repeat still reach every point of the space within its size in trials."""
+    from archspec.search.searcher import ArchspecOptunaSearch, Rejection
+    from archspec.search.samplers import make_sampler
+    from archspec.search.space import suggest_overrides
+
+    loaded = load_search_spec(write_spec(tmp_path, RESUMABLE.replace("budget: {trials: 6, steps: 3}", "budget: {trials: 12, steps: 3}")
+                                         .replace("sampler: random", "sampler: tpe")))
+    spec = loaded.spec
+    seen: dict[str, int] = {}
+
+    def reject(number, overrides):
+        key = json.dumps(overrides, sort_keys=True)
+        if key in seen:
+            return Rejection("duplicate", f"the same overrides as trial {seen[key]}, which ended ok")
+        seen[key] = number
+        return None
+
+    search = ArchspecOptunaSearch(
+        define_by_run=lambda t: {"trial_number": t.number, "overrides": suggest_overrides(t, spec.space, loaded.base_values)},
+        reject=reject, metric=spec.metric_names, mode=["max", "min"], sampler=make_sampler(spec),
+        storage=optuna.storages.InMemoryStorage(), study_name="s", seed=0,
+    )
+    for i in range(12):  # 4 x 3 = 12 points: each round must find a new one
+        config = search.suggest(f"t{i}")
+        assert isinstance(config, dict), search.stopped_because
+        n_h, width = config["overrides"]["mixer.transition.n_h"], config["overrides"]["model.d_model"]
+        search.on_trial_complete(f"t{i}", {"status": "ok", "token_acc@16": 0.2 * n_h, "params": float(width)})
+    assert len(seen) == 12
+    assert search.suggest("t12") == "FINISHED" and search.exhausted
 
 
 # --------------------------------------------------------------------------- resume

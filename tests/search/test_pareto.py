@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from archspec.search.cli import main
-from archspec.search.pareto import compare_fronts, front_of, nondominated_mask, read_run, report_json
+from archspec.search.pareto import compare_fronts, front_of, nondominated_mask, read_run
 from archspec.search.rundir import RunDir, TrialRecord, write_yaml_atomic
 from archspec.search.space import Objective
 

@@ -421,7 +421,7 @@ def test_reconcile_tells_unheard_results_and_requeues_cut_off_trials(tmp_path):
     study = optuna.create_study(storage=run.study_url, study_name="archspec",
                                 directions=["maximize", "minimize"])
     finished_unheard, cut_off = study.ask(), study.ask()
-    for trial, n_h in ((finished_unheard, 1), (cut_off, 2)):
+    for trial in (finished_unheard, cut_off):
         trial.suggest_categorical("mixer.transition.n_h", [1, 2])
         trial.set_user_attr("overrides", {"mixer.transition.n_h": trial.params["mixer.transition.n_h"]})
     run.write_trial_result(TrialRecord(number=finished_unheard.number, status="ok", metrics={"acc": 0.7, "params": 10.0},

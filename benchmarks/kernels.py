@@ -386,12 +386,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{plan.name:22s} {floors['bytes_fwd'] / 1e6:8.0f} {floors['flops_fwd'] / 1e9:9.1f} {floors['floor_fwd_ms']:9.3f} "
               f"{floors['bytes_fwdbwd'] / 1e6:8.0f} {floors['flops_fwdbwd'] / 1e9:9.1f} {floors['floor_fwdbwd_ms']:9.3f}", flush=True)
         results["plans"][plan.name] = {"spec": asdict(plan), "floors": floors, "rows": [asdict(r) for r in rows]}
-    out = Path(args.out)
+        _write(results, Path(args.out))  # after every plan: a run cut short keeps what it measured
+    print(_write(results, Path(args.out)))
+
+
+def _write(results: dict, out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernels.json").write_text(json.dumps(results, indent=1))
     table = markdown(results)
     (out / "kernels.md").write_text(table)
-    print(table)
+    return table
 
 
 if __name__ == "__main__":

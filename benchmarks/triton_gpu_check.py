@@ -150,6 +150,11 @@ def fla_gated_backward(device) -> dict:
         return {"status": "refused", "error": f"{type(err).__name__}: {str(err).strip()[:400]}"}
 
 
+def _write(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "triton_gpu_check.json").write_text(json.dumps(results, indent=1))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
@@ -180,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
                 r = {"error": f"{type(err).__name__}: {err}"[:300], "worst": float("inf")}
             r["pass"] = r["worst"] < TOL[dtype]
             results["paths"][f"{plan.name}/{dtype}"] = r
+            _write(results, Path(args.out))
             print(f"{plan.name:24s} {dtype:9s} worst {r['worst']:.2e} {'ok' if r['pass'] else 'FAIL'}", flush=True)
             torch.cuda.empty_cache() if device == "cuda" else None
         try:
@@ -197,9 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             results["stability"].append({"gated": gated, "error": f"{type(err).__name__}: {err}"[:300]})
     results["fla_gated_backward"] = fla_gated_backward(device) if device == "cuda" else {"status": "no GPU"}
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "triton_gpu_check.json").write_text(json.dumps(results, indent=1))
+    _write(results, Path(args.out))
     print(f"\n{'path':24s} {'bf16 worst':>10s} {'fp32 worst':>10s} {'naive fp32':>10s}  worst tensor (bf16)")
     for plan in plans:
         rb, rf = results["paths"][f"{plan.name}/bfloat16"], results["paths"][f"{plan.name}/float32"]

@@ -20,6 +20,15 @@ Gate gradients use one identity: a term `x_a^T diag(exp(G_a - G_b)) y_b` contrib
     dG_i = k_i * dk_i - e_i * de_i - w_i * dw_i   (sub-steps),   dG_t += q_t * dq_t   (queries)
 
 plus the chunk-end terms, and `dg_t` is the reverse cumulative sum over the chunk's tokens.
+
+Registers are the limit (a `[64, 128]` float32 block is 32 KB of the 256 KB register file),
+so the kernel runs in four phases, each with few blocks alive, re-reading the chunk's
+`S_0`/`dS_L` V-blocks (L2-resident) instead of holding every accumulator at once:
+
+    A  over V: dM_E, dM_W, dT's Z-part, dS_kw, dP; writes dv and beta's Z/U part
+    B  the UT transform's backward: dk (complete), partial de/dw  -> written, re-read in D
+    C  over V: dO S_0^T -> dq (complete)
+    D  over V: Y dS_L^T, U dS_L^T -> de, dw complete; the gate's gradient
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_of_program
-from .decay import apply_left, apply_right, causal_mask, decay_rows, load_gate, load_rows, scores, store_rows
+from .decay import apply_left, apply_right, causal_mask, decay_rows, load_gate, load_rows, mm, scores, store_rows
 from .state import end_decay
 
 
@@ -40,7 +49,7 @@ def chunk_backward_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, TIED: tl.constexpr,
-    IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
 ):
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
     _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
@@ -60,142 +69,174 @@ def chunk_backward_kernel(
     stride_g = H * K if GATE == 2 else H
     p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
     p_beta = beta + tok0 * NH * H + i_sub * H + i_h
+    p_e = (w if MODE == 1 else e) + row_k  # the erase direction (householder: the write key)
+    p_w = w + row_k
     o_state = (i_chunk * H + i_h) * K * V
-
-    # ---- inputs of the chunk
-    qq = load_rows(q + row_q, i_q, valid_q, H * K, offs_k, K, ACC)
-    kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
-    gq = load_gate(p_g, i_q, valid_q, stride_g, offs_k, GATE, K, ACC)
-    gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
-    g_last, to_end = end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE, NH, K, ACC)
     strict = causal_mask(i_sub, valid, i_sub, valid, True)
     qmask = causal_mask(pos_q, valid_q, i_sub, valid, False)
+    gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
     if MODE != 0:
-        p_e = (w if MODE == 1 else e) + row_k
-        ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
         tinv = tl.load(Tinv + (i_chunk * H + i_h) * BT * BT + i_sub[:, None] * BT + i_sub[None, :]).to(ACC)
-    if MODE != 1:
-        p_w = w + row_k
-        ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
     if MODE == 1:
         cb = tl.load(p_beta, mask=valid, other=0.0).to(ACC)
     if MODE == 2:
+        kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
+        ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
         s_kw = scores(kk, gk, i_sub, valid, ww, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
-                      True, GATE, NH, BT, SC, K, BK, ACC, PREC)
+                      True, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
         if HAS_BETA:
             bb = tl.load(p_beta, mask=valid, other=0.0).to(ACC)
 
-    # ---- contractions over V
-    dq_state = tl.zeros([BQ, BK], dtype=ACC)  # dO S_0^T
-    dlast_state = tl.zeros([BK], dtype=ACC)  # sum_v S_0 * dS_L
-    dm_e = tl.zeros([BQ, BT], dtype=ACC)
-    dm_w = tl.zeros([BQ, BT], dtype=ACC)
-    end_e = tl.zeros([BT, BK], dtype=ACC)  # Y dS_L^T
-    end_w = tl.zeros([BT, BK], dtype=ACC)  # U dS_L^T
-    dp = tl.zeros([BT, BK], dtype=ACC)
-    dt = tl.zeros([BT, BT], dtype=ACC)
+    # ---- phase A: contractions over V that feed the C x C algebra
+    dm_e = tl.zeros([BQ, BT], dtype=ACC)  # dO Y^T
+    dm_w = tl.zeros([BQ, BT], dtype=ACC)  # dO U^T
+    dt = tl.zeros([BT, BT], dtype=ACC)  # dY Z^T (rwkv7: dY U^T, times -S_kw^T below)
     ds_kw = tl.zeros([BT, BT], dtype=ACC)
+    dp = tl.zeros([BT, BK], dtype=ACC)  # -dY S_0^T
     dc_v = tl.zeros([BT], dtype=ACC)  # beta's gradient through Z (householder) or U (rwkv7)
     for i_v in range(tl.cdiv(V, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
-        state_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
-        state_offs = o_state + offs_k[:, None] * V + offs_v[None, :]
-        h = tl.load(h_all + state_offs, mask=state_mask, other=0.0).to(ACC)
-        dh = tl.load(dh_all + state_offs, mask=state_mask, other=0.0).to(ACC)
         d_o = load_rows(do + row_o, i_q, valid_q, H * V, offs_v, V, ACC)
         vv = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)
-        dq_state += tl.dot(d_o, tl.trans(h), input_precision=PREC, out_dtype=ACC)
-        dlast_state += tl.sum(h * dh, 1)
         if MODE != 0:
+            h = tl.load(h_all + o_state + offs_k[:, None] * V + offs_v[None, :],
+                        mask=(offs_k[:, None] < K) & (offs_v[None, :] < V), other=0.0)
             y = load_rows(Y + row_v, i_sub, valid, H * V, offs_v, V, ACC)
             dy = load_rows(dY + row_v, i_sub, valid, H * V, offs_v, V, ACC)
-            dm_e += tl.dot(d_o, tl.trans(y), input_precision=PREC, out_dtype=ACC)
-            end_e += tl.dot(y, tl.trans(dh), input_precision=PREC, out_dtype=ACC)
-            dp -= tl.dot(dy, tl.trans(h), input_precision=PREC, out_dtype=ACC)
-            dz = tl.dot(tl.trans(tinv), dy, input_precision=PREC, out_dtype=ACC)
+            dm_e += mm(d_o, tl.trans(y), OP, PREC, ACC)
+            dp -= mm(dy, tl.trans(h), OP, PREC, ACC)
+            dz = mm(tl.trans(tinv), dy, OP, PREC, ACC)
             if MODE == 1:
-                dt += tl.dot(dy, tl.trans(vv * cb[:, None]), input_precision=PREC, out_dtype=ACC)
+                dt += mm(dy, tl.trans(vv * cb[:, None]), OP, PREC, ACC)
                 dc_v += tl.sum(dz * vv, 1)
                 store_rows(dv + row_v, dz * cb[:, None], i_sub, valid, H * V, offs_v, V)
         if MODE != 1:
             u = vv
             if MODE == 2 and HAS_BETA:
                 u = vv * bb[:, None]
-            dm_w += tl.dot(d_o, tl.trans(u), input_precision=PREC, out_dtype=ACC)
-            end_w += tl.dot(u, tl.trans(dh), input_precision=PREC, out_dtype=ACC)
+            dm_w += mm(d_o, tl.trans(u), OP, PREC, ACC)
             du = load_rows(dU + row_v, i_sub, valid, H * V, offs_v, V, ACC)
             if MODE == 2:
-                dt += tl.dot(dy, tl.trans(u), input_precision=PREC, out_dtype=ACC)
-                ds_kw -= tl.dot(dz, tl.trans(u), input_precision=PREC, out_dtype=ACC)
-                du -= tl.dot(tl.trans(s_kw), dz, input_precision=PREC, out_dtype=ACC)
+                dt += mm(dy, tl.trans(u), OP, PREC, ACC)
+                ds_kw -= mm(dz, tl.trans(u), OP, PREC, ACC)
+                du -= mm(tl.trans(s_kw), dz, OP, PREC, ACC)
                 if HAS_BETA:
                     dc_v += tl.sum(du * vv, 1)
                     du = du * bb[:, None]
             store_rows(dv + row_v, du, i_sub, valid, H * V, offs_v, V)
+    dm_e = tl.where(qmask, dm_e, 0.0)
+    dm_w = tl.where(qmask, dm_w, 0.0)
 
-    # ---- queries: O = Q~ S_0 + M_E Y + M_W U
-    dqq = decay_rows(dq_state, gq, GATE) * scale
+    # ---- phase B: the UT transform, Y = X - P S_0, X = Tinv Z, P = Tinv diag(c) K~
     dkk = tl.zeros([BT, BK], dtype=ACC)
-    dlast = tl.zeros([BK], dtype=ACC)  # d G_L (channel; summed over K for a scalar gate)
-    if GATE == 2:
-        dlast += tl.exp(g_last) * dlast_state
-    elif GATE == 1:
-        dlast += tl.where(offs_k == 0, tl.exp(g_last) * tl.sum(dlast_state, 0), 0.0)  # scalar kept in slot 0
-    dgam = tl.zeros([BT, BK], dtype=ACC)  # dG per sub-step, before the token sums
     if MODE != 0:
-        dm_e = tl.where(qmask, dm_e, 0.0)
-        dqq += scale * apply_left(dm_e, ee, gq, pos_q, valid_q, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
-                                  GATE, NH, BT, SC, K, BK, ACC, PREC)
-        dee = scale * apply_right(dm_e, qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
-                                  n_sub, n_tok, NH, GATE, NH, BT, SC, K, BK, ACC, PREC)
-        end_e = decay_rows(end_e, to_end, GATE)
-        dee += end_e
-        dlast += _sum_rows(ee * end_e, GATE, K)
-        # ---- the UT transform: Y = X - P S_0, X = Tinv Z, P = Tinv diag(c) K~
-        kt = decay_rows(kk, gk, GATE)
         if MODE == 1:
-            dt += tl.dot(dp, tl.trans(kt * cb[:, None]), input_precision=PREC, out_dtype=ACC)
+            kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
+        kt = decay_rows(kk, gk, GATE)
+        ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
+        if MODE == 1:
+            dt += mm(dp, tl.trans(kt * cb[:, None]), OP, PREC, ACC)
         else:
-            dt = tl.dot(dp, tl.trans(kt), input_precision=PREC, out_dtype=ACC) - tl.dot(dt, tl.trans(s_kw), input_precision=PREC, out_dtype=ACC)
-        tdp = tl.dot(tl.trans(tinv), dp, input_precision=PREC, out_dtype=ACC)
-        da = -tl.dot(tl.dot(tl.trans(tinv), dt, input_precision=PREC, out_dtype=ACC), tl.trans(tinv), input_precision=PREC, out_dtype=ACC)
+            dt = mm(dp, tl.trans(kt), OP, PREC, ACC) - mm(dt, tl.trans(s_kw), OP, PREC, ACC)
+        tdp = mm(tl.trans(tinv), dp, OP, PREC, ACC)
+        da = -mm(mm(tl.trans(tinv), dt, OP, PREC, ACC), tl.trans(tinv), OP, PREC, ACC)
         da = tl.where(strict, da, 0.0)
         if MODE == 1:
             s_ke = scores(kk, gk, i_sub, valid, ee, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
-                          True, GATE, NH, BT, SC, K, BK, ACC, PREC)
-            dbeta_c = tl.sum(kt * tdp, 1) + tl.sum(da * s_ke, 1) + dc_v
+                          True, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+            tl.store(dbeta + tok0 * NH * H + i_sub * H + i_h,
+                     (tl.sum(kt * tdp, 1) + tl.sum(da * s_ke, 1) + dc_v).to(dbeta.dtype.element_ty), mask=valid)
             dkk += decay_rows(tdp * cb[:, None], gk, GATE)
             da = da * cb[:, None]
         else:
             dkk += decay_rows(tdp, gk, GATE)
         dkk += apply_left(da, ee, gk, i_sub, valid, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
-                          GATE, NH, BT, SC, K, BK, ACC, PREC)
-        dee += apply_right(da, kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
-                           n_sub, n_sub, 1, GATE, NH, BT, SC, K, BK, ACC, PREC)
+                          GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+        dee = apply_right(da, kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
+                          n_sub, n_sub, 1, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+        store_rows((dw if MODE == 1 else de) + row_k, dee, i_sub, valid, H * K, offs_k, K)  # partial, see D
+    if MODE == 2:
+        ds_kw = tl.where(strict, ds_kw, 0.0)
+        dkk += apply_left(ds_kw, ww, gk, i_sub, valid, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
+                          GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+        dww = apply_right(ds_kw, kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
+                          n_sub, n_sub, 1, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+        store_rows(dw + row_k, dww, i_sub, valid, H * K, offs_k, K)  # partial, see D
+    if MODE == 2 and HAS_BETA:
+        tl.store(dbeta + tok0 * NH * H + i_sub * H + i_h, dc_v.to(dbeta.dtype.element_ty), mask=valid)
+    store_rows(dk + row_k, dkk, i_sub, valid, H * K, offs_k, K)  # complete (a tied key adds dw in D)
+
+    # ---- phase C: queries, O = Q~ S_0 + M_E Y + M_W U
+    gq = load_gate(p_g, i_q, valid_q, stride_g, offs_k, GATE, K, ACC)
+    dq_state = tl.zeros([BQ, BK], dtype=ACC)
+    for i_v in range(tl.cdiv(V, BV)):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        h = tl.load(h_all + o_state + offs_k[:, None] * V + offs_v[None, :],
+                    mask=(offs_k[:, None] < K) & (offs_v[None, :] < V), other=0.0)
+        d_o = load_rows(do + row_o, i_q, valid_q, H * V, offs_v, V, ACC)
+        dq_state += mm(d_o, tl.trans(h), OP, PREC, ACC)
+    dqq = decay_rows(dq_state, gq, GATE) * scale
+    if MODE != 0:
+        dqq += scale * apply_left(dm_e, load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC), gq, pos_q, valid_q, gk,
+                                  i_sub, valid, p_e, H * K, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+    if MODE != 1:
+        dqq += scale * apply_left(dm_w, load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC), gq, pos_q, valid_q, gk,
+                                  i_sub, valid, p_w, H * K, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+    store_rows(dq + row_q, dqq, i_q, valid_q, H * K, offs_k, K)
+
+    # ---- phase D: the chunk end, S_L = exp(G_L) [S_0 + E~^T Y + W~^T U]
+    g_last, to_end = end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE, NH, K, ACC)
+    end_e = tl.zeros([BT, BK], dtype=ACC)  # Y dS_L^T
+    end_w = tl.zeros([BT, BK], dtype=ACC)  # U dS_L^T
+    dlast_state = tl.zeros([BK], dtype=ACC)  # sum_v S_0 * dS_L
+    for i_v in range(tl.cdiv(V, BV)):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        state_offs = o_state + offs_k[:, None] * V + offs_v[None, :]
+        state_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
+        dh = tl.load(dh_all + state_offs, mask=state_mask, other=0.0)
+        if GATE != 0:
+            h = tl.load(h_all + state_offs, mask=state_mask, other=0.0).to(ACC)
+            dlast_state += tl.sum(h * dh.to(ACC), 1)
+        if MODE != 0:
+            y = load_rows(Y + row_v, i_sub, valid, H * V, offs_v, V, ACC)
+            end_e += mm(y, tl.trans(dh), OP, PREC, ACC)
+        if MODE != 1:
+            u = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)
+            if MODE == 2 and HAS_BETA:
+                u = u * tl.load(p_beta, mask=valid, other=0.0).to(ACC)[:, None]
+            end_w += mm(u, tl.trans(dh), OP, PREC, ACC)
+    qq = load_rows(q + row_q, i_q, valid_q, H * K, offs_k, K, ACC)
+    dlast = tl.zeros([BK], dtype=ACC)  # d G_L (channel; a scalar gate keeps its total in slot 0)
+    if GATE == 2:
+        dlast += tl.exp(g_last) * dlast_state
+    elif GATE == 1:
+        dlast += tl.where(offs_k == 0, tl.exp(g_last) * tl.sum(dlast_state, 0), 0.0)
+    dgam = tl.zeros([BT, BK], dtype=ACC)  # dG per sub-step, before the token sums
+    if MODE != 0:
+        ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
+        end_e = decay_rows(end_e, to_end, GATE)
+        dee = load_rows((dw if MODE == 1 else de) + row_k, i_sub, valid, H * K, offs_k, K, ACC) + end_e
+        dee += scale * apply_right(dm_e, qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
+                                   n_sub, n_tok, NH, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+        dlast += _sum_rows(ee * end_e, GATE)
         dgam -= ee * dee
     if MODE != 1:
-        dm_w = tl.where(qmask, dm_w, 0.0)
-        dqq += scale * apply_left(dm_w, ww, gq, pos_q, valid_q, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
-                                  GATE, NH, BT, SC, K, BK, ACC, PREC)
-        dww = scale * apply_right(dm_w, qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
-                                  n_sub, n_tok, NH, GATE, NH, BT, SC, K, BK, ACC, PREC)
+        ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
         end_w = decay_rows(end_w, to_end, GATE)
-        dww += end_w
-        dlast += _sum_rows(ww * end_w, GATE, K)
+        dww = end_w
         if MODE == 2:
-            ds_kw = tl.where(strict, ds_kw, 0.0)
-            dkk += apply_left(ds_kw, ww, gk, i_sub, valid, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
-                              GATE, NH, BT, SC, K, BK, ACC, PREC)
-            dww += apply_right(ds_kw, kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
-                               n_sub, n_sub, 1, GATE, NH, BT, SC, K, BK, ACC, PREC)
+            dww += load_rows(dw + row_k, i_sub, valid, H * K, offs_k, K, ACC)
+        dww += scale * apply_right(dm_w, qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
+                                   n_sub, n_tok, NH, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+        dlast += _sum_rows(ww * end_w, GATE)
         dgam -= ww * dww
-    dgam += kk * dkk
-
-    # ---- gate: dg_t = sum over the chunk's rows at or after token t, plus the chunk end
     if GATE != 0:
+        kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
+        dgam += kk * dkk
+        # dg_t: the sum over the chunk's rows at or after token t, plus the chunk end
         after_tok = ((i_sub[None, :] // NH) >= i_q[:, None]) & valid[None, :] & valid_q[:, None]
         after_q = (i_q[None, :] >= i_q[:, None]) & valid_q[None, :] & valid_q[:, None]
-        dgq = qq * dqq
+        dgq = qq * load_rows(dq + row_q, i_q, valid_q, H * K, offs_k, K, ACC)
         if GATE == 2:
             dgt = tl.dot(tl.where(after_tok, 1.0, 0.0).to(ACC), dgam, input_precision="ieee", out_dtype=ACC)
             dgt += tl.dot(tl.where(after_q, 1.0, 0.0).to(ACC), dgq, input_precision="ieee", out_dtype=ACC)
@@ -208,28 +249,23 @@ def chunk_backward_kernel(
             dgt += tl.sum(dlast, 0)
             tl.store(dg + (tok0 + i_q) * H + i_h, dgt.to(dg.dtype.element_ty), mask=valid_q)
 
-    # ---- stores (a tied write key's gradient joins k's)
-    store_rows(dq + row_q, dqq, i_q, valid_q, H * K, offs_k, K)
+    # ---- complete de / dw (a tied write key's gradient joins k's)
     if MODE == 1:
         if TIED:
-            dkk += dee
+            store_rows(dk + row_k, dkk + dee, i_sub, valid, H * K, offs_k, K)
         else:
             store_rows(dw + row_k, dee, i_sub, valid, H * K, offs_k, K)
-        tl.store(dbeta + tok0 * NH * H + i_sub * H + i_h, dbeta_c.to(dbeta.dtype.element_ty), mask=valid)
     else:
         if MODE == 2:
             store_rows(de + row_k, dee, i_sub, valid, H * K, offs_k, K)
-            if HAS_BETA:
-                tl.store(dbeta + tok0 * NH * H + i_sub * H + i_h, dc_v.to(dbeta.dtype.element_ty), mask=valid)
         if TIED:
-            dkk += dww
+            store_rows(dk + row_k, dkk + dww, i_sub, valid, H * K, offs_k, K)
         else:
             store_rows(dw + row_k, dww, i_sub, valid, H * K, offs_k, K)
-    store_rows(dk + row_k, dkk, i_sub, valid, H * K, offs_k, K)
 
 
 @triton.jit
-def _sum_rows(x, GATE: tl.constexpr, K: tl.constexpr):
+def _sum_rows(x, GATE: tl.constexpr):
     """Sum a `[BT, BK]` block over its rows; for a scalar gate, the total in slot 0."""
     if GATE == 1:
         return tl.where(tl.arange(0, x.shape[1]) == 0, tl.sum(tl.sum(x, 1), 0), 0.0)

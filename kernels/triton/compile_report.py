@@ -26,6 +26,7 @@ from triton.compiler import ASTSource
 _TYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16",
           torch.int32: "i32", torch.int64: "i64"}
 TARGET = GPUTarget("cuda", 90, 32)
+SHARED_LIMIT = 232448  # bytes of shared memory a block may take on an H100/H200
 REPORT: list[dict] = []
 
 
@@ -69,6 +70,7 @@ class _OfflineLauncher:
         src = ASTSource(fn, signature, constexprs)
         compiled = triton.compile(src, target=TARGET, options=options)
         usage = _resource_usage(compiled.asm["cubin"])
+        usage["SHARED"] = compiled.metadata.shared  # dynamic shared memory, what the launch asks for
         ptx = compiled.asm.get("ptx", "")
         usage["mma"] = ",".join(sorted({m.split(".")[0] + "." + m.split(".")[1] for m in re.findall(r"(?:wgmma|mma)\.\w+\.\w+", ptx)}))
         if os.environ.get("ARCHSPEC_DUMP"):
@@ -94,7 +96,7 @@ def main() -> None:
              osdn.osdn_forward_kernel, osdn.osdn_backward_kernel])
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     B, T, H, K, V = 1, 128, 2, 128, 128
-    dtype = torch.bfloat16
+    dtype = getattr(torch, os.environ.get("ARCHSPEC_DTYPE", "bfloat16"))
     plans = [dict(name="deltanet", beta=True), dict(name="gdn", beta=True, gate="scalar"),
              dict(name="kda", beta=True, gate="channel"), dict(name="gla", gate="channel"),
              dict(name="rwkv7", erase=True, gate="channel", untied=True), dict(name="dp3-gated", beta=True, gate="scalar", n_h=3)]
@@ -121,7 +123,7 @@ def main() -> None:
         (o.float().sum() + s.sum()).backward()
         for row in REPORT[start:]:
             print(f"{plan['name']:10s} {row['kernel']:26s} regs {row.get('REG', '?'):>4} stack {row.get('STACK', '?'):>6} "
-                  f"shared {row.get('SHARED', '?'):>6} {row.get('mma', '')}")
+                  f"shared {row.get('SHARED', '?'):>7} {'OVER' if row.get('SHARED', 0) > SHARED_LIMIT else ''}")
     if only and "osdn" not in only:
         return
     from .osdn import osdn_write_keys_triton

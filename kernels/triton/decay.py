@@ -41,6 +41,13 @@ import triton.language as tl
 
 
 @triton.jit
+def mm(a, b, OP: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
+    """`a @ b` with operands in `OP` (the inputs' dtype for half precision: tensor cores at
+    full rate) and accumulation in `ACC` (float32)."""
+    return tl.dot(a.to(OP), b.to(OP), input_precision=PREC, out_dtype=ACC)
+
+
+@triton.jit
 def causal_mask(pos_a, valid_a, pos_b, valid_b, STRICT: tl.constexpr):
     """`[RA, BT]`: the pairs that interact (b before a, or up to a's position)."""
     if STRICT:
@@ -97,15 +104,15 @@ def scores(
     xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b,
     p_xb, stride_xb, p_g, stride_g, n_sub,
     STRICT: tl.constexpr, GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
-    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
 ):
     """`S[a, b] = xa_a^T diag(exp(Ga_a - Gb_b)) xb_b` on the causal pairs, 0 elsewhere."""
     mask = causal_mask(pos_a, valid_a, pos_b, valid_b, STRICT)
     if GATE == 0:
-        return tl.where(mask, tl.dot(xa, tl.trans(xb), input_precision=PREC, out_dtype=ACC), 0.0)
+        return tl.where(mask, mm(xa, tl.trans(xb), OP, PREC, ACC), 0.0)
     elif GATE == 1:
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
-        return tl.dot(xa, tl.trans(xb), input_precision=PREC, out_dtype=ACC) * decay
+        return mm(xa, tl.trans(xb), OP, PREC, ACC) * decay
     else:
         offs_k = tl.arange(0, BK)
         cols = tl.arange(0, BT)
@@ -117,7 +124,7 @@ def scores(
             before = (pos_b < s * SC) & valid_b & (s * SC < n_sub)  # an empty sub-chunk has no ref
             xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
             xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
-            out += tl.dot(xa_s, tl.trans(xb_s), input_precision=PREC, out_dtype=ACC)
+            out += mm(xa_s, tl.trans(xb_s), OP, PREC, ACC)
         # pairs inside one sub-chunk: element by element, one partner column at a time
         for jj in range(SC):
             b_of_a = (pos_a // SC) * SC + jj
@@ -137,15 +144,15 @@ def apply_left(
     m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b,
     p_xb, stride_xb, p_g, stride_g, n_sub,
     GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
-    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
 ):
     """`out[a] = sum_b m[a, b] exp(Ga_a - Gb_b) * xb[b]` (`m` zero outside the causal pairs)."""
     if GATE == 0:
-        return tl.dot(m, xb, input_precision=PREC, out_dtype=ACC)
+        return mm(m, xb, OP, PREC, ACC)
     elif GATE == 1:
         mask = causal_mask(pos_a, valid_a, pos_b, valid_b, False)
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
-        return tl.dot(m * decay, xb, input_precision=PREC, out_dtype=ACC)
+        return mm(m * decay, xb, OP, PREC, ACC)
     else:
         offs_k = tl.arange(0, BK)
         cols = tl.arange(0, BT)
@@ -156,7 +163,7 @@ def apply_left(
             before = (pos_b < s * SC) & valid_b & (s * SC < n_sub)  # an empty sub-chunk has no ref
             m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
             xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
-            part = tl.dot(m_s, xb_s, input_precision=PREC, out_dtype=ACC)
+            part = mm(m_s, xb_s, OP, PREC, ACC)
             out += part * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
         for jj in range(SC):
             b_of_a = (pos_a // SC) * SC + jj
@@ -173,7 +180,7 @@ def apply_right(
     m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b,
     p_xa, stride_xa, p_g, stride_g, n_sub, n_a,
     A_STEP: tl.constexpr, GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
-    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
 ):
     """`out[b] = sum_a m[a, b] exp(Ga_a - Gb_b) * xa[a]` (`m` zero outside the causal pairs).
 
@@ -181,11 +188,11 @@ def apply_right(
     is the number of valid rows `a`.
     """
     if GATE == 0:
-        return tl.dot(tl.trans(m), xa, input_precision=PREC, out_dtype=ACC)
+        return mm(tl.trans(m), xa, OP, PREC, ACC)
     elif GATE == 1:
         mask = causal_mask(pos_a, valid_a, pos_b, valid_b, False)
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
-        return tl.dot(tl.trans(m * decay), xa, input_precision=PREC, out_dtype=ACC)
+        return mm(tl.trans(m * decay), xa, OP, PREC, ACC)
     else:
         offs_k = tl.arange(0, BK)
         rows_a = tl.arange(0, m.shape[0])
@@ -196,7 +203,7 @@ def apply_right(
             before = (pos_b < s * SC) & valid_b & (s * SC < n_sub)  # an empty sub-chunk has no ref
             m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
             xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
-            part = tl.dot(tl.trans(m_s), xa_s, input_precision=PREC, out_dtype=ACC)
+            part = mm(tl.trans(m_s), xa_s, OP, PREC, ACC)
             out += part * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
         # inside a sub-chunk: for each row b, its partners a of the same sub-chunk, one at a time
         for aa in range((SC + A_STEP - 1) // A_STEP):

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_of_program
-from .decay import decay_rows, load_gate, load_rows, scores, store_rows
+from .decay import decay_rows, load_gate, load_rows, mm, scores, store_rows
 
 
 @triton.jit
@@ -24,7 +24,7 @@ def query_scores(
     q, w, e, G, tok0, n_tok, i_h, scale,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BQ: tl.constexpr,
     NH: tl.constexpr, SC: tl.constexpr, MODE: tl.constexpr, GATE: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
 ):
     """`(Q~, M_E, M_W)` of one chunk (`M_E`/`M_W` are zeros where the path has none)."""
     i_sub = tl.arange(0, BT)
@@ -46,11 +46,11 @@ def query_scores(
         p_e = (w if MODE == 1 else e) + row_k
         ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
         m_e = scores(qq, gq, pos_q, valid_q, ee, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
-                     False, GATE, NH, BT, SC, K, BK, ACC, PREC) * scale
+                     False, GATE, NH, BT, SC, K, BK, ACC, OP, PREC) * scale
     if MODE != 1:
         ww = load_rows(w + row_k, i_sub, valid, H * K, offs_k, K, ACC)
         m_w = scores(qq, gq, pos_q, valid_q, ww, gk, i_sub, valid, w + row_k, H * K, p_g, stride_g, n_sub,
-                     False, GATE, NH, BT, SC, K, BK, ACC, PREC) * scale
+                     False, GATE, NH, BT, SC, K, BK, ACC, OP, PREC) * scale
     return decay_rows(qq, gq, GATE) * scale, m_e, m_w
 
 
@@ -60,13 +60,13 @@ def output_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
 ):
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
     _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
     tok0 = bos + c * TC
     n_tok = tl.minimum(TC, seq_len - c * TC)
-    qt, m_e, m_w = query_scores(q, w, e, G, tok0, n_tok, i_h, scale, H, K, BK, BT, BQ, NH, SC, MODE, GATE, ACC, PREC)
+    qt, m_e, m_w = query_scores(q, w, e, G, tok0, n_tok, i_h, scale, H, K, BK, BT, BQ, NH, SC, MODE, GATE, ACC, OP, PREC)
     i_sub = tl.arange(0, BT)
     i_q = tl.arange(0, BQ)
     valid = i_sub < n_tok * NH
@@ -79,15 +79,15 @@ def output_kernel(
         offs_v = i_v * BV + tl.arange(0, BV)
         h = tl.load(h_all + (i_chunk * H + i_h) * K * V + offs_k[:, None] * V + offs_v[None, :],
                     mask=(offs_k[:, None] < K) & (offs_v[None, :] < V), other=0.0).to(ACC)
-        out = tl.dot(qt, h, input_precision=PREC, out_dtype=ACC)
+        out = mm(qt, h, OP, PREC, ACC)
         if MODE != 0:
             y = load_rows(Y + row_v, i_sub, valid, H * V, offs_v, V, ACC)
-            out += tl.dot(m_e, y, input_precision=PREC, out_dtype=ACC)
+            out += mm(m_e, y, OP, PREC, ACC)
         if MODE != 1:
             u = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)
             if HAS_BETA:
                 u *= bb[:, None]
-            out += tl.dot(m_w, u, input_precision=PREC, out_dtype=ACC)
+            out += mm(m_w, u, OP, PREC, ACC)
         store_rows(o + tok0 * H * V + i_h * V, out, i_q, valid_q, H * V, offs_v, V)
 
 
@@ -97,14 +97,14 @@ def output_backward_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
 ):
     """`dY = M_E^T dO` and `dU = M_W^T dO` (the within-chunk parts)."""
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
     _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
     tok0 = bos + c * TC
     n_tok = tl.minimum(TC, seq_len - c * TC)
-    _, m_e, m_w = query_scores(q, w, e, G, tok0, n_tok, i_h, scale, H, K, BK, BT, BQ, NH, SC, MODE, GATE, ACC, PREC)
+    _, m_e, m_w = query_scores(q, w, e, G, tok0, n_tok, i_h, scale, H, K, BK, BT, BQ, NH, SC, MODE, GATE, ACC, OP, PREC)
     i_sub = tl.arange(0, BT)
     i_q = tl.arange(0, BQ)
     valid = i_sub < n_tok * NH
@@ -114,6 +114,6 @@ def output_backward_kernel(
         offs_v = i_v * BV + tl.arange(0, BV)
         d_o = load_rows(do + tok0 * H * V + i_h * V, i_q, valid_q, H * V, offs_v, V, ACC)
         if MODE != 0:
-            store_rows(dY + row_v, tl.dot(tl.trans(m_e), d_o, input_precision=PREC, out_dtype=ACC), i_sub, valid, H * V, offs_v, V)
+            store_rows(dY + row_v, mm(tl.trans(m_e), d_o, OP, PREC, ACC), i_sub, valid, H * V, offs_v, V)
         if MODE != 1:
-            store_rows(dU + row_v, tl.dot(tl.trans(m_w), d_o, input_precision=PREC, out_dtype=ACC), i_sub, valid, H * V, offs_v, V)
+            store_rows(dU + row_v, mm(tl.trans(m_w), d_o, OP, PREC, ACC), i_sub, valid, H * V, offs_v, V)

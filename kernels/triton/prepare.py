@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_of_program
-from .decay import decay_rows, load_gate, load_rows, scores, store_rows
+from .decay import decay_rows, load_gate, load_rows, mm, scores, store_rows
 from .solve import unit_lower_inverse
 
 
@@ -28,7 +28,7 @@ def prepare_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, TC: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
 ):
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
     _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
@@ -47,25 +47,26 @@ def prepare_kernel(
     gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
 
     a = scores(kk, gk, i_sub, valid, ee, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
-               True, GATE, NH, BT, SC, K, BK, ACC, PREC)
+               True, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
     if MODE == 1:
         cb = tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)
         a = a * cb[:, None]
-    tinv = unit_lower_inverse(a, BT, ACC)
     o_t = (i_chunk * H + i_h) * BT * BT
+    tinv = unit_lower_inverse(a, Tinv + o_t, BT, SC, ACC, INV_PREC)  # uses its output slot as scratch
+    tl.debug_barrier()
     tl.store(Tinv + o_t + i_sub[:, None] * BT + i_sub[None, :], tinv.to(Tinv.dtype.element_ty))
 
     kt = decay_rows(kk, gk, GATE)
     if MODE == 1:
         kt = kt * cb[:, None]
-    store_rows(P + row_k, tl.dot(tinv, kt, input_precision=PREC, out_dtype=ACC), i_sub, valid, H * K, offs_k, K)
+    store_rows(P + row_k, mm(tinv, kt, OP, PREC, ACC), i_sub, valid, H * K, offs_k, K)
 
     if MODE == 2:
         p_w = w + row_k
         ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
         s_kw = scores(kk, gk, i_sub, valid, ww, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
-                      True, GATE, NH, BT, SC, K, BK, ACC, PREC)
-        mix = -tl.dot(tinv, s_kw, input_precision=PREC, out_dtype=ACC)
+                      True, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+        mix = -mm(tinv, s_kw, OP, PREC, ACC)
         if HAS_BETA:
             cb = tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)
     row_v = tok0 * NH * H * V + i_h * V
@@ -73,9 +74,9 @@ def prepare_kernel(
         offs_v = i_v * BV + tl.arange(0, BV)
         vv = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)
         if MODE == 1:
-            x = tl.dot(tinv, vv * cb[:, None], input_precision=PREC, out_dtype=ACC)
+            x = mm(tinv, vv * cb[:, None], OP, PREC, ACC)
         else:
             if HAS_BETA:
                 vv = vv * cb[:, None]
-            x = tl.dot(mix, vv, input_precision=PREC, out_dtype=ACC)
+            x = mm(mix, vv, OP, PREC, ACC)
         store_rows(X + row_v, x, i_sub, valid, H * V, offs_v, V)

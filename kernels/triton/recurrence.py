@@ -38,6 +38,7 @@ CHUNK_SIZE = 64  # sub-steps per chunk (see docs/kernel.md, "Chunk size")
 SUB_CHUNK = 16  # channel-gate sub-chunk: pairs inside it are decayed element by element
 MAX_HEAD_DIM = 256
 # (chunk-parallel, state pass) warps per program; ARCHSPEC_TRITON_WARPS="8,4" overrides (tuning)
+_STAGES = int(os.environ.get("ARCHSPEC_TRITON_STAGES", "1"))  # software pipelining depth of the loops
 _STATE_BV = int(os.environ.get("ARCHSPEC_TRITON_STATE_BV", "32"))
 _WARPS = tuple(int(x) for x in os.environ.get("ARCHSPEC_TRITON_WARPS", "8,4").split(","))
 
@@ -70,9 +71,25 @@ class Plan:
     warps: int  # chunk-parallel kernels
     state_warps: int  # the two sequential state passes
 
+    op: torch.dtype  # dot operands and the stored intermediates P, X, Y and chunk states
+
     @property
     def tl_acc(self):
         return tl.float64 if self.acc == torch.float64 else tl.float32
+
+    @property
+    def tl_op(self):
+        return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}.get(self.op, tl.float64)
+
+
+def _operand_dtype(dtype: torch.dtype, acc: torch.dtype) -> torch.dtype:
+    """Half inputs keep their dtype for dot operands (full-rate tensor cores); float32 and
+    float64 keep theirs. Triton 3.7's interpreter computes bfloat16 dots wrongly (garbage
+    magnitudes, seen on CPU), so under it bfloat16 operands are widened to float32; the
+    GPU check (`benchmarks/triton_gpu_check.py`) runs the real bfloat16 path."""
+    if dtype == torch.float16 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"):
+        return dtype
+    return acc
 
 
 def _plan(q, k, v, g, beta, erase, n_h, cu_seqlens, chunk_table_count, chunk_size) -> Plan:
@@ -93,12 +110,13 @@ def _plan(q, k, v, g, beta, erase, n_h, cu_seqlens, chunk_table_count, chunk_siz
         gate=0 if g is None else 1 if g.dim() == 3 else 2,
         has_beta=beta is not None,
         BT=BT, TC=TC, BQ=max(16, triton.next_power_of_2(TC)),
-        BK=max(16, triton.next_power_of_2(K)), BV=max(16, min(64, triton.next_power_of_2(V))),
+        BK=max(16, triton.next_power_of_2(K)), BV=max(16, min(64 if q.dtype != torch.float32 else 32, triton.next_power_of_2(V))),
         BVS=max(16, min(_STATE_BV, triton.next_power_of_2(V))),
         SC=min(SUB_CHUNK, BT), NT=NT, n_seq=n_seq,
         n_chunks=B * NT if cu_seqlens is None else chunk_table_count,
-        acc=acc, prec="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32",
+        acc=acc, prec={torch.float64: "ieee", torch.float32: "tf32x3"}.get(q.dtype, "tf32"),
         warps=_WARPS[0], state_warps=_WARPS[1],
+        op=_operand_dtype(q.dtype, acc),
     )
 
 
@@ -106,7 +124,7 @@ def _common(p: Plan, state: bool = False) -> dict:
     """Constexprs shared by every kernel; the state passes take narrower V blocks (more
     programs in flight, a smaller state tile in registers)."""
     return dict(H=p.H, K=p.K, V=p.V, BK=p.BK, BV=p.BVS if state else p.BV, BT=p.BT, TC=p.TC, NH=p.n_h,
-                ACC=p.tl_acc, PREC=p.prec)
+                ACC=p.tl_acc, OP=p.tl_op, PREC=p.prec)
 
 
 class ChunkRecurrence(torch.autograd.Function):
@@ -138,29 +156,30 @@ class ChunkRecurrence(torch.autograd.Function):
         Tinv = P = X = Y = None
         if p.mode:
             Tinv = torch.empty(p.n_chunks, p.H, p.BT, p.BT, device=dev, dtype=p.acc)
-            P = torch.empty(p.B, TN, p.H, p.K, device=dev, dtype=p.acc)
-            X = torch.empty(p.B, TN, p.H, p.V, device=dev, dtype=p.acc)
+            P = torch.empty(p.B, TN, p.H, p.K, device=dev, dtype=p.op)
+            X = torch.empty(p.B, TN, p.H, p.V, device=dev, dtype=p.op)
             Y = torch.empty_like(X)
             prepare_kernel[(p.n_chunks, p.H)](
                 k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
                 Tinv, P, X, cu_seqlens, table, p.T, p.NT, SC=p.SC, MODE=p.mode, GATE=p.gate,
-                HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=p.warps, **_common(p),
+                HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=p.warps, num_stages=_STAGES,
+                INV_PREC="ieee" if p.acc == torch.float64 else "tf32x3", **_common(p),
             )
-        h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=dev, dtype=p.acc)
+        h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=dev, dtype=p.op)
         final = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if output_final_state else None
         state_forward_kernel[(triton.cdiv(p.V, p.BVS), p.n_seq * p.H)](
             k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
             dummy if P is None else P, dummy if X is None else X, dummy if Y is None else Y,
             h_all, dummy if initial_state is None else initial_state.contiguous(), dummy if final is None else final,
             cu_seqlens, offsets, p.T, p.NT, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta,
-            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen, num_warps=p.state_warps,
+            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen, num_warps=p.state_warps, num_stages=_STAGES,
             **_common(p, state=True),
         )
         o = torch.empty(p.B, p.T, p.H, p.V, device=dev, dtype=v.dtype)
         output_kernel[(p.n_chunks, p.H)](
             q, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
             dummy if Y is None else Y, h_all, o, cu_seqlens, table, p.T, p.NT, scale,
-            BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=p.warps,
+            BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=p.warps, num_stages=_STAGES,
             **_common(p),
         )
         ctx.save_for_backward(q, k, v, beta, w, e, G, Tinv, P, Y, h_all, cu_seqlens, table, offsets)
@@ -188,34 +207,34 @@ class ChunkRecurrence(torch.autograd.Function):
         beta_ = dummy if beta is None else beta
         output_backward_kernel[(p.n_chunks, p.H)](
             q, w, e_, G_, do, dummy if dY is None else dY, dummy if dU is None else dU, cu_seqlens, table, p.T, p.NT, scale,
-            BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, num_warps=p.warps, **_common(p),
+            BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, num_warps=p.warps, num_stages=_STAGES, **_common(p),
         )
-        dh_all = torch.empty_like(h_all)
+        dh_all = torch.empty(h_all.shape, device=dev, dtype=p.op)
         dh0 = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if ctx.has_h0 else None
         state_backward_kernel[(triton.cdiv(p.V, p.BVS), p.n_seq * p.H)](
             q, w, e_, beta_, G_, dummy if P is None else P, dummy if dY is None else dY, dummy if dU is None else dU, do,
             dh_all, dummy if dfinal is None else dfinal.contiguous(), dummy if dh0 is None else dh0,
             cu_seqlens, offsets, p.T, p.NT, scale, BQ=p.BQ, MODE=p.mode, GATE=p.gate,
-            USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, num_warps=p.state_warps,
+            USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, num_warps=p.state_warps, num_stages=_STAGES,
             **_common(p, state=True),
         )
         grad = lambda x: torch.empty(x.shape, device=dev, dtype=p.acc)  # noqa: E731
         dq, dk, dv = grad(q), grad(k), grad(v)
-        dw = None if ctx.tied else grad(w)
+        dw = grad(w)  # with a tied key: scratch for the partial write-key gradient (added to dk)
         de = None if e is None else grad(e)
         dbeta = None if beta is None else grad(beta)
         dg = None if G is None else grad(G)
         chunk_backward_kernel[(p.n_chunks, p.H)](
             q, k, w, e_, beta_, v, G_, dummy if Tinv is None else Tinv, h_all, dh_all,
             dummy if Y is None else Y, dummy if dY is None else dY, dummy if dU is None else dU, do,
-            dq, dk, dummy if dw is None else dw, dummy if de is None else de, dv,
+            dq, dk, dw, dummy if de is None else de, dv,
             dummy if dbeta is None else dbeta, dummy if dg is None else dg,
             cu_seqlens, table, p.T, p.NT, scale, BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate,
-            HAS_BETA=p.has_beta, TIED=ctx.tied, IS_VARLEN=varlen, num_warps=p.warps, **_common(p),
+            HAS_BETA=p.has_beta, TIED=ctx.tied, IS_VARLEN=varlen, num_warps=p.warps, num_stages=_STAGES, **_common(p),
         )
         cast = lambda x, dt: None if x is None else x.to(dt)  # noqa: E731
         tq, tk, tv, tg, tb, tw, te, th = ctx.dtypes
-        return (cast(dq, tq), cast(dk, tk), cast(dv, tv), cast(dg, tg), cast(dbeta, tb), cast(dw, tw),
+        return (cast(dq, tq), cast(dk, tk), cast(dv, tv), cast(dg, tg), cast(dbeta, tb), None if ctx.tied else cast(dw, tw),
                 cast(de, te), cast(dh0, th), None, None, None, None, None)
 
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .chunks import sequence_of_program
-from .decay import decay_rows, load_gate, load_rows, store_rows
+from .decay import decay_rows, load_gate, load_rows, mm, store_rows
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def state_forward_kernel(
     BT: tl.constexpr, TC: tl.constexpr, NH: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     n, i_h = i_nh // H, i_nh % H
@@ -85,17 +85,17 @@ def state_forward_kernel(
         if MODE != 0:
             pp = load_rows(P + row_k, i_sub, valid, H * K, offs_k, K, ACC)
             y = load_rows(X + row_v, i_sub, valid, H * V, offs_v, V, ACC)
-            y -= tl.dot(pp, h, input_precision=PREC, out_dtype=ACC)
+            y -= mm(pp, h, OP, PREC, ACC)
             store_rows(Y + row_v, y, i_sub, valid, H * V, offs_v, V)
             ee = load_rows((w if MODE == 1 else e) + row_k, i_sub, valid, H * K, offs_k, K, ACC)
             ee = decay_rows(ee, to_end, GATE)
-            h_next += tl.dot(tl.trans(ee), y, input_precision=PREC, out_dtype=ACC)
+            h_next += mm(tl.trans(ee), y, OP, PREC, ACC)
         if MODE != 1:
             ww = decay_rows(load_rows(w + row_k, i_sub, valid, H * K, offs_k, K, ACC), to_end, GATE)
             u = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)
             if HAS_BETA:
                 u *= tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)[:, None]
-            h_next += tl.dot(tl.trans(ww), u, input_precision=PREC, out_dtype=ACC)
+            h_next += mm(tl.trans(ww), u, OP, PREC, ACC)
         h = h_next
     if STORE_HT:
         tl.store(ht + (n * H + i_h) * K * V + state_offs, h.to(ht.dtype.element_ty), mask=state_mask)
@@ -108,7 +108,7 @@ def state_backward_kernel(
     BT: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
 ):
     """`dY` and `dU` hold the local parts (`output.py`) on entry and the full gradients on exit."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -140,19 +140,19 @@ def state_backward_kernel(
         qq = load_rows(q + tok0 * H * K + i_h * K, i_q, valid_q, H * K, offs_k, K, ACC)
         qq = decay_rows(qq, load_gate(p_g, i_q, valid_q, stride_g, offs_k, GATE, K, ACC), GATE) * scale
         d_o = load_rows(do + tok0 * H * V + i_h * V, i_q, valid_q, H * V, offs_v, V, ACC)
-        dh_prev = _decay_state(dh, g_last, GATE) + tl.dot(tl.trans(qq), d_o, input_precision=PREC, out_dtype=ACC)
+        dh_prev = _decay_state(dh, g_last, GATE) + mm(tl.trans(qq), d_o, OP, PREC, ACC)
         if MODE != 0:
             ee = load_rows((w if MODE == 1 else e) + row_k, i_sub, valid, H * K, offs_k, K, ACC)
             ee = decay_rows(ee, to_end, GATE)
             dy = load_rows(dY + row_v, i_sub, valid, H * V, offs_v, V, ACC)
-            dy += tl.dot(ee, dh, input_precision=PREC, out_dtype=ACC)
+            dy += mm(ee, dh, OP, PREC, ACC)
             store_rows(dY + row_v, dy, i_sub, valid, H * V, offs_v, V)
             pp = load_rows(P + row_k, i_sub, valid, H * K, offs_k, K, ACC)
-            dh_prev -= tl.dot(tl.trans(pp), dy, input_precision=PREC, out_dtype=ACC)
+            dh_prev -= mm(tl.trans(pp), dy, OP, PREC, ACC)
         if MODE != 1:
             ww = decay_rows(load_rows(w + row_k, i_sub, valid, H * K, offs_k, K, ACC), to_end, GATE)
             du = load_rows(dU + row_v, i_sub, valid, H * V, offs_v, V, ACC)
-            du += tl.dot(ww, dh, input_precision=PREC, out_dtype=ACC)
+            du += mm(ww, dh, OP, PREC, ACC)
             store_rows(dU + row_v, du, i_sub, valid, H * V, offs_v, V)
         dh = dh_prev
     if STORE_DH0:

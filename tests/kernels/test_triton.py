@@ -46,7 +46,12 @@ def _naive(inputs: dict) -> dict[str, torch.Tensor]:
 
 
 def _triton(inputs: dict, chunk_size: int | None = 16) -> dict[str, torch.Tensor]:
-    return _run(lambda a: linear_recurrence_triton(**a, output_final_state=True, chunk_size=chunk_size), inputs)
+    """Forward and backward on the kernel; also checks that no input was written to."""
+    before = {k: v.detach().clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    out = _run(lambda a: linear_recurrence_triton(**a, output_final_state=True, chunk_size=chunk_size), inputs)
+    for name, value in before.items():
+        assert torch.equal(inputs[name].detach(), value), f"the kernel wrote into its input {name}"
+    return out
 
 
 def _assert_close(got: dict, want: dict, tol: float, tols: dict[str, float] | None = None) -> None:

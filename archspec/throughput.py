@@ -3,6 +3,8 @@
 `measure_training_throughput` times forward + loss + backward on random tokens (no
 optimizer step, so the module's weights are untouched) after a warm-up, on the device
 the caller names: the number a search reports as `tokens_per_s`, with `peak_mem_bytes`.
+Each step is timed on its own and the median step gives `tokens_per_s`, so that one step
+slowed by another process on a shared machine does not move the figure.
 
 Peak memory: on CUDA, `torch.cuda.max_memory_allocated` over the measured steps
 (weights, gradients, activations). On the CPU there is no allocator counter, so it is
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,13 +36,13 @@ _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 
 @dataclass(frozen=True)
 class ThroughputReport:
-    tokens_per_s: float  # forward + backward, after warm-up
+    tokens_per_s: float  # forward + backward, after warm-up: batch * seq_len / median step time
     peak_mem_bytes: int | None
     batch: int
     seq_len: int
     device: str
     steps: int
-    seconds: float  # wall time of the timed steps
+    step_seconds: tuple[float, ...]  # wall time of each timed step
 
 
 def _proc_kib(field: str) -> int | None:
@@ -124,11 +127,12 @@ def measure_training_throughput(
     for _ in range(warmup):
         step()
     _synchronize(device)
-    start = time.perf_counter()
+    step_seconds = []
     for _ in range(steps):
+        start = time.perf_counter()
         step()
-    _synchronize(device)
-    seconds = time.perf_counter() - start
+        _synchronize(device)
+        step_seconds.append(time.perf_counter() - start)
 
     peak: int | None
     if device.type == "cuda":
@@ -139,13 +143,13 @@ def measure_training_throughput(
         peak = None
     model.train(was_training)
     return ThroughputReport(
-        tokens_per_s=batch * seq_len * steps / seconds,
+        tokens_per_s=batch * seq_len / statistics.median(step_seconds),
         peak_mem_bytes=peak,
         batch=batch,
         seq_len=seq_len,
         device=str(device),
         steps=steps,
-        seconds=seconds,
+        step_seconds=tuple(step_seconds),
     )
 
 

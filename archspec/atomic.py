@@ -20,6 +20,9 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp creates the file 0600; give it the mode a plain open() would (0666 less
+        # the umask) so results stay readable by the user's other tools and accounts.
+        os.fchmod(fd, 0o666 & ~_current_umask())
         with os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()
@@ -28,6 +31,12 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:

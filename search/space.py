@@ -12,7 +12,7 @@ space:                                 # dotted fields of the model spec, sample
   mixer.transition.n_h:  {int: [1, 3], when: {mixer.transition.type: householder}}
   mixer.preconditioner.eta: {float: [1.0e-4, 1.0e-2], log: true,
                              when: {mixer.preconditioner.type: osdn}}
-task: {name: s3, options: {length: 16}}    # or a list of tasks
+task: {name: s3, options: {train_len: 16}}    # or a list of tasks
 objectives:
   - token_acc@16: max
   - params: min

@@ -20,15 +20,6 @@ DELTANET = ROOT / "specs" / "models" / "deltanet.yaml"
 TINY = {"model.layers": 1, "model.d_model": 16, "mixer.heads": 2, "mixer.head_dim": 8, "model.vocab_size": 32}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one intra-op thread, and a loaded 2-core machine
-    (CI, or helpers sharing it) slows down ten-fold when torch's threads compete."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _median(values):
     ordered = sorted(values)

@@ -16,15 +16,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"model.layers": 2, "model.d_model": 32, "mixer.heads": 2, "mixer.head_dim": 8, "model.vocab_size": 11}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one intra-op thread, and a loaded 2-core machine
-    (CI, or helpers sharing it) slows down ten-fold when torch's threads compete."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def one_head(**tensors):
     """Captured kwargs for B = H = 1 from per-step lists: k, v, write_key, erase `[T, D]`;

@@ -23,15 +23,6 @@ DELTANET = str(ROOT / "specs" / "models" / "deltanet.yaml")
 TINY = ["model.layers=1", "model.d_model=16", "mixer.heads=2", "mixer.head_dim=8", "model.mlp=none"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one intra-op thread, and a loaded 2-core machine
-    (CI, or helpers sharing it) slows down ten-fold when torch's threads compete."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def tiny_s3():
     return get_task("s3", train_len=8, eval_size=16)

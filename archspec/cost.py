@@ -17,7 +17,11 @@ from archspec.blocks.plan import ModelPlan
 from archspec.lowering import lower
 from archspec.spec.models import Spec
 
-DEFAULT_SEQ_LEN = 2048  # FLOPs per token depend on the length through the chunked recurrence
+# FLOPs per token depend on the length through the chunked recurrence (a short sequence
+# pays for a padded chunk). Costs that compare designs use this one reference length, so
+# that the padding of a task's short training sequences cannot reorder them (at T = 8 a
+# padded n_h = 2 chunk costs more per token than an n_h = 3 one).
+DEFAULT_SEQ_LEN = 2048
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,14 @@ class CostReport:
     flops_per_token: float  # analytic forward FLOPs per token at `seq_len`
     state_bytes: int  # recurrent decoding state of one sequence, all layers
     seq_len: int
+
+    def metrics(self) -> dict[str, float]:
+        """The cost metrics a trainer or a search trial reports, by their metric names."""
+        return {
+            "params": float(self.params),
+            "flops_per_token": float(self.flops_per_token),
+            "state_bytes": float(self.state_bytes),
+        }
 
 
 def estimate(

@@ -103,16 +103,12 @@ def build_model_for_task(spec: Any, task: Task, overrides: Iterable[Any] = ()) -
     return BuiltModel(build_model(plan), plan, resolved.model_dump(mode="json", exclude={"extends"}))
 
 
-def cost_metrics(plan: Any, model: nn.Module, seq_len: int) -> dict[str, float]:
-    """`params` (counted on the module), analytic `flops_per_token` and `state_bytes`."""
+def cost_metrics(plan: Any) -> dict[str, float]:
+    """`params`, `flops_per_token` (at the reference length) and `state_bytes`, analytic
+    (the parameter count equals the module's: tests/blocks/test_cost.py)."""
     from archspec.cost import estimate
 
-    report = estimate(plan, seq_len=seq_len)
-    return {
-        "params": float(sum(p.numel() for p in model.parameters())),
-        "flops_per_token": float(report.flops_per_token),
-        "state_bytes": float(report.state_bytes),
-    }
+    return estimate(plan).metrics()
 
 
 # --------------------------------------------------------------------------- schedule
@@ -271,7 +267,7 @@ def train(
         "task": task.describe(),
         "train": {**dataclasses.asdict(config), "seed": seed, "device": str(device), "preset": preset},
     }
-    metrics: dict[str, float] = cost_metrics(built.plan, model, task.train_len)
+    metrics: dict[str, float] = cost_metrics(built.plan)
 
     status, reason, steps_done = "ok", None, 0
     curves: dict[str, list[Curve]] = {}

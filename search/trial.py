@@ -76,13 +76,11 @@ def compose_spec(run: RunDir, overrides: Mapping[str, Any], *, name: str | None 
     return load_spec(run.base_file, items)
 
 
-def cost_metrics(spec: Any, task: Any) -> dict[str, float]:
-    """Params, FLOPs per token (at the task's training length) and state bytes, analytically."""
+def cost_metrics(spec: Any) -> dict[str, float]:
+    """Params, FLOPs per token (at the cost model's reference length) and state bytes."""
     from archspec.cost import estimate
 
-    seq_len = int(getattr(task, "train_len", 0) or 0)
-    report = estimate(spec, seq_len=seq_len) if seq_len else estimate(spec)
-    return {"params": float(report.params), "flops_per_token": float(report.flops_per_token), "state_bytes": float(report.state_bytes)}
+    return estimate(spec).metrics()
 
 
 def precheck(setup: TrialSetup, overrides: Mapping[str, Any], tasks: list[Any] | None = None) -> Verdict:
@@ -94,7 +92,7 @@ def precheck(setup: TrialSetup, overrides: Mapping[str, Any], tasks: list[Any] |
             spec = compose_spec(setup.run, overrides, task=task)
         except ArchspecError as exc:
             return Verdict(INVALID, _one_line(exc))
-        cost = cost_metrics(spec, task)
+        cost = cost_metrics(spec)
         first_cost = first_cost or cost
         broken = [f"{c.metric} = {cost[c.metric]:.4g} violates {c}" for c in setup.search.constraints if not c.holds(cost[c.metric])]
         if broken:

@@ -47,7 +47,7 @@ def test_metrics_json_schema_and_cost_values(tmp_path):
     # Cost metrics against the module and the analytic model, built independently.
     model = archspec.compile(DELTANET, **{k: v for k, v in (o.split("=") for o in TINY)}, **{"model.vocab_size": 6})
     assert m["params"] == sum(p.numel() for p in model.parameters())
-    report = archspec.cost.estimate(model.plan, seq_len=8)
+    report = archspec.cost.estimate(model.plan)  # FLOPs at the reference length, not the task's
     assert m["flops_per_token"] == report.flops_per_token and m["state_bytes"] == report.state_bytes
     assert m["tokens_per_s"] > 0 and m["peak_mem_bytes"] > 0
 
@@ -163,7 +163,7 @@ def test_early_stop_and_evaluation_of_a_perfect_model(monkeypatch):
         return built
 
     monkeypatch.setattr(trainer, "build_model_for_task", build)
-    monkeypatch.setattr(trainer, "cost_metrics", lambda plan, model, seq_len: {})
+    monkeypatch.setattr(trainer, "cost_metrics", lambda plan: {})
     result = trainer.train(DELTANET, task, steps=50, eval_every=4, overrides=TINY, quiet=True, measure_throughput=False)
     assert result.status == "ok" and result.steps_done == 4 and result.record["train"]["early_stopped"]
     assert result.metrics["token_acc@32"] == 1.0 and result.metrics["seq_acc@32"] == 1.0

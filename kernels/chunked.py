@@ -104,6 +104,11 @@ Tensor = torch.Tensor
 
 CHUNK_SIZE = 32  # sub-steps per chunk, rounded down to a power-of-two number of tokens
 
+# Cumulative log-gates are kept in log2 units and decays formed with `torch.exp2`: on CPU
+# torch's exp2 is vectorized and about 5x faster than its exp (which dominated the channel
+# gate's elementwise work). `exp(x) = exp2(x * LOG2_E)`, exponents stay <= 0.
+LOG2_E = 1.4426950408889634
+
 
 def tokens_per_chunk(n_h: int, chunk_size: int | None = None) -> int:
     """Tokens per chunk: the largest power of two with `tokens * n_h <= chunk_size`."""
@@ -145,10 +150,10 @@ def _to_chunks(x: Tensor | None, length: int, dtype: torch.dtype) -> Tensor | No
 
 
 def _decay(x: Tensor, log_decay: Tensor | None) -> Tensor:
-    """`x * exp(log_decay)` row-wise; `log_decay` is `[..., L]` (scalar) or `[..., L, K]`."""
+    """`x * 2**log_decay` row-wise; `log_decay` (log2 units) is `[..., L]` (scalar) or `[..., L, K]`."""
     if log_decay is None:
         return x
-    factor = torch.exp(log_decay)
+    factor = torch.exp2(log_decay)
     return x * (factor if factor.dim() == x.dim() else factor[..., None])
 
 
@@ -189,16 +194,16 @@ def _chunked_dense(
     w = k if write_key is None else write_key
     u = v if beta is None else beta[..., None] * v
 
-    # Within-chunk cumulative log-gate per sub-step; the decays to each read-out and to
-    # the chunk's end (exponents <= 0).
-    G = None if g is None else _to_chunks(_expand_gate(g, n_h), L, acc).cumsum(dim=2)
+    # Within-chunk cumulative log-gate per sub-step, in log2 units (see LOG2_E); the decays
+    # to each read-out and to the chunk's end (exponents <= 0).
+    G = None if g is None else _to_chunks(_expand_gate(g, n_h), L, acc).cumsum(dim=2).mul_(LOG2_E)
     scores = make_score_fn(G, channel, ct, n_h, q.device)
     G_query = None if G is None else G[:, :, n_h - 1 :: n_h]
     G_to_end = None if G is None else G[:, :, -1:] - G
     # Gamma_L per chunk: [N, B*H, K, 1] (channel), [N, B*H, 1, 1] (scalar), None (no gate)
     decay_chunk = None
     if G is not None:
-        decay_chunk = torch.exp(G[:, :, -1, :, None] if channel else G[:, :, -1:, None])
+        decay_chunk = torch.exp2(G[:, :, -1, :, None] if channel else G[:, :, -1:, None])
 
     # Writes whose values depend on the chunk's start state: nu = N - P S_0 (delta rule),
     # and writes whose values do not (Z', N').

@@ -5,7 +5,8 @@ The chunk algorithm (`chunked.py`) needs, for row vectors `x_r` and column vecto
 
     P[r, c] = x_r^T diag(exp(G_r - G_c)) y_c      for the pairs where r sees c, else 0,
 
-with `G` the within-chunk cumulative log-gate (non-increasing, since log-gates are <= 0).
+with `G` the within-chunk cumulative log-gate (non-increasing, since log-gates are <= 0),
+here in log2 units: decays are `exp2` of differences of `G` (`chunked.LOG2_E` says why).
 Rows are either the chunk's sub-steps (`rows="substeps"`: `c` strictly before `r`) or
 its tokens' read-outs (`rows="queries"`: every sub-step of the token and before).
 
@@ -89,10 +90,10 @@ class _DyadicChannelScores:
                 g_cols = self._blocks(self.G, m, self.n_h)
                 ref = g_cols[..., 0, -1:, :]  # [..., nb, 1, K]
                 if side == "columns":
-                    factors.append(torch.exp(ref - g_cols[..., 0, :, :]))
+                    factors.append(torch.exp2(ref - g_cols[..., 0, :, :]))
                 else:
                     g_rows = self._blocks(self.G, m, self.n_h) if side == "substeps" else self._blocks(self.G_query, m, 1)
-                    factors.append(torch.exp(g_rows[..., 1, :, :] - ref))
+                    factors.append(torch.exp2(g_rows[..., 1, :, :] - ref))
             self._factors[side] = factors
         return self._factors[side]
 
@@ -156,7 +157,7 @@ def make_score_fn(G: Tensor | None, channel: bool, ct: int, n_h: int, device: to
     ratios = {}
     for rows, g_rows in (("substeps", G), ("queries", g_query)):
         exponent = (g_rows[..., :, None] - G[..., None, :]).masked_fill(~masks[rows], float("-inf"))
-        ratios[rows] = torch.exp(exponent)
+        ratios[rows] = torch.exp2(exponent)
 
     def scalar(x: Tensor, y: Tensor, rows: Rows) -> Tensor:
         return (x @ y.transpose(-1, -2)) * ratios[rows]

@@ -228,7 +228,7 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
-def measure(plan: PlanSpec, shape: dict, dtype: torch.dtype, with_torch: bool, device) -> tuple[list[Row], dict]:
+def measure(plan: PlanSpec, shape: dict, dtype: torch.dtype, with_torch: bool, device, with_fla: bool = True) -> tuple[list[Row], dict]:
     B, T, H, K, V = (shape[n] for n in "BTHKV")
     inputs = make_inputs(plan, B, T, H, K, V, dtype, device)
     fb, fl = floor_bytes(plan, inputs, False), chunk_flops(plan, B, T, H, K, V)
@@ -242,7 +242,7 @@ def measure(plan: PlanSpec, shape: dict, dtype: torch.dtype, with_torch: bool, d
     if with_torch:
         impls.append(("torch", lambda: run_plan(plan, inputs, "torch")))
     try:
-        peer = fla_callable(plan, inputs)
+        peer = fla_callable(plan, inputs) if with_fla else None
     except ImportError as err:
         peer = None
         rows_extra = Row(plan.name, "fla", error=f"not installed: {err}")
@@ -270,12 +270,16 @@ def measure(plan: PlanSpec, shape: dict, dtype: torch.dtype, with_torch: bool, d
 def _warm_one(job: tuple) -> str:
     """Compile one plan's kernels (forward and backward) in a worker process; Triton's
     disk cache then serves the measuring process. Returns a line for the log."""
-    plan_name, dtype_name, shape, with_fla = job
+    plan_name, dtype_name, shape, with_fla, states = job
     plan = next(p for p in ALL_PLANS if p.name == plan_name)
     dtype = getattr(torch, dtype_name)
     inputs = make_inputs(plan, 1, shape["T"], shape["H"], shape["K"], shape["V"], dtype, "cuda")
+    options = {}
+    if states:  # the specialization with initial and final state (the GPU check's)
+        inputs["initial_state"] = torch.zeros(1, shape["H"], shape["K"], shape["V"], device="cuda", requires_grad=True)
+        options["output_final_state"] = True
     status = []
-    fns = [("triton", lambda: run_plan(plan, inputs, "triton"))]
+    fns = [("triton", lambda: run_plan(plan, inputs, "triton", **options))]
     if with_fla:
         try:
             peer = fla_callable(plan, inputs)
@@ -285,7 +289,9 @@ def _warm_one(job: tuple) -> str:
             pass
     for impl, fn in fns:
         try:
-            _forward_and_backward(fn, inputs)()
+            o, s = fn()
+            loss = o.float().square().sum() + (s.square().sum() if s is not None else 0)
+            torch.autograd.grad(loss, [t for t in inputs.values() if t.requires_grad], allow_unused=True)
             status.append(f"{impl} ok")
         except Exception as err:
             status.append(f"{impl} {type(err).__name__}")
@@ -355,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--plans", default="", help="comma-separated plan names (default: all)")
     parser.add_argument("--no-torch", action="store_true", help="skip our torch backend")
+    parser.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention")
     parser.add_argument("--shape", default="4,4096,16,128,128", help="B,T,H,K,V")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter: checks that the script runs")
@@ -374,12 +381,12 @@ def main(argv: list[str] | None = None) -> None:
 
     if torch.cuda.is_available() and args.workers > 0:
         warm_shape = dict(shape, T=1024)
-        warm_up([(p.name, args.dtype, warm_shape, True) for p in chosen], args.workers)
+        warm_up([(p.name, args.dtype, warm_shape, not args.no_fla, False) for p in chosen], args.workers)
     print(f"{'plan':22s} {'MB fwd':>8s} {'GFLOP fwd':>9s} {'floor fwd':>9s} {'MB f+b':>8s} {'GFLOP f+b':>9s} {'floor f+b':>9s}")
     results = {"machine": machine(), "shape": shape, "dtype": args.dtype, "plans": {}}
     for plan in chosen:
         try:
-            rows, floors = measure(plan, shape, dtype, not args.no_torch, device)
+            rows, floors = measure(plan, shape, dtype, not args.no_torch, device, not args.no_fla)
         except Exception:
             traceback.print_exc()
             continue

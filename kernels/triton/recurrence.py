@@ -39,7 +39,9 @@ SUB_CHUNK = 16  # channel-gate sub-chunk: pairs inside it are decayed element by
 MAX_HEAD_DIM = 256
 # (chunk-parallel, state pass) warps per program; ARCHSPEC_TRITON_WARPS="8,4" overrides (tuning)
 _STAGES = int(os.environ.get("ARCHSPEC_TRITON_STAGES", "1"))  # software pipelining depth of the loops
-_STATE_BV = int(os.environ.get("ARCHSPEC_TRITON_STATE_BV", "32"))
+# 64: Triton 3.6 on an H200 miscompiled the state backward with 32-wide V blocks and 8-warp
+# chunk kernels (compute-sanitizer: invalid shared-memory read in a wgmma); 64 ran clean.
+_STATE_BV = int(os.environ.get("ARCHSPEC_TRITON_STATE_BV", "64"))
 _WARPS = tuple(int(x) for x in os.environ.get("ARCHSPEC_TRITON_WARPS", "8,4").split(","))
 
 

@@ -31,17 +31,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from archspec.atomic import write_text_atomic
 from archspec.errors import ArchspecError
 from archspec.spec.yaml_source import (
     Override,
-    apply_overrides,
     error_from_problems,
-    load_yaml_with_locations,
+    load_validated,
     locate_problems,
-    validation_problems,
 )
 
 from .tasks import get_task
@@ -90,13 +88,8 @@ def slug(name: str) -> str:
 
 def load_experiment(path: str | os.PathLike[str], overrides: Iterable[Override] = ()) -> tuple[Experiment, Path]:
     """Read and validate an experiment file; errors name file:line:column and the field."""
-    doc = load_yaml_with_locations(path, what="experiment")
-    doc = apply_overrides(doc, list(overrides))
+    exp, doc = load_validated(path, Experiment, what="experiment", overrides=overrides)
     title = f"invalid experiment {doc.source}"
-    try:
-        exp = Experiment.model_validate(doc.data)
-    except ValidationError as exc:
-        raise error_from_problems(title, validation_problems(exc, doc, model=Experiment)) from None
     base = Path(path).resolve().parent
     problems: list[tuple[tuple[str | int, ...], str]] = []
     names = [r.name for r in exp.runs]

@@ -39,17 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from archspec.errors import ArchspecError
 from archspec.spec.yaml_source import (
     LocatedDocument,
     Override,
-    apply_overrides,
     error_from_problems,
-    load_yaml_with_locations,
+    load_validated,
     locate_problems,
-    validation_problems,
 )
 
 # Metrics the cost model gives before anything is trained: the only ones a constraint may use.
@@ -334,13 +332,8 @@ def load_search_spec(path: str | os.PathLike[str], overrides: Iterable[Override]
     Every problem, structural or semantic, is raised as one `ArchspecError` located at
     file:line:column (or the `--set`) and the dotted field.
     """
-    doc = load_yaml_with_locations(path, what="search spec")
-    doc = apply_overrides(doc, list(overrides))
+    spec, doc = load_validated(path, SearchSpec, what="search spec", overrides=overrides)
     title = f"invalid search spec {doc.source}"
-    try:
-        spec = SearchSpec.model_validate(doc.data)
-    except ValidationError as exc:
-        raise error_from_problems(title, validation_problems(exc, doc, model=SearchSpec)) from None
 
     from archspec import load_spec  # the model-spec loader: its own errors point into the base file
 

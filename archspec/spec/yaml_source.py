@@ -590,3 +590,27 @@ def validation_error_to_archspec_error(
 ) -> ArchspecError:
     """Map a pydantic `ValidationError` onto file:line:column and dotted fields."""
     return error_from_problems(title or f"invalid {doc.source or 'input'}", validation_problems(error, doc, model=model))
+
+
+ModelT = typing.TypeVar("ModelT", bound=BaseModel)
+
+
+def load_validated(
+    path: str | os.PathLike[str],
+    model: type[ModelT],
+    *,
+    what: str,
+    overrides: Iterable[Override] = (),
+) -> tuple[ModelT, LocatedDocument]:
+    """Read a YAML file, apply `--set` overrides and validate it against `model`.
+
+    The one path for files without `extends:` (search specs, experiments): every problem
+    is raised at once as an `ArchspecError` at file:line:column (or the `--set`) and the
+    dotted field. Returns the model and the located document, for checks of its own.
+    """
+    doc = apply_overrides(load_yaml_with_locations(path, what=what), list(overrides))
+    try:
+        return model.model_validate(doc.data), doc
+    except ValidationError as exc:
+        raise validation_error_to_archspec_error(exc, doc, model=model, title=f"invalid {what} {doc.source}") from None
+

@@ -40,7 +40,7 @@ from archspec.throughput import autocast_for, measure_training_throughput
 
 from .metrics import concat_outcomes, outcome_from_logits
 from .tasks import Task, get_task
-from .tasks.base import Batch, Curve
+from .tasks.base import Batch, Curve, TrainPreset
 
 Status = str  # "ok" | "diverged" | "failed" ("interrupted" only in a metrics.json left by Ctrl-C)
 METRICS_FILE = "metrics.json"
@@ -48,16 +48,10 @@ MAX_HISTORY = 500  # loss entries kept in metrics.json
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """The optimisation settings of one run (a task preset plus flags)."""
+class TrainConfig(TrainPreset):
+    """The optimisation settings of one run: a task's preset, flags on top, and what no
+    preset changes."""
 
-    steps: int
-    batch_size: int
-    lr: float
-    warmup_steps: int
-    eval_every: int
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     betas: tuple[float, float] = (0.9, 0.95)
     early_stop: tuple[str, float] | None = None
@@ -335,14 +329,9 @@ def _config(
     early = task.early_stop
     if target is not None:
         early = (early[0], target) if (early and target > 0) else None
+    flags = {"steps": steps, "batch_size": batch_size, "lr": lr, "warmup_steps": warmup_steps, "eval_every": eval_every}
     config = TrainConfig(
-        steps=preset.steps if steps is None else steps,
-        batch_size=preset.batch_size if batch_size is None else batch_size,
-        lr=preset.lr if lr is None else lr,
-        warmup_steps=preset.warmup_steps if warmup_steps is None else warmup_steps,
-        eval_every=preset.eval_every if eval_every is None else eval_every,
-        weight_decay=preset.weight_decay,
-        grad_clip=preset.grad_clip,
+        **{**dataclasses.asdict(preset), **{k: v for k, v in flags.items() if v is not None}},
         early_stop=early,
     )
     problems = []

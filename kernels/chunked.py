@@ -94,9 +94,10 @@ with a channel gate each score matrix is built by dyadic splitting (`decay_score
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .api import register_backend
-from .decay_scores import make_score_fn
+from .decay_scores import baddmm, scaled_bmm, score_matrices
 from .naive import accumulation_dtype
 from .osdn_scan import osdn_write_keys_scan
 
@@ -157,6 +158,104 @@ def _decay(x: Tensor, log_decay: Tensor | None) -> Tensor:
     return x * (factor if factor.dim() == x.dim() else factor[..., None])
 
 
+def _scale_columns(m: Tensor, factor: Tensor) -> Tensor:
+    """`m @ diag(factor)` for `m` `[..., R, C]` and `factor` `[..., C]`."""
+    return m * factor[..., None, :]
+
+
+def _unit_lower_inverse(A: Tensor) -> Tensor:
+    """`(I + A)^{-1}` for the strictly lower triangle of `A` `[..., L, L]` (the rest of `A`
+    is never read): a unit lower-triangular solve against the identity."""
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
+
+
+# ---------------------------------------------------------------------------------------
+# The sequential part
+
+
+class _StateChain(torch.autograd.Function):
+    """The chunk-to-chunk state recurrence, with an explicit backward.
+
+    `(S_0, Gamma, R, N, P, Z) -> (states, nu)`, chunk-major: for `c = 0 .. n-1`
+
+        nu[c]         = N[c] - P[c] states[c]                       (delta rule only)
+        states[c + 1] = Gamma[c] * states[c] + R[c] + Z[c]^T nu[c]
+
+    with `states[0] = S_0` `[BH, K, V]`, `Gamma` `[n, BH, K, 1]` (channel) or
+    `[n, BH, 1, 1]` (scalar) or None, `R` `[n, BH, K, V]` (independent writes) or None,
+    `N` `[n, BH, L, V]`, `P` and `Z` `[n, BH, L, K]`, or all three None (no delta rule).
+    `states` is `[n + 1, BH, K, V]`; `nu` is `[n, BH, L, V]` (empty without a delta rule).
+
+    Written with autograd, every chunk would record its own graph nodes, and the backward
+    of indexing chunk `c` out of `N`, `P`, `Z` allocates a zero gradient of the whole
+    tensor per chunk. Here the forward writes into two preallocated tensors, and the
+    backward runs only the gradient of the state backwards through the chunks,
+
+        dnu[c]   = dnu_out[c] + Z[c] dS[c + 1]
+        dS[c]    = Gamma[c] * dS[c + 1] + dstates_out[c] - P[c]^T dnu[c]
+
+    and then forms every other gradient for all chunks at once (`dP = -dnu S^T`,
+    `dZ = nu dS^T`, `dR = dS`, `dGamma = sum(dS * S)`).
+    """
+
+    @staticmethod
+    def forward(ctx, state, decay, R, N, P, Z):
+        n = (N if N is not None else R).shape[0]
+        states = state.new_empty(n + 1, *state.shape)
+        states[0] = state
+        nu = state.new_empty(0) if N is None else torch.empty_like(N)
+        for c in range(n):
+            S, new = states[c], states[c + 1]
+            if decay is None and R is None:
+                base = S  # the write below reads S and writes `new`
+            else:
+                base = new
+                if decay is None:
+                    torch.add(S, R[c], out=new)
+                elif R is None:
+                    torch.mul(S, decay[c], out=new)
+                else:
+                    torch.addcmul(R[c], S, decay[c], out=new)
+            if N is not None:
+                torch.baddbmm(N[c], P[c], S, alpha=-1, out=nu[c])
+                torch.baddbmm(base, Z[c].transpose(-1, -2), nu[c], out=new)
+            elif base is S:
+                new.copy_(S)
+        ctx.save_for_backward(states, nu, decay, P, Z)
+        ctx.has_R = R is not None
+        return states, nu
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_states, d_nu):
+        states, nu, decay, P, Z = ctx.saved_tensors
+        n = states.shape[0] - 1
+        dependent = P is not None
+        grads = torch.empty_like(states)  # dL/d states[c] through every path
+        grads[n] = d_states[n]
+        d_N = torch.empty_like(nu) if dependent else None
+        for c in reversed(range(n)):
+            after, now = grads[c + 1], grads[c]
+            if dependent:
+                torch.baddbmm(d_nu[c], Z[c], after, out=d_N[c])
+            if decay is None:
+                torch.add(d_states[c], after, out=now)
+            else:
+                torch.addcmul(d_states[c], after, decay[c], out=now)
+            if dependent:
+                now.baddbmm_(P[c].transpose(-1, -2), d_N[c], alpha=-1)
+        after, before = grads[1:], states[:-1]
+        needs = ctx.needs_input_grad
+        d_decay = (after * before).sum_to_size(decay.shape) if decay is not None and needs[1] else None
+        d_R = after if ctx.has_R and needs[2] else None
+        d_P = d_Z = None
+        if dependent:
+            d_P = -(d_N @ before.transpose(-1, -2)) if needs[4] else None
+            d_Z = nu @ after.transpose(-1, -2) if needs[5] else None
+        return grads[0], d_decay, d_R, d_N, d_P, d_Z
+
+
 # ---------------------------------------------------------------------------------------
 # The chunked recurrence on one dense batch
 
@@ -187,71 +286,63 @@ def _chunked_dense(
     ct = tokens_per_chunk(n_h, chunk_size)
     L = ct * n_h  # sub-steps per chunk
     channel = g is not None and g.dim() == 4
-    # [N, B*H, L, ...] per sub-step, [N, B*H, Ct, K] per token
-    q = _to_chunks(q, ct, acc) * scale
+    # [N, B*H, L, ...] per sub-step, [N, B*H, Ct, K] per token. `q` stays unscaled: the
+    # scale is the read-out matmuls' alpha.
+    q = _to_chunks(q, ct, acc)
     k, v, beta, write_key, erase = (_to_chunks(x, L, acc) for x in (k, v, beta, write_key, erase))
-    n_chunks = q.shape[0]
     w = k if write_key is None else write_key
-    u = v if beta is None else beta[..., None] * v
 
     # Within-chunk cumulative log-gate per sub-step, in log2 units (see LOG2_E); the decays
     # to each read-out and to the chunk's end (exponents <= 0).
     G = None if g is None else _to_chunks(_expand_gate(g, n_h), L, acc).cumsum(dim=2).mul_(LOG2_E)
-    scores = make_score_fn(G, channel, ct, n_h, q.device)
     G_query = None if G is None else G[:, :, n_h - 1 :: n_h]
     G_to_end = None if G is None else G[:, :, -1:] - G
     # Gamma_L per chunk: [N, B*H, K, 1] (channel), [N, B*H, 1, 1] (scalar), None (no gate)
     decay_chunk = None
     if G is not None:
         decay_chunk = torch.exp2(G[:, :, -1, :, None] if channel else G[:, :, -1:, None])
+    # `k * Gamma` enters as the rows of P; a scalar gate is a column scaling of T instead.
+    k_start, t_columns = (_decay(k, G), None) if channel else (k, None if G is None else torch.exp2(G))
+
+    def scores(rows, cols):
+        return score_matrices(G, channel, ct, n_h, rows, cols)
 
     # Writes whose values depend on the chunk's start state: nu = N - P S_0 (delta rule),
-    # and writes whose values do not (Z', N').
+    # and writes whose values do not (Z', N'), each with the (unscaled) scores of its
+    # keys against the queries.
     dependent = independent = None
-    M_qw = scores(q, w, "queries")  # [N, BH, Ct, L]
-    if beta is None and erase is None:
+    if beta is None and erase is None:  # diagonal
+        ((M_qw,),) = scores([(q, "queries")], [w])
+        independent = (_decay(w, G_to_end), v, M_qw)
+    elif erase is None:  # householder: a = beta w, rows scaled (see the module docstring)
+        (M_qw,), (A_kw,) = scores([(q, "queries"), (k, "substeps")], [w])
+        inverse = _unit_lower_inverse(A_kw * beta[..., None])
+        t_beta = _scale_columns(inverse, beta)  # T diag(beta)
+        P = (t_beta if t_columns is None else _scale_columns(t_beta, t_columns)) @ k_start  # [N, BH, L, K]
+        dependent = (_decay(w, G_to_end), t_beta @ v, P, M_qw)
+    else:  # rwkv7
+        u = v if beta is None else beta[..., None] * v
+        (M_qa, M_qw), (A_ka, A_kw) = scores([(q, "queries"), (k, "substeps")], [erase, w])
+        inverse = _unit_lower_inverse(A_ka)
+        N = scaled_bmm(inverse, A_kw @ u, -1.0)  # -T A_kw U: [N, BH, L, V]
+        P = (inverse if t_columns is None else _scale_columns(inverse, t_columns)) @ k_start
+        dependent = (_decay(erase, G_to_end), N, P, M_qa)
         independent = (_decay(w, G_to_end), u, M_qw)
-    else:
-        A_kw = scores(k, w, "substeps")  # [N, BH, L, L]
-        eye = torch.eye(L, dtype=acc, device=q.device)
-        if erase is None:  # householder: a = beta w, rows scaled (see the module docstring)
-            inverse = torch.linalg.solve_triangular(eye + beta[..., :, None] * A_kw, eye, upper=False, unitriangular=True)
-            P = inverse @ (beta[..., None] * _decay(k, G))  # [N, BH, L, K]
-            dependent = (_decay(w, G_to_end), inverse @ u, P, M_qw)
-        else:
-            A_ka = scores(k, erase, "substeps")
-            inverse = torch.linalg.solve_triangular(eye + A_ka, eye, upper=False, unitriangular=True)
-            N = -(inverse @ (A_kw @ u))  # [N, BH, L, V]
-            dependent = (_decay(erase, G_to_end), N, inverse @ _decay(k, G), scores(q, erase, "queries"))
-            independent = (_decay(w, G_to_end), u, M_qw)
 
+    # Independent writes go straight to the chunk's end state (R) and to the read-out.
+    R = o = None
     if independent is not None:
-        Z_end, N, M_qz = independent
-        R = Z_end.transpose(-1, -2) @ N  # [N, BH, K, V]
-        o = M_qz @ N  # [N, BH, Ct, V]
-    else:
-        R, o = None, 0.0
+        Z_end, N_ind, M_ind = independent
+        R = Z_end.transpose(-1, -2) @ N_ind  # [N, BH, K, V]
+        o = scaled_bmm(M_ind, N_ind, scale)  # [N, BH, Ct, V]
+    Z_end, N, P, M_qz = dependent if dependent is not None else (None, None, None, None)
+    states, nu = _StateChain.apply(state, decay_chunk, R, N, P, Z_end)
     if dependent is not None:
-        Z_end, N, P, M_qz = dependent
-
-    # The only sequential part, chunk after chunk.
-    starts, values = [], []
-    for c in range(n_chunks):
-        starts.append(state)
-        new_state = state if decay_chunk is None else decay_chunk[c] * state
-        if R is not None:
-            new_state = new_state + R[c]
-        if dependent is not None:
-            nu = torch.baddbmm(N[c], P[c], state, alpha=-1)  # N - P S_0: [BH, L, V]
-            values.append(nu)
-            new_state = torch.baddbmm(new_state, Z_end[c].transpose(-1, -2), nu)
-        state = new_state
-
-    o = o + _decay(q, G_query) @ torch.stack(starts)  # [N, BH, Ct, V]
-    if dependent is not None:
-        o = o + M_qz @ torch.stack(values)
+        o = scaled_bmm(M_qz, nu, scale) if o is None else baddmm(o, M_qz, nu, alpha=scale)
+    o = baddmm(o, _decay(q, G_query), states[:-1], alpha=scale)  # + scale (q Gamma_q) S_0
+    n_chunks = o.shape[0]
     o = o.reshape(n_chunks, B, H, ct, V).permute(1, 0, 3, 2, 4).reshape(B, n_chunks * ct, H, V)[:, :T]
-    return o, state.reshape(B, H, K, V)
+    return o, states[-1].reshape(B, H, K, V)
 
 
 def linear_recurrence_chunked(

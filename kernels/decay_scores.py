@@ -52,12 +52,15 @@ Ct*n_h`; a score matrix is `[..., Ct*nr, L]`.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Literal
 
 import torch
+from torch.autograd.function import once_differentiable
 
 Tensor = torch.Tensor
 Rows = Literal["substeps", "queries"]
+LN2 = math.log(2.0)  # d exp2(x) / dx = ln 2 * exp2(x)
 
 
 def baddmm(input: Tensor, x: Tensor, y: Tensor, *, alpha: float = 1.0, beta: float = 1.0) -> Tensor:
@@ -116,78 +119,201 @@ def _levels(ct: int) -> list[int]:
     return [1 << level for level in range(ct.bit_length() - 1)]
 
 
-def _halves(x: Tensor, batch_dims: int, m: int, per_token: int) -> tuple[Tensor, Tensor]:
-    """`x` `[*batch, Ct*per_token, *rest]` -> the first and the second half of every
-    2m-token block, `[*batch, nb, m*per_token, *rest]` each (views)."""
-    shape = x.shape
-    blocks = x.view(*shape[:batch_dims], -1, 2, m * per_token, *shape[batch_dims + 1 :])
-    return blocks.select(batch_dims + 1, 0), blocks.select(batch_dims + 1, 1)
+class _Dyadic:
+    """The geometry of one dyadic score computation, shared by its forward and backward.
+
+    Internally the batch is flattened (`Bt`), row operands are stacked per group of
+    positions, `X` `[R, Bt, P, K]` (`P = Ct*per`: `per = n_h` for sub-steps, 1 for
+    read-outs; one group when `n_h == 1`), column operands `Y` `[C, Bt, L, K]`, and each
+    group's matrices are `out` `[R, C, Bt, P, L]`. At level `m` (blocks of `2m` tokens,
+    `nb` of them) a group's cross products are one matmul of `[Bt*nb, R*mp, K]` rescaled
+    second-half rows against `[Bt*nb, C*mn, K]` rescaled first-half columns (`mp = m*per`,
+    `mn = m*n_h`).
+    """
+
+    def __init__(self, ct: int, n_h: int, kinds: tuple[Rows, ...], G: Tensor):
+        self.ct, self.n_h, self.kinds = ct, n_h, kinds
+        self.Bt, self.L, self.K = G.shape
+        # groups: (per, indices of their row operands)
+        members: dict[int, list[int]] = {}
+        for i, kind in enumerate(kinds):
+            members.setdefault(n_h if kind == "substeps" else 1, []).append(i)
+        self.groups = list(members.items())
+
+    def rows_of(self, G: Tensor, per: int) -> Tensor:
+        """G (or its gradient) at a group's row positions: every sub-step, or each token's last."""
+        return G if per == self.n_h else G[:, self.n_h - 1 :: self.n_h]
+
+    def column_factor(self, G: Tensor, m: int) -> Tensor | None:
+        """`exp2(G_ref - G_c)` on each block's first half `[Bt, nb, mn, K]`; None (exactly 1)
+        at m == 1, where the first half is ref's own token (no gate after its first sub-step)."""
+        if m == 1:
+            return None
+        first = G.view(self.Bt, -1, 2, m * self.n_h, self.K)[:, :, 0]
+        return torch.sub(first[:, :, -1:], first).exp2_()
+
+    def row_factor(self, G: Tensor, m: int, per: int) -> Tensor:
+        """`exp2(G_r - G_ref)` on each block's second half `[Bt, nb, mp, K]`."""
+        ref = G.view(self.Bt, -1, 2, m * self.n_h, self.K)[:, :, 0, -1:]
+        second = self.rows_of(G, per).view(self.Bt, -1, 2, m * per, self.K)[:, :, 1]
+        return torch.sub(second, ref).exp2_()
+
+    def rescaled(self, x: Tensor, factor: Tensor | None, m: int, per: int, half: int) -> Tensor:
+        """`[Bt, nb, S, m*per, K]`: one half (0 first, 1 second) of every block of the
+        stacked operands `x` `[S, Bt, Ct*per, K]`, times `factor` (the layout a matmul wants)."""
+        S = x.shape[0]
+        part = x.view(S, self.Bt, -1, 2, m * per, self.K)[:, :, :, half]
+        out = x.new_empty(self.Bt, part.shape[2], S, m * per, self.K)
+        if factor is None:
+            out.permute(2, 0, 1, 3, 4).copy_(part)
+        else:
+            torch.mul(part, factor, out=out.permute(2, 0, 1, 3, 4))
+        return out
+
+    def same_block(self, out: Tensor, m: int, per: int) -> Tensor:
+        """The pairs (second-half row, first-half column) of every block, as a view of `out`
+        `[R, C, Bt, P, L]`: `[R, C, Bt, mp, mn, nb]`."""
+        R, C = out.shape[:2]
+        nb = self.ct // (2 * m)
+        blocks = out.view(R, C, self.Bt, nb, 2, m * per, nb, 2, m * self.n_h)
+        return torch.diagonal(blocks, dim1=3, dim2=6)[:, :, :, 1, :, 0]
+
+    def token_pairs(self, out_r: Tensor, per: int) -> Tensor:
+        """The pairs within each token, as a view of one row operand's `out_r` `[C, Bt, P, L]`:
+        `[C, Bt, per, n_h, Ct]`."""
+        C = out_r.shape[0]
+        return torch.diagonal(out_r.view(C, self.Bt, self.ct, per, self.ct, self.n_h), dim1=2, dim2=4)
+
+    def leaf_mask(self, kind: Rows, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+        """Within a token, sub-step rows see strictly earlier sub-steps; read-outs see all."""
+        return _mask("substeps", 1, self.n_h, device, dtype) if kind == "substeps" else None
+
+    def has_leaves(self, kind: Rows) -> bool:
+        return kind == "queries" or self.n_h > 1
 
 
-def _stack(operands: list[Tensor]) -> Tensor:
-    """`[..., P, K]` operands at the same positions -> `[..., P, S, K]` (a copy only when S > 1)."""
-    return torch.stack(operands, dim=-2) if len(operands) > 1 else operands[0].unsqueeze(-2)
+class _DyadicScores(torch.autograd.Function):
+    """Channel-gate scores by dyadic splitting (module docstring), with an explicit backward.
+
+    `(ct, n_h, kinds, G, *rows, *cols) -> one [R*C, *batch, P, L] per group of rows`.
+    Written with autograd, every level's half-block views and products would record nodes
+    whose backward allocates full-size zero gradients and accumulates them one by one (for
+    KDA about five times the forward's time). Here the backward recomputes each level's
+    factors and rescaled halves (cheap) and accumulates into one gradient per operand:
+
+        dX_hat = dcross Y_hat,  dY_hat = dcross^T X_hat,
+        dX    += dX_hat * F_row,  dG_r += ln2 sum_R dX_hat * X_hat,  dG_ref -= the same summed over r,
+        dY    += dY_hat * F_col,  dG_c -= ln2 sum_C dY_hat * Y_hat,  dG_ref += the same summed over c.
+    """
+
+    @staticmethod
+    def forward(ctx, ct, n_h, kinds, G, *operands):
+        *batch, L, K = G.shape
+        G = G.reshape(-1, L, K)
+        geo = _Dyadic(ct, n_h, kinds, G)
+        rows, Y = operands[: len(kinds)], _stack(operands[len(kinds) :], geo.Bt)
+        C = Y.shape[0]
+        outs = []
+        for per, indices in geo.groups:
+            X = _stack([rows[i] for i in indices], geo.Bt)
+            out = G.new_zeros(len(indices), C, geo.Bt, ct * per, L)
+            for r, i in enumerate(indices):
+                if geo.has_leaves(kinds[i]):
+                    leaves = (X[r].view(geo.Bt, ct, per, 1, K) * Y.view(C, geo.Bt, ct, 1, n_h, K)).sum(-1)  # [C, Bt, Ct, per, n_h]
+                    mask = geo.leaf_mask(kinds[i], G.dtype, G.device)
+                    geo.token_pairs(out[r], per).copy_((leaves if mask is None else leaves * mask).permute(0, 1, 3, 4, 2))
+            outs.append((per, X, out))
+        for m in _levels(ct):
+            Y_hat = geo.rescaled(Y, geo.column_factor(G, m), m, n_h, half=0)  # [Bt, nb, C, mn, K]
+            for per, X, out in outs:
+                R = X.shape[0]
+                X_hat = geo.rescaled(X, geo.row_factor(G, m, per), m, per, half=1)  # [Bt, nb, R, mp, K]
+                cross = torch.bmm(X_hat.view(-1, R * m * per, K), Y_hat.view(-1, C * m * n_h, K).transpose(1, 2))
+                cross = cross.view(geo.Bt, -1, R, m * per, C, m * n_h).permute(2, 4, 0, 3, 5, 1)
+                geo.same_block(out, m, per).copy_(cross)
+        ctx.save_for_backward(G, *operands)
+        ctx.geometry = (ct, n_h, kinds, batch)
+        return tuple(out.view(-1, *batch, ct * per, L) for per, _, out in outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *d_outs):
+        G, *operands = ctx.saved_tensors
+        ct, n_h, kinds, batch = ctx.geometry
+        geo = _Dyadic(ct, n_h, kinds, G)
+        Bt, L, K = G.shape
+        rows, Y = operands[: len(kinds)], _stack(operands[len(kinds) :], Bt)
+        C = Y.shape[0]
+        dG, dY = torch.zeros_like(G), torch.zeros_like(Y)
+        d_rows: list[Tensor | None] = [None] * len(kinds)
+        groups = []
+        for (per, indices), d_out in zip(geo.groups, d_outs):
+            X = _stack([rows[i] for i in indices], Bt)
+            dX = torch.zeros_like(X)
+            d_out = d_out.reshape(len(indices), C, Bt, ct * per, L)
+            for r, i in enumerate(indices):
+                if geo.has_leaves(kinds[i]):
+                    d_leaves = geo.token_pairs(d_out[r], per).permute(0, 1, 4, 2, 3)  # [C, Bt, Ct, per, n_h]
+                    mask = geo.leaf_mask(kinds[i], G.dtype, G.device)
+                    d_leaves = (d_leaves if mask is None else d_leaves * mask)[..., None]
+                    dX[r].view(Bt, ct, per, K).add_((d_leaves * Y.view(C, Bt, ct, 1, n_h, K)).sum((0, 4)))
+                    dY.view(C, Bt, ct, n_h, K).add_((d_leaves * X[r].view(Bt, ct, per, 1, K)).sum(3))
+                d_rows[i] = dX[r]
+            groups.append((per, X, dX, d_out))
+        for m in _levels(ct):
+            nb = ct // (2 * m)
+            F_col = geo.column_factor(G, m)
+            Y_hat = geo.rescaled(Y, F_col, m, n_h, half=0)  # [Bt, nb, C, mn, K]
+            dG_blocks = dG.view(Bt, nb, 2, m * n_h, K)
+            dG_ref = dG_blocks[:, :, 0, -1:]
+            for per, X, dX, d_out in groups:
+                R = X.shape[0]
+                F_row = geo.row_factor(G, m, per)
+                X_hat = geo.rescaled(X, F_row, m, per, half=1)  # [Bt, nb, R, mp, K]
+                d_cross = G.new_empty(Bt, nb, R, m * per, C, m * n_h)
+                d_cross.permute(2, 4, 0, 3, 5, 1).copy_(geo.same_block(d_out, m, per))
+                d_cross = d_cross.view(Bt * nb, R * m * per, C * m * n_h)
+                dX_hat = torch.bmm(d_cross, Y_hat.view(Bt * nb, C * m * n_h, K)).view(Bt, nb, R, m * per, K)
+                dY_hat = torch.bmm(d_cross.transpose(1, 2), X_hat.view(Bt * nb, R * m * per, K)).view(Bt, nb, C, m * n_h, K)
+                # rows: X_hat = X_second * exp2(G_r - G_ref)
+                dX.view(R, Bt, nb, 2, m * per, K)[:, :, :, 1].add_((dX_hat * F_row[:, :, None]).permute(2, 0, 1, 3, 4))
+                d_exponent = (dX_hat * X_hat).sum(2).mul_(LN2)  # [Bt, nb, mp, K]
+                geo.rows_of(dG, per).view(Bt, nb, 2, m * per, K)[:, :, 1].add_(d_exponent)
+                dG_ref.sub_(d_exponent.sum(2, keepdim=True))
+                # columns: Y_hat = Y_first * exp2(G_ref - G_c)
+                first = dY.view(C, Bt, nb, 2, m * n_h, K)[:, :, :, 0]
+                if F_col is None:
+                    first.add_(dY_hat.permute(2, 0, 1, 3, 4))
+                    continue
+                first.add_((dY_hat * F_col[:, :, None]).permute(2, 0, 1, 3, 4))
+                d_exponent = (dY_hat * Y_hat).sum(2).mul_(LN2)  # [Bt, nb, mn, K]
+                dG_blocks[:, :, 0].sub_(d_exponent)
+                dG_ref.add_(d_exponent.sum(2, keepdim=True))
+        shape = lambda x: x.view(*batch, *x.shape[-2:])  # noqa: E731
+        d_cols = [shape(dY[c]) for c in range(C)]
+        return (None, None, None, shape(dG), *[shape(d) for d in d_rows], *d_cols)
 
 
-def _place_leaves(out: Tensor, x: Tensor, Y: Tensor, kind: Rows, ct: int, n_h: int) -> None:
-    """Write the within-token pairs of row operand `x` `[*batch, Ct*nr, K]` against the
-    stacked columns `Y` `[*batch, L, C, K]` into its matrices `out` `[C, *batch, Ct*nr, L]`:
-    plain products, no gate inside a token (none when rows are single sub-steps)."""
-    nr = n_h if kind == "substeps" else 1
-    if kind == "substeps" and n_h == 1:
-        return
-    *batch, _, C, K = Y.shape
-    nd = len(batch)
-    leaves = (x.reshape(*batch, ct, nr, 1, 1, K) * Y.reshape(*batch, ct, 1, n_h, C, K)).sum(-1)  # [*batch, Ct, nr, n_h, C]
-    if kind == "substeps":  # strictly earlier sub-steps only
-        leaves = leaves * _mask("substeps", 1, n_h, Y.device, Y.dtype)[:, :, None]
-    token_pairs = torch.diagonal(out.view(C, *batch, ct, nr, ct, n_h), dim1=nd + 1, dim2=nd + 3)  # [C, *batch, nr, n_h, Ct]
-    token_pairs.copy_(leaves.permute(nd + 3, *range(nd), nd + 1, nd + 2, nd))
+def _stack(operands, Bt: int) -> Tensor:
+    """`[*batch, P, K]` operands -> `[S, Bt, P, K]` (a copy only when S > 1)."""
+    if len(operands) == 1:
+        x = operands[0]
+        return x.reshape(1, Bt, *x.shape[-2:])
+    return torch.stack([x.reshape(Bt, *x.shape[-2:]) for x in operands])
 
 
 def _dyadic_scores(G: Tensor, ct: int, n_h: int, rows: list[tuple[Tensor, Rows]], cols: list[Tensor]) -> list[list[Tensor]]:
-    """Channel-gate scores by dyadic splitting (module docstring)."""
+    """Channel-gate scores by dyadic splitting: `_DyadicScores`, unstacked."""
     if ct & (ct - 1):
         raise ValueError(f"channel-gate scores need a power-of-two number of tokens per chunk, got {ct}")
-    *batch, _, K = G.shape
-    nd, C = len(batch), len(cols)
-    Y = _stack(cols)  # [*batch, L, C, K]
-    # Row groups: operands at the same positions, `per` of them per token (sub-steps, or
-    # the read-outs at each token's last sub-step; one group when n_h == 1).
-    members: dict[int, list[int]] = {}
-    for i, (_, kind) in enumerate(rows):
-        members.setdefault(n_h if kind == "substeps" else 1, []).append(i)
-    groups = []  # (per, stacked rows [*batch, Ct*per, R, K], G at the rows, out [R, C, *batch, Ct*per, L])
-    for per, indices in members.items():
-        out = G.new_zeros(len(indices), C, *batch, ct * per, ct * n_h)
-        for r, i in enumerate(indices):
-            _place_leaves(out[r], rows[i][0], Y, rows[i][1], ct, n_h)
-        G_rows = G if per == n_h else G[..., n_h - 1 :: n_h, :]
-        groups.append((per, _stack([rows[i][0] for i in indices]), G_rows, out))
-
-    # Level m: rows of each block's second half against columns of its first half.
-    for m in _levels(ct):
-        G_first, _ = _halves(G, nd, m, n_h)
-        ref = G_first[..., -1:, :]  # [*batch, nb, 1, K]
-        Y_first, _ = _halves(Y, nd, m, n_h)  # [*batch, nb, m*n_h, C, K]
-        if m > 1:  # at m == 1 the columns are ref's own token: exp2(G_ref - G_c) == 1
-            Y_first = Y_first * torch.exp2_(ref - G_first)[..., None, :]
-        Y_hat = Y_first.reshape(*batch, -1, m * n_h * C, K)
-        for per, X, G_rows, out in groups:
-            R = X.shape[-2]
-            _, X_second = _halves(X, nd, m, per)
-            _, G_second = _halves(G_rows, nd, m, per)
-            X_hat = (X_second * torch.exp2_(G_second - ref)[..., None, :]).reshape(*batch, -1, m * per * R, K)
-            cross = (X_hat @ Y_hat.transpose(-1, -2)).view(*batch, -1, m * per, R, m * n_h, C)
-            # out's pairs (second-half rows, first-half columns) of the same block:
-            blocks = out.view(R, C, *batch, -1, 2, m * per, ct // (2 * m), 2, m * n_h)
-            same_block = torch.diagonal(blocks, dim1=nd + 2, dim2=nd + 5)[..., 1, :, 0, :, :]  # [R, C, *batch, m*per, m*n_h, nb]
-            same_block.copy_(cross.permute(nd + 2, nd + 4, *range(nd), nd + 1, nd + 3, nd))
-    # (the matrices are taken as views only now, after every write into `out`)
+    kinds = tuple(kind for _, kind in rows)
+    outs = _DyadicScores.apply(ct, n_h, kinds, G.contiguous(), *(x for x, _ in rows), *cols)
+    C = len(cols)
     results: list[list[Tensor]] = [[] for _ in rows]
-    for (per, _, _, out), indices in zip(groups, members.values()):
+    for (_, indices), out in zip(_Dyadic(ct, n_h, kinds, G.reshape(-1, *G.shape[-2:])).groups, outs):
+        matrices = out.unbind(0)
         for r, i in enumerate(indices):
-            results[i] = [out[r, c] for c in range(C)]
+            results[i] = list(matrices[r * C : (r + 1) * C])
     return results
 
 

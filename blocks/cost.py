@@ -122,7 +122,7 @@ def _recurrence_flops(plan: RecurrencePlan, seq_len: int) -> dict[str, float]:
     """
     K, V, n = plan.head_dim, plan.value_dim, plan.n_h
     channel = plan.gate == "channel"
-    ct = tokens_per_chunk(n)
+    ct = tokens_per_chunk(n, delta=plan.transition != "diagonal")
     L = ct * n
     query_scores = _score_macs(1, ct, n, K, channel)
     substep_scores = _score_macs(n, ct, n, K, channel)

@@ -1,8 +1,11 @@
 """The chunked PyTorch backend (`backend="torch"`): the recurrence in WY/UT form.
 
-Plain PyTorch, differentiable by autograd, on any device. It computes exactly
-`RECURRENCE.md` (the naive loop in `naive.py` is the definition it is tested against)
-and is the readable reference of the chunk algorithm that the Triton kernel implements.
+Plain PyTorch, differentiable, on any device. It computes exactly `RECURRENCE.md` (the
+naive loop in `naive.py` is the definition it is tested against) and is the readable
+reference of the chunk algorithm that the Triton kernel implements. Two parts have an
+explicit backward (`torch.autograd.Function`) because autograd's is several times slower
+there: the chunk-to-chunk state chain (`_StateChain`) and the channel-gate scores
+(`decay_scores._DyadicScores`); the rest is ordinary autograd.
 
 One generalized form serves every path
 --------------------------------------
@@ -48,11 +51,13 @@ For householder `a = beta w` folds the erase into the write: the value written w
 as in flash-linear-attention's DeltaNet (its `w` and `u` are `P` and `N` here).
 
 The only sequential part is then, chunk after chunk (the `chunk_delta_h` loop of
-flash-linear-attention, in these terms):
+flash-linear-attention, in these terms; `_StateChain`):
 
     nu  = N - P S_0                                  ("v_new")
-    S_L = Gamma_L S_0 + Z_end^T nu + Z'_end^T N'
+    S_L = Gamma_L S_0 + Z_end^T nu + Z'_end^T N'     (Z'_end^T N' batched before the loop)
     o   = (q * Gamma_q) S_0 + M_qz nu + M_qz' N'      (computed after the loop, batched)
+
+The read-out scale multiplies `o` through the alpha of these matmuls (no pass over `q`).
 
 where `Z_end = Z * exp(G_L - G)` carries each write to the chunk's end and
 `M_qz[t, j] = q_t^T diag(exp(G_p - G_j)) z_j` for `j <= p`, with `p = t*n_h + n_h - 1`
@@ -66,12 +71,18 @@ decays over long chunks stay finite.
 
 Chunk size
 ----------
-Chunks hold whole tokens: `tokens_per_chunk(n_h)` is the largest power of two with
-`tokens * n_h <= CHUNK_SIZE` (at least 1), so `L = tokens * n_h` sub-steps; the power
-of two is what the dyadic channel-gate scores need. The state chain costs `2 K V`
-multiply-adds per sub-step whatever `L`; the parallel part grows like `L (K + V)` per
-sub-step, while short chunks mean more sequential Python steps. `CHUNK_SIZE = 32`
-measured fastest on CPU for head sizes 64 (`benchmarks/torch_vs_naive.py`).
+Chunks hold whole tokens: `tokens_per_chunk(n_h, delta=...)` is the largest power of two
+with `tokens * n_h <= DELTA_CHUNK_SIZE` (16, with a delta rule) or `CHUNK_SIZE` (32,
+without), at least 1, so `L = tokens * n_h` sub-steps; the power of two is what the
+dyadic channel-gate scores need. The state chain and the read-out of `S_0` cost about
+`3 K V` multiply-adds per sub-step whatever `L`; the parallel part grows like
+`L (K + V)` per sub-step, while short chunks mean more sequential Python steps. With a
+delta rule the parallel part also holds the triangular inverse, whose batched LAPACK
+solve costs per matrix rather than per multiply-add (32x32: ~3.6 us, 16x16: ~0.9 us on
+the development CPU), so 16 sub-steps measured 6-10% faster than 32 for every delta
+path at head size 64 (T=512, one thread; `benchmarks/torch_vs_naive.py`). Without one
+(GLA-like), 32 stays best: fewer chain steps, and the dyadic scores' elementwise work per
+level does not depend on `L`.
 
 Matmuls per chunk (per batch row and head; `Ct` tokens, `L = Ct n_h` sub-steps)
 -------------------------------------------------------------------------------
@@ -103,7 +114,8 @@ from .osdn_scan import osdn_write_keys_scan
 
 Tensor = torch.Tensor
 
-CHUNK_SIZE = 32  # sub-steps per chunk, rounded down to a power-of-two number of tokens
+CHUNK_SIZE = 32  # sub-steps per chunk without a delta rule (rounded down to a power-of-two number of tokens)
+DELTA_CHUNK_SIZE = 16  # with a delta rule (householder, rwkv7); the module docstring says why
 
 # Cumulative log-gates are kept in log2 units and decays formed with `torch.exp2`: on CPU
 # torch's exp2 is vectorized and about 5x faster than its exp (which dominated the channel
@@ -111,9 +123,13 @@ CHUNK_SIZE = 32  # sub-steps per chunk, rounded down to a power-of-two number of
 LOG2_E = 1.4426950408889634
 
 
-def tokens_per_chunk(n_h: int, chunk_size: int | None = None) -> int:
-    """Tokens per chunk: the largest power of two with `tokens * n_h <= chunk_size`."""
-    budget = max(1, (CHUNK_SIZE if chunk_size is None else chunk_size) // n_h)
+def tokens_per_chunk(n_h: int, chunk_size: int | None = None, *, delta: bool) -> int:
+    """Tokens per chunk: the largest power of two with `tokens * n_h <= chunk_size`, by
+    default `DELTA_CHUNK_SIZE` with a delta rule (`delta`: beta or erase given) and
+    `CHUNK_SIZE` without."""
+    if chunk_size is None:
+        chunk_size = DELTA_CHUNK_SIZE if delta else CHUNK_SIZE
+    budget = max(1, chunk_size // n_h)
     return 1 << (budget.bit_length() - 1)
 
 
@@ -283,7 +299,7 @@ def _chunked_dense(
         return q.new_zeros(B, 0, H, V, dtype=acc), state
     state = state.reshape(B * H, K, V)
 
-    ct = tokens_per_chunk(n_h, chunk_size)
+    ct = tokens_per_chunk(n_h, chunk_size, delta=beta is not None or erase is not None)
     L = ct * n_h  # sub-steps per chunk
     channel = g is not None and g.dim() == 4
     # [N, B*H, L, ...] per sub-step, [N, B*H, Ct, K] per token. `q` stays unscaled: the

@@ -104,6 +104,8 @@ with a channel gate each score matrix is built by dyadic splitting (`decay_score
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -391,7 +393,7 @@ def linear_recurrence_chunked(
     # Packed variable-length batch (B == 1): each sequence alone, from its own state.
     offsets = [int(x) for x in cu_seqlens.tolist()]
     outs, finals = [], []
-    for n, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+    for n, (start, end) in enumerate(itertools.pairwise(offsets)):
         tok, sub = slice(start, end), slice(start * n_h, end * n_h)
         o, final = _chunked_dense(
             q[:, tok],

@@ -289,9 +289,11 @@ class _DyadicScores(torch.autograd.Function):
                 d_exponent = (dY_hat * Y_hat).sum(2).mul_(LN2)  # [Bt, nb, mn, K]
                 dG_blocks[:, :, 0].sub_(d_exponent)
                 dG_ref.add_(d_exponent.sum(2, keepdim=True))
-        shape = lambda x: x.view(*batch, *x.shape[-2:])  # noqa: E731
-        d_cols = [shape(dY[c]) for c in range(C)]
-        return (None, None, None, shape(dG), *[shape(d) for d in d_rows], *d_cols)
+        def unflatten(x: Tensor) -> Tensor:
+            return x.view(*batch, *x.shape[-2:])
+
+        d_cols = [unflatten(dY[c]) for c in range(C)]
+        return (None, None, None, unflatten(dG), *[unflatten(d) for d in d_rows], *d_cols)
 
 
 def _stack(operands, Bt: int) -> Tensor:

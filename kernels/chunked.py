@@ -168,11 +168,10 @@ def _to_chunks(x: Tensor | None, length: int, dtype: torch.dtype) -> Tensor | No
     return x.reshape(n_chunks, B * H, length, *rest)
 
 
-def _decay(x: Tensor, log_decay: Tensor | None) -> Tensor:
-    """`x * 2**log_decay` row-wise; `log_decay` (log2 units) is `[..., L]` (scalar) or `[..., L, K]`."""
-    if log_decay is None:
+def _decay(x: Tensor, factor: Tensor | None) -> Tensor:
+    """`x` times a decay factor per row, `[..., L]` (scalar gate) or `[..., L, K]` (channel)."""
+    if factor is None:
         return x
-    factor = torch.exp2(log_decay)
     return x * (factor if factor.dim() == x.dim() else factor[..., None])
 
 
@@ -313,14 +312,18 @@ def _chunked_dense(
     # Within-chunk cumulative log-gate per sub-step, in log2 units (see LOG2_E); the decays
     # to each read-out and to the chunk's end (exponents <= 0).
     G = None if g is None else _to_chunks(_expand_gate(g, n_h), L, acc).cumsum(dim=2).mul_(LOG2_E)
-    G_query = None if G is None else G[:, :, n_h - 1 :: n_h]
-    G_to_end = None if G is None else G[:, :, -1:] - G
-    # Gamma_L per chunk: [N, B*H, K, 1] (channel), [N, B*H, 1, 1] (scalar), None (no gate)
-    decay_chunk = None
+    # Decays (exponents <= 0), each evaluated once: from the chunk's start to every sub-step
+    # (read-outs sit at their token's last sub-step), to the chunk's end from every
+    # sub-step, and over the whole chunk (Gamma_L: [N, B*H, K, 1] channel, [N, B*H, 1, 1]
+    # scalar, None without a gate).
+    from_start = to_end = decay_chunk = None
     if G is not None:
-        decay_chunk = torch.exp2(G[:, :, -1, :, None] if channel else G[:, :, -1:, None])
+        from_start = torch.exp2(G)
+        to_end = torch.exp2(G[:, :, -1:] - G)
+        decay_chunk = from_start[:, :, -1, :, None] if channel else from_start[:, :, -1:, None]
+    from_start_query = None if G is None else from_start[:, :, n_h - 1 :: n_h]
     # `k * Gamma` enters as the rows of P; a scalar gate is a column scaling of T instead.
-    k_start, t_columns = (_decay(k, G), None) if channel else (k, None if G is None else torch.exp2(G))
+    k_start, t_columns = (_decay(k, from_start), None) if channel else (k, from_start)
 
     def scores(rows, cols):
         return score_matrices(G, channel, ct, n_h, rows, cols)
@@ -331,21 +334,21 @@ def _chunked_dense(
     dependent = independent = None
     if beta is None and erase is None:  # diagonal
         ((M_qw,),) = scores([(q, "queries")], [w])
-        independent = (_decay(w, G_to_end), v, M_qw)
+        independent = (_decay(w, to_end), v, M_qw)
     elif erase is None:  # householder: a = beta w, rows scaled (see the module docstring)
         (M_qw,), (A_kw,) = scores([(q, "queries"), (k, "substeps")], [w])
         inverse = _unit_lower_inverse(A_kw * beta[..., None])
         t_beta = _scale_columns(inverse, beta)  # T diag(beta)
         P = (t_beta if t_columns is None else _scale_columns(t_beta, t_columns)) @ k_start  # [N, BH, L, K]
-        dependent = (_decay(w, G_to_end), t_beta @ v, P, M_qw)
+        dependent = (_decay(w, to_end), t_beta @ v, P, M_qw)
     else:  # rwkv7
         u = v if beta is None else beta[..., None] * v
         (M_qa, M_qw), (A_ka, A_kw) = scores([(q, "queries"), (k, "substeps")], [erase, w])
         inverse = _unit_lower_inverse(A_ka)
         N = scaled_bmm(inverse, A_kw @ u, -1.0)  # -T A_kw U: [N, BH, L, V]
         P = (inverse if t_columns is None else _scale_columns(inverse, t_columns)) @ k_start
-        dependent = (_decay(erase, G_to_end), N, P, M_qa)
-        independent = (_decay(w, G_to_end), u, M_qw)
+        dependent = (_decay(erase, to_end), N, P, M_qa)
+        independent = (_decay(w, to_end), u, M_qw)
 
     # Independent writes go straight to the chunk's end state (R) and to the read-out.
     R = o = None
@@ -357,7 +360,7 @@ def _chunked_dense(
     states, nu = _StateChain.apply(state, decay_chunk, R, N, P, Z_end)
     if dependent is not None:
         o = scaled_bmm(M_qz, nu, scale) if o is None else baddmm(o, M_qz, nu, alpha=scale)
-    o = baddmm(o, _decay(q, G_query), states[:-1], alpha=scale)  # + scale (q Gamma_q) S_0
+    o = baddmm(o, _decay(q, from_start_query), states[:-1], alpha=scale)  # + scale (q Gamma_q) S_0
     n_chunks = o.shape[0]
     o = o.reshape(n_chunks, B, H, ct, V).permute(1, 0, 3, 2, 4).reshape(B, n_chunks * ct, H, V)[:, :T]
     return o, states[-1].reshape(B, H, K, V)

@@ -191,6 +191,11 @@ def _unit_lower_inverse(A: Tensor) -> Tensor:
 # The sequential part
 
 
+def _per_chunk(x: Tensor | None, n: int) -> tuple:
+    """`x`'s chunks as views, made at once (`[None] * n` for an absent input)."""
+    return (None,) * n if x is None else x.unbind(0)
+
+
 class _StateChain(torch.autograd.Function):
     """The chunk-to-chunk state recurrence, with an explicit backward.
 
@@ -222,21 +227,24 @@ class _StateChain(torch.autograd.Function):
         states = state.new_empty(n + 1, *state.shape)
         states[0] = state
         nu = state.new_empty(0) if N is None else torch.empty_like(N)
+        # per-chunk views made once (indexing in the loop costs as much as a small op)
+        S_, nu_, N_, P_, D_, R_ = (_per_chunk(x, n) for x in (states, nu, N, P, decay, R))
+        Zt_ = _per_chunk(None if Z is None else Z.transpose(-1, -2), n)
         for c in range(n):
-            S, new = states[c], states[c + 1]
+            S, new = S_[c], S_[c + 1]
             if decay is None and R is None:
                 base = S  # the write below reads S and writes `new`
             else:
                 base = new
                 if decay is None:
-                    torch.add(S, R[c], out=new)
+                    torch.add(S, R_[c], out=new)
                 elif R is None:
-                    torch.mul(S, decay[c], out=new)
+                    torch.mul(S, D_[c], out=new)
                 else:
-                    torch.addcmul(R[c], S, decay[c], out=new)
+                    torch.addcmul(R_[c], S, D_[c], out=new)
             if N is not None:
-                torch.baddbmm(N[c], P[c], S, alpha=-1, out=nu[c])
-                torch.baddbmm(base, Z[c].transpose(-1, -2), nu[c], out=new)
+                torch.baddbmm(N_[c], P_[c], S, alpha=-1, out=nu_[c])
+                torch.baddbmm(base, Zt_[c], nu_[c], out=new)
             elif base is S:
                 new.copy_(S)
         ctx.save_for_backward(states, nu, decay, P, Z)
@@ -252,16 +260,18 @@ class _StateChain(torch.autograd.Function):
         grads = torch.empty_like(states)  # dL/d states[c] through every path
         grads[n] = d_states[n]
         d_N = torch.empty_like(nu) if dependent else None
+        g_, dS_, dnu_, dN_, Z_, D_ = (_per_chunk(x, n) for x in (grads, d_states, d_nu, d_N, Z, decay))
+        Pt_ = _per_chunk(P.transpose(-1, -2) if dependent else None, n)
         for c in reversed(range(n)):
-            after, now = grads[c + 1], grads[c]
+            after, now = g_[c + 1], g_[c]
             if dependent:
-                torch.baddbmm(d_nu[c], Z[c], after, out=d_N[c])
+                torch.baddbmm(dnu_[c], Z_[c], after, out=dN_[c])
             if decay is None:
-                torch.add(d_states[c], after, out=now)
+                torch.add(dS_[c], after, out=now)
             else:
-                torch.addcmul(d_states[c], after, decay[c], out=now)
+                torch.addcmul(dS_[c], after, D_[c], out=now)
             if dependent:
-                now.baddbmm_(P[c].transpose(-1, -2), d_N[c], alpha=-1)
+                now.baddbmm_(Pt_[c], dN_[c], alpha=-1)
         after, before = grads[1:], states[:-1]
         needs = ctx.needs_input_grad
         d_decay = (after * before).sum_to_size(decay.shape) if decay is not None and needs[1] else None

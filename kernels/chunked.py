@@ -57,7 +57,7 @@ flash-linear-attention, in these terms; `_StateChain`):
     S_L = Gamma_L S_0 + Z_end^T nu + Z'_end^T N'     (Z'_end^T N' batched before the loop)
     o   = (q * Gamma_q) S_0 + M_qz nu + M_qz' N'      (computed after the loop, batched)
 
-The read-out scale multiplies `o` through the alpha of these matmuls (no pass over `q`).
+(`q` carries the read-out scale.)
 
 where `Z_end = Z * exp(G_L - G)` carries each write to the chunk's end and
 `M_qz[t, j] = q_t^T diag(exp(G_p - G_j)) z_j` for `j <= p`, with `p = t*n_h + n_h - 1`
@@ -110,7 +110,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .api import register_backend
-from .decay_scores import baddmm, scaled_bmm, score_matrices
+from .decay_scores import baddmm, score_matrices
 from .naive import accumulation_dtype
 from .osdn_scan import osdn_write_keys_scan
 
@@ -199,36 +199,37 @@ def _per_chunk(x: Tensor | None, n: int) -> tuple:
 class _StateChain(torch.autograd.Function):
     """The chunk-to-chunk state recurrence, with an explicit backward.
 
-    `(S_0, Gamma, R, N, P, Z) -> (states, nu)`, chunk-major: for `c = 0 .. n-1`
+    `(S_0, Gamma, R, N, P, Z, sign) -> (starts, nu, final)`, chunk-major: for `c = 0 .. n-1`
 
-        nu[c]         = N[c] - P[c] states[c]                       (delta rule only)
-        states[c + 1] = Gamma[c] * states[c] + R[c] + Z[c]^T nu[c]
+        nu[c]  = sign N[c] - P[c] S_c                  (delta rule only; sign = +-1)
+        S_c+1  = Gamma[c] * S_c + R[c] + Z[c]^T nu[c]
 
-    with `states[0] = S_0` `[BH, K, V]`, `Gamma` `[n, BH, K, 1]` (channel) or
-    `[n, BH, 1, 1]` (scalar) or None, `R` `[n, BH, K, V]` (independent writes) or None,
-    `N` `[n, BH, L, V]`, `P` and `Z` `[n, BH, L, K]`, or all three None (no delta rule).
-    `states` is `[n + 1, BH, K, V]`; `nu` is `[n, BH, L, V]` (empty without a delta rule).
+    with `S_0` `[BH, K, V]`, `Gamma` `[n, BH, K, 1]` (channel) or `[n, BH, 1, 1]` (scalar)
+    or None, `R` `[n, BH, K, V]` (independent writes) or None, `N` `[n, BH, L, V]`, `P`
+    and `Z` `[n, BH, L, K]`, or all three None (no delta rule). `starts[c] = S_c`
+    `[n, BH, K, V]`, `nu` `[n, BH, L, V]` (empty without a delta rule), `final = S_n`.
 
     Written with autograd, every chunk would record its own graph nodes, and the backward
     of indexing chunk `c` out of `N`, `P`, `Z` allocates a zero gradient of the whole
-    tensor per chunk. Here the forward writes into two preallocated tensors, and the
-    backward runs only the gradient of the state backwards through the chunks,
+    tensor per chunk. Here the forward writes into preallocated tensors, and the backward
+    runs only the gradient of the state backwards through the chunks,
 
-        dnu[c]   = dnu_out[c] + Z[c] dS[c + 1]
-        dS[c]    = Gamma[c] * dS[c + 1] + dstates_out[c] - P[c]^T dnu[c]
+        dnu[c]   = dnu_out[c] + Z[c] dS_c+1
+        dS_c     = Gamma[c] * dS_c+1 + dstarts[c] - P[c]^T dnu[c]
 
     and then forms every other gradient for all chunks at once (`dP = -dnu S^T`,
-    `dZ = nu dS^T`, `dR = dS`, `dGamma = sum(dS * S)`).
+    `dZ = nu dS^T`, `dR = dS`, `dGamma = sum(dS * S)`, `dN = sign dnu`).
     """
 
     @staticmethod
-    def forward(ctx, state, decay, R, N, P, Z):
+    def forward(ctx, state, decay, R, N, P, Z, sign):
         n = (N if N is not None else R).shape[0]
-        states = state.new_empty(n + 1, *state.shape)
-        states[0] = state
+        starts, final = state.new_empty(n, *state.shape), torch.empty_like(state)
+        starts[0] = state
         nu = state.new_empty(0) if N is None else torch.empty_like(N)
         # per-chunk views made once (indexing in the loop costs as much as a small op)
-        S_, nu_, N_, P_, D_, R_ = (_per_chunk(x, n) for x in (states, nu, N, P, decay, R))
+        S_ = (*starts.unbind(0), final)
+        nu_, N_, P_, D_, R_ = (_per_chunk(x, n) for x in (nu, N, P, decay, R))
         Zt_ = _per_chunk(None if Z is None else Z.transpose(-1, -2), n)
         for c in range(n):
             S, new = S_[c], S_[c + 1]
@@ -243,44 +244,47 @@ class _StateChain(torch.autograd.Function):
                 else:
                     torch.addcmul(R_[c], S, D_[c], out=new)
             if N is not None:
-                torch.baddbmm(N_[c], P_[c], S, alpha=-1, out=nu_[c])
+                torch.baddbmm(N_[c], P_[c], S, beta=sign, alpha=-1, out=nu_[c])
                 torch.baddbmm(base, Zt_[c], nu_[c], out=new)
             elif base is S:
                 new.copy_(S)
-        ctx.save_for_backward(states, nu, decay, P, Z)
-        ctx.has_R = R is not None
-        return states, nu
+        ctx.save_for_backward(starts, nu, decay, P, Z)
+        ctx.has_R, ctx.sign = R is not None, sign
+        return starts, nu, final
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, d_states, d_nu):
-        states, nu, decay, P, Z = ctx.saved_tensors
-        n = states.shape[0] - 1
+    def backward(ctx, d_starts, d_nu, d_final):
+        starts, nu, decay, P, Z = ctx.saved_tensors
+        n = starts.shape[0]
         dependent = P is not None
-        grads = torch.empty_like(states)  # dL/d states[c] through every path
-        grads[n] = d_states[n]
-        d_N = torch.empty_like(nu) if dependent else None
-        g_, dS_, dnu_, dN_, Z_, D_ = (_per_chunk(x, n) for x in (grads, d_states, d_nu, d_N, Z, decay))
+        # after[c] = dL/dS_c+1 through every path; the loop writes after[c - 1] from after[c]
+        after = torch.empty_like(starts)
+        after[n - 1] = d_final
+        d_state = torch.empty_like(d_final)
+        d_nu_total = torch.empty_like(nu) if dependent else None
+        g_ = (d_state, *after.unbind(0))  # g_[c] = dL/dS_c
+        dS_, dnu_, dN_, Z_, D_ = (_per_chunk(x, n) for x in (d_starts, d_nu, d_nu_total, Z, decay))
         Pt_ = _per_chunk(P.transpose(-1, -2) if dependent else None, n)
         for c in reversed(range(n)):
-            after, now = g_[c + 1], g_[c]
+            later, now = g_[c + 1], g_[c]
             if dependent:
-                torch.baddbmm(dnu_[c], Z_[c], after, out=dN_[c])
+                torch.baddbmm(dnu_[c], Z_[c], later, out=dN_[c])
             if decay is None:
-                torch.add(dS_[c], after, out=now)
+                torch.add(dS_[c], later, out=now)
             else:
-                torch.addcmul(dS_[c], after, D_[c], out=now)
+                torch.addcmul(dS_[c], later, D_[c], out=now)
             if dependent:
                 now.baddbmm_(Pt_[c], dN_[c], alpha=-1)
-        after, before = grads[1:], states[:-1]
         needs = ctx.needs_input_grad
-        d_decay = (after * before).sum_to_size(decay.shape) if decay is not None and needs[1] else None
+        d_decay = (after * starts).sum_to_size(decay.shape) if decay is not None and needs[1] else None
         d_R = after if ctx.has_R and needs[2] else None
-        d_P = d_Z = None
+        d_N = d_P = d_Z = None
         if dependent:
-            d_P = -(d_N @ before.transpose(-1, -2)) if needs[4] else None
+            d_N = d_nu_total if ctx.sign == 1 else -d_nu_total
+            d_P = -(d_nu_total @ starts.transpose(-1, -2)) if needs[4] else None
             d_Z = nu @ after.transpose(-1, -2) if needs[5] else None
-        return grads[0], d_decay, d_R, d_N, d_P, d_Z
+        return d_state, d_decay, d_R, d_N, d_P, d_Z, None
 
 
 # ---------------------------------------------------------------------------------------
@@ -313,9 +317,10 @@ def _chunked_dense(
     ct = tokens_per_chunk(n_h, chunk_size, delta=beta is not None or erase is not None)
     L = ct * n_h  # sub-steps per chunk
     channel = g is not None and g.dim() == 4
-    # [N, B*H, L, ...] per sub-step, [N, B*H, Ct, K] per token. `q` stays unscaled: the
-    # scale is the read-out matmuls' alpha.
-    q = _to_chunks(q, ct, acc)
+    # [N, B*H, L, ...] per sub-step, [N, B*H, Ct, K] per token; the read-out scale goes
+    # into q (one pass; as the read-out matmuls' alpha it would cost passes over the
+    # larger gradients of the states in the backward).
+    q = _to_chunks(q, ct, acc) * scale
     k, v, beta, write_key, erase = (_to_chunks(x, L, acc) for x in (k, v, beta, write_key, erase))
     w = k if write_key is None else write_key
 
@@ -339,7 +344,7 @@ def _chunked_dense(
         return score_matrices(G, channel, ct, n_h, rows, cols)
 
     # Writes whose values depend on the chunk's start state: nu = N - P S_0 (delta rule),
-    # and writes whose values do not (Z', N'), each with the (unscaled) scores of its
+    # and writes whose values do not (Z', N'), each with the (scaled) scores of its
     # keys against the queries.
     dependent = independent = None
     if beta is None and erase is None:  # diagonal
@@ -355,7 +360,7 @@ def _chunked_dense(
         u = v if beta is None else beta[..., None] * v
         (M_qa, M_qw), (A_ka, A_kw) = scores([(q, "queries"), (k, "substeps")], [erase, w])
         inverse = _unit_lower_inverse(A_ka)
-        N = scaled_bmm(inverse, A_kw @ u, -1.0)  # -T A_kw U: [N, BH, L, V]
+        N = inverse @ (A_kw @ u)  # T A_kw U, entering nu negated (sign): [N, BH, L, V]
         P = (inverse if t_columns is None else _scale_columns(inverse, t_columns)) @ k_start
         dependent = (_decay(erase, to_end), N, P, M_qa)
         independent = (_decay(w, to_end), u, M_qw)
@@ -365,15 +370,16 @@ def _chunked_dense(
     if independent is not None:
         Z_end, N_ind, M_ind = independent
         R = Z_end.transpose(-1, -2) @ N_ind  # [N, BH, K, V]
-        o = scaled_bmm(M_ind, N_ind, scale)  # [N, BH, Ct, V]
+        o = M_ind @ N_ind  # [N, BH, Ct, V]
     Z_end, N, P, M_qz = dependent if dependent is not None else (None, None, None, None)
-    states, nu = _StateChain.apply(state, decay_chunk, R, N, P, Z_end)
+    sign = -1 if erase is not None else 1  # rwkv7: nu = -(T A_kw U) - P S_0
+    starts, nu, final = _StateChain.apply(state, decay_chunk, R, N, P, Z_end, sign)
     if dependent is not None:
-        o = scaled_bmm(M_qz, nu, scale) if o is None else baddmm(o, M_qz, nu, alpha=scale)
-    o = baddmm(o, _decay(q, from_start_query), states[:-1], alpha=scale)  # + scale (q Gamma_q) S_0
+        o = M_qz @ nu if o is None else baddmm(o, M_qz, nu)
+    o = baddmm(o, _decay(q, from_start_query), starts)  # + (q Gamma_q) S_0
     n_chunks = o.shape[0]
     o = o.reshape(n_chunks, B, H, ct, V).permute(1, 0, 3, 2, 4).reshape(B, n_chunks * ct, H, V)[:, :T]
-    return o, states[-1].reshape(B, H, K, V)
+    return o, final.reshape(B, H, K, V)
 
 
 def linear_recurrence_chunked(

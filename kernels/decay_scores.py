@@ -63,20 +63,12 @@ Rows = Literal["substeps", "queries"]
 LN2 = math.log(2.0)  # d exp2(x) / dx = ln 2 * exp2(x)
 
 
-def baddmm(input: Tensor, x: Tensor, y: Tensor, *, alpha: float = 1.0, beta: float = 1.0) -> Tensor:
-    """`beta * input + alpha * (x @ y)` in one matmul call (MKL's `beta`/`alpha`), for any
-    number of leading batch dimensions; `input` may be a 0-dim tensor when `beta == 0`
-    (then it is never read), so a scaled product costs no extra pass."""
+def baddmm(input: Tensor, x: Tensor, y: Tensor) -> Tensor:
+    """`input + x @ y` in one matmul call (MKL accumulates into the copy of `input`), for
+    any number of leading batch dimensions."""
     batch, rows, cols = x.shape[:-2], x.shape[-2], y.shape[-1]
-    if input.dim() > 0:
-        input = input.reshape(-1, rows, cols)
-    out = torch.baddbmm(input, x.reshape(-1, rows, x.shape[-1]), y.reshape(-1, *y.shape[-2:]), alpha=alpha, beta=beta)
+    out = torch.baddbmm(input.reshape(-1, rows, cols), x.reshape(-1, rows, x.shape[-1]), y.reshape(-1, *y.shape[-2:]))
     return out.view(*batch, rows, cols)
-
-
-def scaled_bmm(x: Tensor, y: Tensor, alpha: float) -> Tensor:
-    """`alpha * (x @ y)` in one matmul call."""
-    return baddmm(x.new_zeros(()), x, y, alpha=alpha, beta=0.0)
 
 
 @functools.lru_cache(maxsize=64)

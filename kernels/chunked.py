@@ -196,34 +196,43 @@ def _per_chunk(x: Tensor | None, n: int) -> tuple:
     return (None,) * n if x is None else x.unbind(0)
 
 
-class _StateChain(torch.autograd.Function):
-    """The chunk-to-chunk state recurrence, with an explicit backward.
+def _flat(x: Tensor) -> Tensor:
+    """`[n, BH, r, c]` -> `[n*BH, r, c]` (a view) for batched matmuls."""
+    return x.reshape(-1, *x.shape[-2:])
 
-    `(S_0, Gamma, R, N, P, Z, sign) -> (starts, nu, final)`, chunk-major: for `c = 0 .. n-1`
+
+class _StateChain(torch.autograd.Function):
+    """The chunk-to-chunk state recurrence and the read-out that uses its states, with an
+    explicit backward.
+
+    `(S_0, Gamma, R, N, P, Z, sign, Q, M) -> (o, final)`, chunk-major: for `c = 0 .. n-1`
 
         nu[c]  = sign N[c] - P[c] S_c                  (delta rule only; sign = +-1)
         S_c+1  = Gamma[c] * S_c + R[c] + Z[c]^T nu[c]
+        o[c]   = Q[c] S_c + M[c] nu[c]
 
     with `S_0` `[BH, K, V]`, `Gamma` `[n, BH, K, 1]` (channel) or `[n, BH, 1, 1]` (scalar)
     or None, `R` `[n, BH, K, V]` (independent writes) or None, `N` `[n, BH, L, V]`, `P`
-    and `Z` `[n, BH, L, K]`, or all three None (no delta rule). `starts[c] = S_c`
-    `[n, BH, K, V]`, `nu` `[n, BH, L, V]` (empty without a delta rule), `final = S_n`.
+    and `Z` `[n, BH, L, K]`, `M` `[n, BH, Ct, L]`, or all four None (no delta rule),
+    `Q` `[n, BH, Ct, K]` (the decayed, scaled queries); `final = S_n`.
 
     Written with autograd, every chunk would record its own graph nodes, and the backward
     of indexing chunk `c` out of `N`, `P`, `Z` allocates a zero gradient of the whole
     tensor per chunk. Here the forward writes into preallocated tensors, and the backward
     runs only the gradient of the state backwards through the chunks,
 
-        dnu[c]   = dnu_out[c] + Z[c] dS_c+1
-        dS_c     = Gamma[c] * dS_c+1 + dstarts[c] - P[c]^T dnu[c]
+        dnu[c]   = M[c]^T do[c] + Z[c] dS_c+1
+        dS_c     = Gamma[c] * dS_c+1 + Q[c]^T do[c] - P[c]^T dnu[c]
 
-    and then forms every other gradient for all chunks at once (`dP = -dnu S^T`,
-    `dZ = nu dS^T`, `dR = dS`, `dGamma = sum(dS * S)`, `dN = sign dnu`).
+    (the read-out's share `Q^T do` accumulated where the state is hot, rather than as a
+    batched matmul over all chunks with a short inner dimension) and then forms every
+    other gradient for all chunks at once (`dP = -dnu S^T`, `dZ = nu dS^T`, `dR = dS`,
+    `dGamma = sum(dS * S)`, `dN = sign dnu`, `dQ = do S^T`, `dM = do nu^T`).
     """
 
     @staticmethod
-    def forward(ctx, state, decay, R, N, P, Z, sign):
-        n = (N if N is not None else R).shape[0]
+    def forward(ctx, state, decay, R, N, P, Z, sign, Q, M):
+        n = Q.shape[0]
         starts, final = state.new_empty(n, *state.shape), torch.empty_like(state)
         starts[0] = state
         nu = state.new_empty(0) if N is None else torch.empty_like(N)
@@ -248,43 +257,50 @@ class _StateChain(torch.autograd.Function):
                 torch.baddbmm(base, Zt_[c], nu_[c], out=new)
             elif base is S:
                 new.copy_(S)
-        ctx.save_for_backward(starts, nu, decay, P, Z)
+        o = torch.bmm(_flat(Q), _flat(starts))
+        if N is not None:  # (out= rather than baddbmm_: FlopCounterMode counts only the former)
+            torch.baddbmm(o, _flat(M), _flat(nu), out=o)
+        ctx.save_for_backward(starts, nu, decay, P, Z, Q, M)
         ctx.has_R, ctx.sign = R is not None, sign
-        return starts, nu, final
+        return o.view(*Q.shape[:-1], state.shape[-1]), final
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, d_starts, d_nu, d_final):
-        starts, nu, decay, P, Z = ctx.saved_tensors
+    def backward(ctx, d_o, d_final):
+        starts, nu, decay, P, Z, Q, M = ctx.saved_tensors
         n = starts.shape[0]
         dependent = P is not None
+        needs = ctx.needs_input_grad
         # after[c] = dL/dS_c+1 through every path; the loop writes after[c - 1] from after[c]
         after = torch.empty_like(starts)
         after[n - 1] = d_final
         d_state = torch.empty_like(d_final)
-        d_nu_total = torch.empty_like(nu) if dependent else None
+        d_nu = M.transpose(-1, -2) @ d_o if dependent else None  # the read-out's share, completed in the loop
         g_ = (d_state, *after.unbind(0))  # g_[c] = dL/dS_c
-        dS_, dnu_, dN_, Z_, D_ = (_per_chunk(x, n) for x in (d_starts, d_nu, d_nu_total, Z, decay))
+        do_, dnu_, Z_, D_ = (_per_chunk(x, n) for x in (d_o, d_nu, Z, decay))
         Pt_ = _per_chunk(P.transpose(-1, -2) if dependent else None, n)
+        Qt_ = Q.transpose(-1, -2).unbind(0)
         for c in reversed(range(n)):
             later, now = g_[c + 1], g_[c]
             if dependent:
-                torch.baddbmm(dnu_[c], Z_[c], later, out=dN_[c])
+                dnu_[c].baddbmm_(Z_[c], later)
             if decay is None:
-                torch.add(dS_[c], later, out=now)
+                torch.baddbmm(later, Qt_[c], do_[c], out=now)
             else:
-                torch.addcmul(dS_[c], later, D_[c], out=now)
+                torch.mul(later, D_[c], out=now)
+                now.baddbmm_(Qt_[c], do_[c])
             if dependent:
-                now.baddbmm_(Pt_[c], dN_[c], alpha=-1)
-        needs = ctx.needs_input_grad
+                now.baddbmm_(Pt_[c], dnu_[c], alpha=-1)
         d_decay = (after * starts).sum_to_size(decay.shape) if decay is not None and needs[1] else None
         d_R = after if ctx.has_R and needs[2] else None
-        d_N = d_P = d_Z = None
+        d_Q = d_o @ starts.transpose(-1, -2) if needs[7] else None
+        d_N = d_P = d_Z = d_M = None
         if dependent:
-            d_N = d_nu_total if ctx.sign == 1 else -d_nu_total
-            d_P = -(d_nu_total @ starts.transpose(-1, -2)) if needs[4] else None
+            d_N = d_nu if ctx.sign == 1 else -d_nu
+            d_P = baddmm(None, d_nu, starts.transpose(-1, -2), alpha=-1.0) if needs[4] else None
             d_Z = nu @ after.transpose(-1, -2) if needs[5] else None
-        return d_state, d_decay, d_R, d_N, d_P, d_Z, None
+            d_M = d_o @ nu.transpose(-1, -2) if needs[8] else None
+        return d_state, d_decay, d_R, d_N, d_P, d_Z, None, d_Q, d_M
 
 
 # ---------------------------------------------------------------------------------------
@@ -366,17 +382,15 @@ def _chunked_dense(
         independent = (_decay(w, to_end), u, M_qw)
 
     # Independent writes go straight to the chunk's end state (R) and to the read-out.
-    R = o = None
+    R = None
     if independent is not None:
-        Z_end, N_ind, M_ind = independent
-        R = Z_end.transpose(-1, -2) @ N_ind  # [N, BH, K, V]
-        o = M_ind @ N_ind  # [N, BH, Ct, V]
+        Z_ind, N_ind, M_ind = independent
+        R = Z_ind.transpose(-1, -2) @ N_ind  # [N, BH, K, V]
     Z_end, N, P, M_qz = dependent if dependent is not None else (None, None, None, None)
     sign = -1 if erase is not None else 1  # rwkv7: nu = -(T A_kw U) - P S_0
-    starts, nu, final = _StateChain.apply(state, decay_chunk, R, N, P, Z_end, sign)
-    if dependent is not None:
-        o = M_qz @ nu if o is None else baddmm(o, M_qz, nu)
-    o = baddmm(o, _decay(q, from_start_query), starts)  # + (q Gamma_q) S_0
+    o, final = _StateChain.apply(state, decay_chunk, R, N, P, Z_end, sign, _decay(q, from_start_query), M_qz)
+    if independent is not None:
+        o = baddmm(o, M_ind, N_ind)  # [N, BH, Ct, V]
     n_chunks = o.shape[0]
     o = o.reshape(n_chunks, B, H, ct, V).permute(1, 0, 3, 2, 4).reshape(B, n_chunks * ct, H, V)[:, :T]
     return o, final.reshape(B, H, K, V)

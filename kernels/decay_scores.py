@@ -63,11 +63,13 @@ Rows = Literal["substeps", "queries"]
 LN2 = math.log(2.0)  # d exp2(x) / dx = ln 2 * exp2(x)
 
 
-def baddmm(input: Tensor, x: Tensor, y: Tensor) -> Tensor:
-    """`input + x @ y` in one matmul call (MKL accumulates into the copy of `input`), for
-    any number of leading batch dimensions."""
+def baddmm(input: Tensor | None, x: Tensor, y: Tensor, *, alpha: float = 1.0) -> Tensor:
+    """`input + alpha * (x @ y)` (`input` None: just the product) in one matmul call, for
+    any number of leading batch dimensions: MKL's alpha and accumulation cost no extra
+    pass over the result."""
     batch, rows, cols = x.shape[:-2], x.shape[-2], y.shape[-1]
-    out = torch.baddbmm(input.reshape(-1, rows, cols), x.reshape(-1, rows, x.shape[-1]), y.reshape(-1, *y.shape[-2:]))
+    base, beta = (x.new_zeros(()), 0.0) if input is None else (input.reshape(-1, rows, cols), 1.0)
+    out = torch.baddbmm(base, x.reshape(-1, rows, x.shape[-1]), y.reshape(-1, *y.shape[-2:]), beta=beta, alpha=alpha)
     return out.view(*batch, rows, cols)
 
 

@@ -110,7 +110,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .api import register_backend
-from .decay_scores import baddmm, score_matrices
+from .decay_scores import score_matrices
 from .naive import accumulation_dtype
 from .osdn_scan import osdn_write_keys_scan
 
@@ -173,6 +173,16 @@ def _decay(x: Tensor, factor: Tensor | None) -> Tensor:
     if factor is None:
         return x
     return x * (factor if factor.dim() == x.dim() else factor[..., None])
+
+
+def baddmm(input: Tensor | None, x: Tensor, y: Tensor, *, alpha: float = 1.0) -> Tensor:
+    """`input + alpha * (x @ y)` (`input` None: just the product) in one matmul call, for
+    any number of leading batch dimensions: MKL's alpha and accumulation cost no extra
+    pass over the result."""
+    batch, rows, cols = x.shape[:-2], x.shape[-2], y.shape[-1]
+    base, beta = (x.new_zeros(()), 0.0) if input is None else (input.reshape(-1, rows, cols), 1.0)
+    out = torch.baddbmm(base, x.reshape(-1, rows, x.shape[-1]), y.reshape(-1, *y.shape[-2:]), beta=beta, alpha=alpha)
+    return out.view(*batch, rows, cols)
 
 
 def _scale_columns(m: Tensor, factor: Tensor) -> Tensor:
@@ -340,13 +350,12 @@ def _chunked_dense(
     k, v, beta, write_key, erase = (_to_chunks(x, L, acc) for x in (k, v, beta, write_key, erase))
     w = k if write_key is None else write_key
 
-    # Within-chunk cumulative log-gate per sub-step, in log2 units (see LOG2_E); the decays
-    # to each read-out and to the chunk's end (exponents <= 0).
-    G = None if g is None else _to_chunks(_expand_gate(g, n_h), L, acc).cumsum(dim=2).mul_(LOG2_E)
-    # Decays (exponents <= 0), each evaluated once: from the chunk's start to every sub-step
+    # Within-chunk cumulative log-gate per sub-step, in log2 units (see LOG2_E), and the
+    # decays (exponents <= 0), each evaluated once: from the chunk's start to every sub-step
     # (read-outs sit at their token's last sub-step), to the chunk's end from every
     # sub-step, and over the whole chunk (Gamma_L: [N, B*H, K, 1] channel, [N, B*H, 1, 1]
     # scalar, None without a gate).
+    G = None if g is None else _to_chunks(_expand_gate(g, n_h), L, acc).cumsum(dim=2).mul_(LOG2_E)
     from_start = to_end = decay_chunk = None
     if G is not None:
         from_start = torch.exp2(G)

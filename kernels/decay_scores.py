@@ -35,14 +35,16 @@ exponent is <= 0:
   must be a power of two.
 
   On CPU that elementwise work, not the matmuls, decides the speed, so it is organised
-  to touch memory few times: the operands are stacked once (`[..., L, R, K]` rows,
-  `[..., L, C, K]` columns), so that each level rescales every row operand with one
-  multiplication, every column operand with one, and forms all `R x C` cross products
-  with one matmul. A level's factors are the two half-block tensors it needs, not a full
-  one; at the lowest level the column factor is exactly 1 (the columns are the token
-  `ref` belongs to, with no gate after its first sub-step) and is skipped. With
-  `n_h == 1` the read-outs sit at the sub-step positions, so `q` joins `k` as a row
-  operand of the same stack.
+  to touch memory few times: the operands are stacked once along a new outermost axis
+  (`R` row operands, `C` column operands), so that each level rescales all row operands
+  with one multiplication (the factor broadcast over that axis), all column operands
+  with one, and forms all `R x C` cross products with one matmul. A level's factors are
+  the two half-block tensors it needs; at the lowest level the column factor is exactly
+  1 (the columns are the token `ref` belongs to, with no gate after its first sub-step)
+  and is skipped. With `n_h == 1` the read-outs sit at the sub-step positions, so `q`
+  joins `k` in one stack. The whole computation is one autograd Function
+  (`_DyadicScores`) with an explicit backward: autograd's own, through every level's
+  half-block views, was about five times the forward.
 
 Shapes: row operands `[..., Ct*nr, K]` (`nr = n_h` for sub-steps, 1 for queries), column
 operands `[..., L, K]`, `G` `[..., L]` (scalar) or `[..., L, K]` (channel) or None, `L =
@@ -61,16 +63,6 @@ from torch.autograd.function import once_differentiable
 Tensor = torch.Tensor
 Rows = Literal["substeps", "queries"]
 LN2 = math.log(2.0)  # d exp2(x) / dx = ln 2 * exp2(x)
-
-
-def baddmm(input: Tensor | None, x: Tensor, y: Tensor, *, alpha: float = 1.0) -> Tensor:
-    """`input + alpha * (x @ y)` (`input` None: just the product) in one matmul call, for
-    any number of leading batch dimensions: MKL's alpha and accumulation cost no extra
-    pass over the result."""
-    batch, rows, cols = x.shape[:-2], x.shape[-2], y.shape[-1]
-    base, beta = (x.new_zeros(()), 0.0) if input is None else (input.reshape(-1, rows, cols), 1.0)
-    out = torch.baddbmm(base, x.reshape(-1, rows, x.shape[-1]), y.reshape(-1, *y.shape[-2:]), beta=beta, alpha=alpha)
-    return out.view(*batch, rows, cols)
 
 
 @functools.lru_cache(maxsize=64)

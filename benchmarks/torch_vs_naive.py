@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.kernels.cases import Case, make_inputs  # noqa: E402  (the shared input generator)
+# the shared input generator (importable once the path is inserted)
+from tests.kernels.cases import Case, make_inputs
 
 try:
     from archspec.kernels import linear_recurrence
@@ -59,8 +61,20 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def source_commit() -> str:
+    """The checkout's commit (with "+dirty" when the kernels differ from it), or "unknown"."""
+    try:
+        git = ["git", "-C", str(ROOT)]
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", "kernels"], check=False).returncode != 0
+        return commit + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def machine_info(device: torch.device) -> dict:
     info = {
+        "commit": source_commit(),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

@@ -176,11 +176,12 @@ def reconcile(run: RunDir, study: Any, metric_names: list[str]) -> int:
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         record = run.read_trial(trial.number)
         if record is not None and record.status is not None:
+            # The same annotation the searcher writes when it tells a trial itself.
+            _annotate(study, trial, "status", record.status)
             values = [record.metrics.get(m) for m in metric_names] if record.status == OK else None
             if values is not None and all(isinstance(v, (int, float)) for v in values):
                 study.tell(trial.number, values, state=TrialState.COMPLETE)
             else:
-                _annotate(study, trial, "status", record.status)
                 study.tell(trial.number, state=TrialState.FAIL)
             continue
         overrides = trial.user_attrs.get("overrides", {})

@@ -281,6 +281,27 @@ def test_resume_after_kill_9(tmp_path):
     assert again.complete and len(log.read_text().split()) == len(calls)
 
 
+def test_reconcile_tells_a_trial_that_finished_unheard(tmp_path):
+    """The kill can fall between a trial's result.json and the study's tell: on resume the
+    study learns the values and the status the searcher would have written."""
+    from archspec.search.rundir import TrialRecord
+    from archspec.search.runner import reconcile
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    study = optuna.create_study(study_name="archspec", storage=run.study_url, directions=["maximize", "minimize"])
+    finished_unheard, failed_unheard = study.ask(), study.ask()
+    run.write_trial_result(TrialRecord(number=finished_unheard.number, status="ok", metrics={"acc": 0.75, "flops": 3.0}))
+    run.write_trial_result(TrialRecord(number=failed_unheard.number, status="diverged", reason="nan loss"))
+    assert reconcile(run, study, ["acc", "flops"]) == 0  # nothing to requeue
+    by_number = {t.number: t for t in study.get_trials()}
+    done = by_number[finished_unheard.number]
+    assert done.state == optuna.trial.TrialState.COMPLETE and done.values == [0.75, 3.0]
+    assert done.user_attrs["status"] == "ok"
+    failed = by_number[failed_unheard.number]
+    assert failed.state == optuna.trial.TrialState.FAIL and failed.user_attrs["status"] == "diverged"
+
+
 def test_starting_over_an_existing_run_is_refused(tmp_path, capsys):
     path = write_spec(tmp_path, RESUMABLE)
     out = tmp_path / "run"

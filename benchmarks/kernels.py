@@ -1,14 +1,27 @@
 """Kernel benchmark: every plan family on the Triton chunk kernel, against
 flash-linear-attention (when installed) and our `torch` backend, beside its floors.
 
-    python benchmarks/kernels.py [--out DIR] [--plans a,b] [--no-torch] [--smoke]
+    python benchmarks/kernels.py [--out DIR] [--plans a,b] [--no-torch] [--no-fla]
+                                 [--budget-s S] [--resume FILE] [--smoke]
 
 For each plan (B=4, T=4096, H=16, K=V=128, bfloat16 unless changed) it times forward and
-forward+backward with `triton.testing.do_bench` (median, ms) and prints, before any
-timing, the two floors of the plan: the fewest bytes the pass must move (every input read
-once, every output written once) over 4.27 TB/s, and the FLOPs the chunk algorithm
-performs over 692 TFLOP/s (both measured on the lent H200, `../shared/ENVIRONMENT.md`).
-Results go to `DIR/kernels.json` and `DIR/kernels.md` with the machine, versions and date.
+forward+backward with `triton.testing.do_bench` (median, ms) beside the two floors of the
+plan: the fewest bytes the pass must move (every input read once, every output written
+once) over 4.27 TB/s, and the FLOPs the chunk algorithm performs over 692 TFLOP/s (both
+measured on the lent H200, `../shared/ENVIRONMENT.md`). Results go to `DIR/kernels.json`
+and `DIR/kernels.md` with the machine, versions and date.
+
+Made for a time-boxed GPU call (`docs/gpu-session.md`): plans run one at a time, in the
+order of `PLANS` (the issue's targets first); each is compiled, then timed, then written
+out, so a call cut short keeps every plan it finished. Compilation dominates a cold
+machine: flash-linear-attention autotunes 85-300 configs per op, compiled one after the
+other inside a process. So before timing a plan, worker processes compile it into
+Triton's disk cache in parallel: one compiles our kernels, the others each compile every
+n-th config of each of flash-linear-attention's autotuned kernels. The measuring process
+then only loads binaries and benchmarks fla's configs once (at `--tune-rep-ms`). A peer
+whose warm-up overruns `--compile-limit-s` is skipped for that plan, with the reason in
+the results; nothing starts that the budget (`--budget-s`) cannot finish, and a step that
+runs over is interrupted (SIGALRM) and recorded as such.
 
 flash-linear-attention is optional: each peer is tried and its error recorded if it
 refuses (its gated backward does on Hopper with Triton < 3.7.1).
@@ -17,14 +30,19 @@ refuses (its gated backward does on Hopper with Triton < 3.7.1).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import json
 import math
+import multiprocessing as mp
 import os
 import platform
-import sys
+import signal
+import subprocess
+import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -49,23 +67,25 @@ class PlanSpec:
     baseline: str = ""  # the plan this one is compared with in the targets
 
 
+# In the order a time-boxed run measures them: the issue's fla comparisons first, then the
+# ratios to our own baselines (DeltaProduct, OSDN), then the larger n_h.
 PLANS = [
-    PlanSpec("gla-scalar", "diagonal", "scalar", fla="simple_gla"),
-    PlanSpec("gla-channel", "diagonal", "channel", fla="gla"),
     PlanSpec("deltanet", fla="delta_rule"),
     PlanSpec("gdn", gate="scalar", fla="gated_delta_rule"),
-    PlanSpec("deltaproduct-2", n_h=2, fla="gated_delta_product", baseline="deltanet"),
-    PlanSpec("deltaproduct-3", n_h=3, fla="gated_delta_product", baseline="deltanet"),
-    PlanSpec("deltaproduct-4", n_h=4, fla="gated_delta_product", baseline="deltanet"),
-    PlanSpec("gated-deltaproduct-2", gate="scalar", n_h=2, fla="gated_delta_product", baseline="gdn"),
-    PlanSpec("gated-deltaproduct-3", gate="scalar", n_h=3, fla="gated_delta_product", baseline="gdn"),
-    PlanSpec("gated-deltaproduct-4", gate="scalar", n_h=4, fla="gated_delta_product", baseline="gdn"),
     PlanSpec("kda", gate="channel", fla="kda"),
     PlanSpec("rwkv7", "rwkv7", "channel", fla="rwkv7"),
+    PlanSpec("gla-channel", "diagonal", "channel", fla="gla"),
+    PlanSpec("gla-scalar", "diagonal", "scalar", fla="simple_gla"),
+    PlanSpec("deltaproduct-2", n_h=2, fla="gated_delta_product", baseline="deltanet"),
+    PlanSpec("gated-deltaproduct-2", gate="scalar", n_h=2, fla="gated_delta_product", baseline="gdn"),
     PlanSpec("osdn-deltanet", osdn="osdn", baseline="deltanet"),
     PlanSpec("osdn-apf-deltanet", osdn="apf", baseline="deltanet"),
     PlanSpec("osdn-gdn", gate="scalar", osdn="osdn", baseline="gdn"),
     PlanSpec("osdn-apf-gdn", gate="scalar", osdn="apf", baseline="gdn"),
+    PlanSpec("gated-deltaproduct-3", gate="scalar", n_h=3, fla="gated_delta_product", baseline="gdn"),
+    PlanSpec("deltaproduct-3", n_h=3, fla="gated_delta_product", baseline="deltanet"),
+    PlanSpec("deltaproduct-4", n_h=4, fla="gated_delta_product", baseline="deltanet"),
+    PlanSpec("gated-deltaproduct-4", gate="scalar", n_h=4, fla="gated_delta_product", baseline="gdn"),
 ]
 # Paths that the GPU correctness check covers beyond the benchmarked families.
 EXTRA_PLANS = [
@@ -73,13 +93,23 @@ EXTRA_PLANS = [
     PlanSpec("deltaproduct-2-beta2", n_h=2, beta_scale=2.0),
     PlanSpec("rwkv7-scalar-2", "rwkv7", "scalar", n_h=2, beta_scale=2.0),
     PlanSpec("kda-2", gate="channel", n_h=2),
+    PlanSpec("kda-4", gate="channel", n_h=4),
+    PlanSpec("gated-deltaproduct-8-beta2", gate="scalar", n_h=8, beta_scale=2.0),
+    PlanSpec("rwkv7-8", "rwkv7", "channel", n_h=8),
 ]
 ALL_PLANS = PLANS + EXTRA_PLANS
 
 
-def make_inputs(plan: PlanSpec, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device, seed: int = 0) -> dict:
+def plan_named(name: str) -> PlanSpec:
+    return next(p for p in ALL_PLANS if p.name == name)
+
+
+def make_inputs(plan: PlanSpec, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device, seed: int = 0,
+                states: bool = False, lengths: list[int] | None = None) -> dict:
     """Leaf tensors as the layers produce them: unit keys, sigmoid beta and erase,
-    log-sigmoid gates; `osdn_*` entries are the preconditioner's inputs."""
+    log-sigmoid gates; `retain` is the OSDN-APF preconditioner's input. `states` adds an
+    initial state (float32); `lengths` packs sequences of these token counts into one
+    row (`B = 1`, `T = sum(lengths)`) and adds `cu_seqlens`."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     TN = T * plan.n_h
 
@@ -98,9 +128,13 @@ def make_inputs(plan: PlanSpec, B: int, T: int, H: int, K: int, V: int, dtype: t
         x["write_key"] = F.normalize(rand(B, TN, H, K), dim=-1)
     if plan.osdn == "apf":
         x["retain"] = torch.sigmoid(rand(B, T, H) + 4.0)
-    out = {}
-    for name, val in x.items():
-        out[name] = val.to(dtype).requires_grad_()
+    out = {name: val.to(dtype).requires_grad_() for name, val in x.items()}
+    if states:
+        rows = B if lengths is None else len(lengths)
+        out["initial_state"] = (0.1 * rand(rows, H, K, V)).requires_grad_()
+    if lengths is not None:
+        assert B == 1 and sum(lengths) == T, "a packed batch is one row of sum(lengths) tokens"
+        out["cu_seqlens"] = torch.tensor([0] + list(lengths), device=device).cumsum(0).to(torch.int32)
     return out
 
 
@@ -110,7 +144,8 @@ def run_plan(plan: PlanSpec, inputs: dict, backend: str, **options):
 
     args = {k: v for k, v in inputs.items() if k != "retain"}
     if plan.osdn:
-        args["write_key"], _ = osdn_write_keys(inputs["k"], inputs["beta"], retain=inputs.get("retain"), backend=backend)
+        args["write_key"], _ = osdn_write_keys(inputs["k"], inputs["beta"], retain=inputs.get("retain"),
+                                               cu_seqlens=inputs.get("cu_seqlens"), backend=backend)
     return linear_recurrence(**args, n_h=plan.n_h, backend=backend, **options)
 
 
@@ -162,6 +197,60 @@ def chunk_flops(plan: PlanSpec, B: int, T: int, H: int, K: int, V: int) -> tuple
     return fwd * chunks, bwd * chunks
 
 
+def floors(plan: PlanSpec, inputs: dict, shape: dict) -> dict:
+    fb, bb = floor_bytes(plan, inputs, False), floor_bytes(plan, inputs, True)
+    ff, fbw = chunk_flops(plan, *(shape[n] for n in "BTHKV"))
+    return {
+        "bytes_fwd": fb, "bytes_fwdbwd": bb, "flops_fwd": ff, "flops_fwdbwd": ff + fbw,
+        "floor_fwd_ms": 1e3 * max(fb / COPY_BYTES_PER_S, ff / MATMUL_FLOPS_PER_S),
+        "floor_fwdbwd_ms": 1e3 * max(bb / COPY_BYTES_PER_S, (ff + fbw) / MATMUL_FLOPS_PER_S),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# The clock: progress lines and deadlines
+
+
+class OutOfTime(Exception):
+    pass
+
+
+class Clock:
+    """Seconds since the script started, against its budget."""
+
+    def __init__(self, budget_s: float):
+        self.start, self.budget = time.monotonic(), budget_s
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def left(self) -> float:
+        return self.budget - self.elapsed()
+
+    def log(self, msg: str) -> None:
+        print(f"[{self.elapsed():6.1f}s] {msg}", flush=True)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Raise `OutOfTime` in the main thread after `seconds`. SIGALRM interrupts Python
+    code between bytecodes (an autotuner's loop over configs, do_bench's loop); one call
+    into C++ (a single kernel compile) finishes first, a few seconds at most."""
+    if seconds <= 0:
+        raise OutOfTime("no time left")
+
+    def alarm(signum, frame):
+        raise OutOfTime(f"over its {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 # ---------------------------------------------------------------------------------------
 # Timing
 
@@ -176,8 +265,9 @@ def _forward_and_backward(fn, inputs: dict):
     leaves = [t for t in inputs.values() if t.requires_grad]
 
     def step():
-        o, _ = fn()
-        torch.autograd.grad(o.float().square().sum() * 1e-3, leaves, allow_unused=True)
+        o, s = fn()
+        loss = o.float().square().sum() * 1e-3 + (0 if s is None else s.float().square().sum() * 1e-3)
+        torch.autograd.grad(loss, leaves, allow_unused=True)
 
     return step
 
@@ -218,100 +308,220 @@ def fla_callable(plan: PlanSpec, inputs: dict):
     return None
 
 
+def impl_callable(plan: PlanSpec, impl: str, inputs: dict, **options):
+    """`fn() -> (o, final_state)` of one implementation, or None (fla has no such op)."""
+    if impl == "fla":
+        return fla_callable(plan, inputs)
+    return lambda: run_plan(plan, inputs, impl, **options)
+
+
+def quick_tuning(rep_ms: int) -> None:
+    """Autotuners benchmark each config for `rep_ms` instead of Triton's 100 ms (+25 ms
+    warm-up): with 85-300 configs per fla op, that is 10-40 s less per plan, and the
+    kernels (0.05-2 ms) still get 10+ samples per config to rank them."""
+    import triton.testing
+    from triton.runtime.autotuner import Autotuner
+
+    bench = functools.partial(triton.testing.do_bench, warmup=max(1, rep_ms // 4), rep=rep_ms)
+    Autotuner.do_bench = property(lambda self: bench)
+
+
+# ---------------------------------------------------------------------------------------
+# Parallel warm-up: compile into Triton's disk cache in worker processes
+
+
+@dataclass(frozen=True)
+class WarmJob:
+    """Run `impl` of one plan forward and backward once, as the measurement (or the
+    check) will, so that its kernels are compiled. `shard = (j, n)`: autotuners try only
+    configs j, j+n, j+2n, ... (n workers cover them all between them)."""
+
+    plan: str
+    impl: str
+    dtype: str
+    shape: tuple  # B, T, H, K, V
+    shard: tuple | None = None
+    states: bool = False
+    lengths: tuple | None = None
+    device: str = "cuda"
+
+
+_SHARD: tuple | None = None
+
+
+def _worker_init(tune_rep_ms: int) -> None:
+    """In each warm-up worker: autotuners try only the current job's shard of configs,
+    and tune again on every call (a worker reused across plans must still compile its
+    shard where an earlier job tuned the same kernel key with another shard)."""
+    os.environ["FLA_CACHE_RESULTS"] = "0"  # a shard's pick is not worth keeping on disk
+    from triton.runtime.autotuner import Autotuner
+
+    prune, run = Autotuner.prune_configs, Autotuner.run
+
+    def shard_prune(self, kwargs):
+        configs = prune(self, kwargs)
+        if _SHARD is None:
+            return configs
+        j, n = _SHARD
+        return configs[j::n] or [configs[j % len(configs)]]
+
+    def fresh_run(self, *args, **kwargs):
+        self.cache.clear()
+        return run(self, *args, **kwargs)
+
+    Autotuner.prune_configs, Autotuner.run = shard_prune, fresh_run
+    quick_tuning(tune_rep_ms)
+
+
+def _warm_task(job: WarmJob) -> tuple[WarmJob, str, float]:
+    global _SHARD
+    _SHARD = job.shard
+    t0 = time.monotonic()
+    try:
+        plan = plan_named(job.plan)
+        B, T, H, K, V = job.shape
+        inputs = make_inputs(plan, B, T, H, K, V, getattr(torch, job.dtype), job.device, states=job.states, lengths=job.lengths)
+        options = {"output_final_state": True} if job.states else {}
+        fn = impl_callable(plan, job.impl, inputs, **options)
+        if fn is not None:
+            _forward_and_backward(fn, inputs)()
+        status = "ok"
+    except Exception as err:  # a refusal (fla's gated backward) is a result: the forward is compiled
+        status = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
+    if job.device == "cuda":
+        torch.cuda.synchronize()
+    return job, status, time.monotonic() - t0
+
+
+class WarmPool:
+    """Spawned workers kept across plans (each pays its torch, CUDA and fla start-up
+    once); replaced after a warm-up that overran, whose workers are killed mid-compile."""
+
+    def __init__(self, workers: int, tune_rep_ms: int):
+        self.workers, self.tune_rep_ms, self.pool = workers, tune_rep_ms, None
+
+    def run(self, jobs: list[WarmJob], limit_s: float) -> list[tuple[WarmJob, str, float]]:
+        if not jobs:
+            return []
+        if self.pool is None:
+            self.pool = mp.get_context("spawn").Pool(self.workers, initializer=_worker_init, initargs=(self.tune_rep_ms,))
+        end = time.monotonic() + limit_s
+        pending = [(job, self.pool.apply_async(_warm_task, (job,))) for job in jobs]
+        done = []
+        for job, result in pending:
+            try:
+                done.append(result.get(timeout=max(0.0, end - time.monotonic())))
+            except mp.TimeoutError:
+                done.append((job, f"warm-up not finished in {limit_s:.0f} s", limit_s))
+        if any(status.startswith("warm-up not finished") for _, status, _ in done):
+            self.close()
+        return done
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None
+
+
+def warm_jobs(plan: PlanSpec, impls: list[str], dtype: str, shape: tuple, workers: int) -> list[WarmJob]:
+    """Our kernels in one worker, fla's autotuned configs split over the rest."""
+    jobs = [WarmJob(plan.name, "triton", dtype, shape)] if "triton" in impls else []
+    if "fla" in impls and plan.fla:
+        n = max(1, workers - len(jobs))
+        jobs += [WarmJob(plan.name, "fla", dtype, shape, shard=(j, n)) for j in range(n)]
+    return jobs
+
+
+# ---------------------------------------------------------------------------------------
+# Measuring one plan
+
+
 @dataclass
 class Row:
     plan: str
     impl: str
     fwd_ms: float | None = None
     fwdbwd_ms: float | None = None
+    first_call_s: float | None = None  # compile (or cache load) and autotuning
     error: str = ""
-    extra: dict = field(default_factory=dict)
 
 
-def measure(plan: PlanSpec, shape: dict, dtype: torch.dtype, with_torch: bool, device, with_fla: bool = True) -> tuple[list[Row], dict]:
-    B, T, H, K, V = (shape[n] for n in "BTHKV")
-    inputs = make_inputs(plan, B, T, H, K, V, dtype, device)
-    fb, fl = floor_bytes(plan, inputs, False), chunk_flops(plan, B, T, H, K, V)
-    bb = floor_bytes(plan, inputs, True)
-    floors = {
-        "bytes_fwd": fb, "bytes_fwdbwd": bb, "flops_fwd": fl[0], "flops_fwdbwd": fl[0] + fl[1],
-        "floor_fwd_ms": 1e3 * max(fb / COPY_BYTES_PER_S, fl[0] / MATMUL_FLOPS_PER_S),
-        "floor_fwdbwd_ms": 1e3 * max(bb / COPY_BYTES_PER_S, (fl[0] + fl[1]) / MATMUL_FLOPS_PER_S),
-    }
-    impls = [("triton", lambda: run_plan(plan, inputs, "triton"))]
-    if with_torch:
-        impls.append(("torch", lambda: run_plan(plan, inputs, "torch")))
+def _first_line(err: Exception) -> str:
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+
+
+def measure_impl(plan: PlanSpec, impl: str, inputs: dict, seconds: float) -> Row | None:
+    """One implementation's row, every step within `seconds`; None if it lacks the plan."""
+    row = Row(plan.name, impl)
+    step, start = "forward", time.monotonic()
     try:
-        peer = fla_callable(plan, inputs) if with_fla else None
+        with deadline(seconds):
+            fn = impl_callable(plan, impl, inputs)
+            if fn is None:
+                return None
+            t0 = time.monotonic()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            row.first_call_s = round(time.monotonic() - t0, 2)
+            row.fwd_ms = _bench(fn)
+            step = "backward"
+            row.fwdbwd_ms = _bench(_forward_and_backward(fn, inputs))
     except ImportError as err:
-        peer = None
-        rows_extra = Row(plan.name, "fla", error=f"not installed: {err}")
-    else:
-        rows_extra = None
-    if peer is not None:
-        impls.append(("fla", peer))
-    rows = [] if rows_extra is None else ([rows_extra] if plan.fla else [])
-    for impl, fn in impls:
-        row = Row(plan.name, impl)
-        try:
-            row.fwd_ms = _bench(lambda: fn())
-        except Exception as err:  # a peer that refuses is a result, not a crash
-            row.error = f"forward: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
-        if row.fwd_ms is not None:
-            try:
-                row.fwdbwd_ms = _bench(_forward_and_backward(fn, inputs))
-            except Exception as err:
-                row.error = f"backward: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
-        rows.append(row)
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return rows, floors
+        row.error = f"not installed: {err}"
+    except OutOfTime as err:
+        row.error = f"{step}: out of time ({err})"
+    except Exception as err:  # a peer that refuses is a result, not a crash
+        # the alarm can land inside Triton's compiler, which wraps it in its own error
+        late = time.monotonic() - start >= seconds
+        row.error = f"{step}: {'out of time: ' if late else ''}{_first_line(err)}"
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
 
 
-def _warm_one(job: tuple) -> str:
-    """Compile one plan's kernels (forward and backward) in a worker process; Triton's
-    disk cache then serves the measuring process. Returns a line for the log."""
-    plan_name, dtype_name, shape, with_fla, states = job
-    plan = next(p for p in ALL_PLANS if p.name == plan_name)
-    dtype = getattr(torch, dtype_name)
-    inputs = make_inputs(plan, 1, shape["T"], shape["H"], shape["K"], shape["V"], dtype, "cuda")
-    options = {}
-    if states:  # the specialization with initial and final state (the GPU check's)
-        inputs["initial_state"] = torch.zeros(1, shape["H"], shape["K"], shape["V"], device="cuda", requires_grad=True)
-        options["output_final_state"] = True
-    status = []
-    fns = [("triton", lambda: run_plan(plan, inputs, "triton", **options))]
-    if with_fla:
-        try:
-            peer = fla_callable(plan, inputs)
-            if peer is not None:
-                fns.append(("fla", peer))
-        except ImportError:
-            pass
-    for impl, fn in fns:
-        try:
-            o, s = fn()
-            loss = o.float().square().sum() + (s.square().sum() if s is not None else 0)
-            torch.autograd.grad(loss, [t for t in inputs.values() if t.requires_grad], allow_unused=True)
-            status.append(f"{impl} ok")
-        except Exception as err:
-            status.append(f"{impl} {type(err).__name__}")
-    torch.cuda.synchronize()
-    return f"{plan_name}/{dtype_name}: " + ", ".join(status)
+def measure_plan(plan: PlanSpec, shape: dict, dtype: str, impls: list[str], device, clock: Clock, args, pool: WarmPool | None) -> dict:
+    """Warm up, then time each implementation; every step ends by the plan's deadline."""
+    end = min(clock.elapsed() + args.plan_limit_s, clock.budget - args.reserve_s)
+    inputs = make_inputs(plan, *(shape[n] for n in "BTHKV"), getattr(torch, dtype), device)
+    entry = {"spec": asdict(plan), "floors": floors(plan, inputs, shape), "rows": [], "warmup": {}, "skipped": {}}
+    if pool is not None:
+        limit = min(args.compile_limit_s, end - clock.elapsed())
+        shape_t = tuple(shape[n] for n in "BTHKV")
+        t0 = time.monotonic()
+        done = pool.run(warm_jobs(plan, impls, dtype, shape_t, pool.workers), limit)
+        for impl in dict.fromkeys(job.impl for job, _, _ in done):
+            mine = [(status, s) for job, status, s in done if job.impl == impl]
+            slow = [st for st, _ in mine if st.startswith("warm-up not finished")]
+            entry["warmup"][impl] = {"jobs": len(mine), "max_s": round(max(s for _, s in mine), 1), "status": slow[0] if slow else mine[0][0]}
+            if slow and impl == "fla":  # its own first call would compile the rest serially: minutes
+                entry["skipped"]["fla"] = f"compile+autotune warm-up ({len(mine)} workers) not finished in {limit:.0f} s"
+        clock.log(f"{plan.name}: warm-up {time.monotonic() - t0:.1f}s " + ", ".join(f"{k} {v['max_s']}s {v['status'][:60]}" for k, v in entry["warmup"].items()))
+    for impl in impls:
+        if impl in entry["skipped"]:
+            entry["rows"].append(asdict(Row(plan.name, impl, error="skipped: " + entry["skipped"][impl])))
+            continue
+        row = measure_impl(plan, impl, inputs, end - clock.elapsed())
+        if row is None:
+            continue
+        entry["rows"].append(asdict(row))
+        ms = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+        clock.log(f"{plan.name}: {impl:6s} fwd {ms(row.fwd_ms)} ms, f+b {ms(row.fwdbwd_ms)} ms, first call {row.first_call_s} s {row.error[:120]}")
+    return entry
 
 
-def warm_up(jobs: list[tuple], workers: int) -> None:
-    """Compile in parallel (compilation is CPU-bound and serial inside one process)."""
-    import multiprocessing as mp
-
-    if not jobs:
-        return
-    with mp.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
-        for line in pool.imap_unordered(_warm_one, jobs):
-            print("warm-up", line, flush=True)
+# ---------------------------------------------------------------------------------------
+# Results
 
 
 def machine() -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__, "date": datetime.date.today().isoformat()}
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        info["commit"] = None
     try:
         import triton
 
@@ -353,48 +563,10 @@ def markdown(results: dict) -> str:
     notes = [f"- {name} / {row['impl']}: {row['error']}" for name, e in results["plans"].items() for row in e["rows"] if row["error"]]
     if notes:
         lines += ["", "Refusals and errors:", *notes]
+    missing = [p.name for p in PLANS if p.name not in results["plans"]]
+    if missing:
+        lines += ["", f"Not measured: {', '.join(missing)}" + (f" ({results['stopped']})" if results.get("stopped") else "")]
     return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--plans", default="", help="comma-separated plan names (default: all)")
-    parser.add_argument("--no-torch", action="store_true", help="skip our torch backend")
-    parser.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention")
-    parser.add_argument("--shape", default="4,4096,16,128,128", help="B,T,H,K,V")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter: checks that the script runs")
-    parser.add_argument("--workers", type=int, default=12, help="parallel compile processes before timing (GPU)")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        args.shape, args.no_torch = "1,32,1,16,16", True
-    B, T, H, K, V = (int(x) for x in args.shape.split(","))
-    shape = dict(B=B, T=T, H=H, K=K, V=V)
-    dtype = getattr(torch, args.dtype)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    chosen = [p for p in PLANS if not args.plans or p.name in args.plans.split(",")]
-    if args.smoke:  # the interpreter has no do_bench timer: run each path once instead
-        global _bench
-        _bench = lambda fn, **_: (fn(), 0.0)[1]  # noqa: E731
-
-    if torch.cuda.is_available() and args.workers > 0:
-        warm_shape = dict(shape, T=1024)
-        warm_up([(p.name, args.dtype, warm_shape, not args.no_fla, False) for p in chosen], args.workers)
-    print(f"{'plan':22s} {'MB fwd':>8s} {'GFLOP fwd':>9s} {'floor fwd':>9s} {'MB f+b':>8s} {'GFLOP f+b':>9s} {'floor f+b':>9s}")
-    results = {"machine": machine(), "shape": shape, "dtype": args.dtype, "plans": {}}
-    for plan in chosen:
-        try:
-            rows, floors = measure(plan, shape, dtype, not args.no_torch, device, not args.no_fla)
-        except Exception:
-            traceback.print_exc()
-            continue
-        print(f"{plan.name:22s} {floors['bytes_fwd'] / 1e6:8.0f} {floors['flops_fwd'] / 1e9:9.1f} {floors['floor_fwd_ms']:9.3f} "
-              f"{floors['bytes_fwdbwd'] / 1e6:8.0f} {floors['flops_fwdbwd'] / 1e9:9.1f} {floors['floor_fwdbwd_ms']:9.3f}", flush=True)
-        results["plans"][plan.name] = {"spec": asdict(plan), "floors": floors, "rows": [asdict(r) for r in rows]}
-        _write(results, Path(args.out))  # after every plan: a run cut short keeps what it measured
-    print(_write(results, Path(args.out)))
 
 
 def _write(results: dict, out: Path) -> str:
@@ -403,6 +575,75 @@ def _write(results: dict, out: Path) -> str:
     table = markdown(results)
     (out / "kernels.md").write_text(table)
     return table
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--plans", default="", help="comma-separated plan names (default: all, in PLANS order)")
+    parser.add_argument("--resume", default="", help="an earlier kernels.json: keep its plans, measure the others")
+    parser.add_argument("--no-torch", action="store_true", help="skip our torch backend")
+    parser.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention")
+    parser.add_argument("--shape", default="4,4096,16,128,128", help="B,T,H,K,V")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--budget-s", type=float, default=1e9, help="wall-clock budget of the whole run (from its start)")
+    parser.add_argument("--reserve-s", type=float, default=10, help="left unused at the budget's end (final write, exit)")
+    parser.add_argument("--plan-limit-s", type=float, default=240, help="most seconds one plan may take, warm-up included")
+    parser.add_argument("--compile-limit-s", type=float, default=150, help="most seconds one plan's parallel warm-up may take")
+    parser.add_argument("--min-plan-s", type=float, default=40, help="start no plan with less budget left than this")
+    parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)), help="warm-up processes (GPU); 0: none")
+    parser.add_argument("--tune-rep-ms", type=int, default=20, help="benchmark time per autotune config (Triton's default: 100)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter: checks that the script runs")
+    args = parser.parse_args(argv)
+    clock = Clock(args.budget_s)
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        args.shape, args.no_fla = "1,32,1,16,16", True
+        global _bench  # the interpreter has no do_bench timer: run each path once instead
+        _bench = lambda fn, **_: (fn(), 0.0)[1]  # noqa: E731
+    B, T, H, K, V = (int(x) for x in args.shape.split(","))
+    shape = dict(B=B, T=T, H=H, K=K, V=V)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    impls = ["triton"] + ([] if args.no_fla else ["fla"]) + ([] if args.no_torch else ["torch"])
+    names = args.plans.split(",") if args.plans else [p.name for p in PLANS]
+    unknown = set(names) - {p.name for p in ALL_PLANS}
+    if unknown:
+        parser.error(f"unknown plans: {', '.join(sorted(unknown))}")
+    results = {"machine": machine(), "shape": shape, "dtype": args.dtype, "plans": {}, "stopped": None}
+    if args.resume and Path(args.resume).exists():
+        earlier = json.loads(Path(args.resume).read_text())
+        if earlier["shape"] == shape and earlier["dtype"] == args.dtype:
+            results["plans"], results["resumed_from"] = earlier["plans"], earlier["machine"]
+            clock.log(f"resumed: {', '.join(earlier['plans'])} already measured")
+    todo = [plan_named(n) for n in names if n not in results["plans"]]
+    clock.log(f"{len(todo)} plans, impls {impls}, budget {args.budget_s:.0f}s, {args.workers if cuda else 0} warm-up workers")
+    if cuda:
+        quick_tuning(args.tune_rep_ms)
+    pool = WarmPool(args.workers, args.tune_rep_ms) if cuda and args.workers > 0 else None
+    try:
+        for plan in todo:
+            if clock.left() - args.reserve_s < args.min_plan_s:
+                results["stopped"] = f"budget: {clock.left():.0f} s left of {args.budget_s:.0f} s at {plan.name}"
+                clock.log("stop, " + results["stopped"])
+                break
+            t0 = time.monotonic()
+            try:
+                entry = measure_plan(plan, shape, args.dtype, impls, device, clock, args, pool)
+            except Exception:  # one plan's crash (inputs, floors) must not lose the others
+                traceback.print_exc()
+                continue
+            entry["seconds"] = round(time.monotonic() - t0, 1)
+            results["plans"][plan.name] = entry
+            fl = entry["floors"]
+            clock.log(f"{plan.name}: done in {entry['seconds']}s; floors fwd {fl['floor_fwd_ms']:.3f} ms "
+                      f"({fl['bytes_fwd'] / 1e6:.0f} MB, {fl['flops_fwd'] / 1e9:.1f} GFLOP), f+b {fl['floor_fwdbwd_ms']:.3f} ms")
+            _write(results, Path(args.out))  # after every plan: a run cut short keeps what it measured
+    finally:
+        if pool is not None:
+            pool.close()
+    print(_write(results, Path(args.out)), flush=True)
+    return results
 
 
 if __name__ == "__main__":

@@ -11,17 +11,18 @@ once) over 4.27 TB/s, and the FLOPs the chunk algorithm performs over 692 TFLOP/
 measured on the lent H200, `../shared/ENVIRONMENT.md`). Results go to `DIR/kernels.json`
 and `DIR/kernels.md` with the machine, versions and date.
 
-Made for a time-boxed GPU call (`docs/gpu-session.md`): plans run one at a time, in the
-order of `PLANS` (the issue's targets first); each is compiled, then timed, then written
-out, so a call cut short keeps every plan it finished. Compilation dominates a cold
-machine: flash-linear-attention autotunes 85-300 configs per op, compiled one after the
-other inside a process. So before timing a plan, worker processes compile it into
-Triton's disk cache in parallel: one compiles our kernels, the others each compile every
-n-th config of each of flash-linear-attention's autotuned kernels. The measuring process
-then only loads binaries and benchmarks fla's configs once (at `--tune-rep-ms`). A peer
-whose warm-up overruns `--compile-limit-s` is skipped for that plan, with the reason in
-the results; nothing starts that the budget (`--budget-s`) cannot finish, and a step that
-runs over is interrupted (SIGALRM) and recorded as such.
+Made for a time-boxed GPU call (`docs/gpu-session.md`): plans are timed one at a time, in
+the order of `PLANS` (the issue's targets first), and written out after each, so a call
+cut short keeps every plan it finished. Compilation dominates a cold machine: our kernels
+take 5-35 s of one core per plan, and flash-linear-attention autotunes 50-300 configs per
+op, compiled one after the other inside a process. So worker processes compile into
+Triton's disk cache first: every plan's jobs are queued at the start, in plan order (one
+job for our kernels, `--fla-shards` jobs that each compile every n-th config of each of
+fla's autotuned kernels), and the measuring process waits only for the current plan's,
+then loads binaries and benchmarks fla's configs itself (`--tune-rep-ms` each) with the
+workers stopped. A peer whose warm-up overruns `--compile-limit-s` is skipped for that
+plan, with the reason in the results; no plan starts that the budget (`--budget-s`)
+cannot hold, and a step that runs over is interrupted (SIGALRM) and recorded as such.
 
 flash-linear-attention is optional: each peer is tried and its error recorded if it
 refuses (its gated backward does on Hopper with Triton < 3.7.1).
@@ -333,8 +334,8 @@ def quick_tuning(rep_ms: int) -> None:
 @dataclass(frozen=True)
 class WarmJob:
     """Run `impl` of one plan forward and backward once, as the measurement (or the
-    check) will, so that its kernels are compiled. `shard = (j, n)`: autotuners try only
-    configs j, j+n, j+2n, ... (n workers cover them all between them)."""
+    check) will, so that its kernels are compiled. `shard = (j, n)`: autotuners compile
+    only configs j, j+n, j+2n, ... (n workers cover them all between them)."""
 
     plan: str
     impl: str
@@ -349,11 +350,17 @@ class WarmJob:
 _SHARD: tuple | None = None
 
 
-def _worker_init(tune_rep_ms: int) -> None:
-    """In each warm-up worker: autotuners try only the current job's shard of configs,
-    and tune again on every call (a worker reused across plans must still compile its
-    shard where an earlier job tuned the same kernel key with another shard)."""
-    os.environ["FLA_CACHE_RESULTS"] = "0"  # a shard's pick is not worth keeping on disk
+def _run_once(kernel_call, quantiles=None) -> list[float]:
+    kernel_call()
+    return [0.0, 0.0, 0.0]
+
+
+def _worker_init() -> None:
+    """In each warm-up worker, autotuners compile (and launch once) the current job's
+    shard of configs instead of benchmarking them: the measuring process benchmarks every
+    config itself, alone on the GPU. They tune again on every call, so that a worker
+    reused across plans still compiles its shard where an earlier job met the same key."""
+    os.environ["FLA_CACHE_RESULTS"] = "0"  # a shard's pick (all timings 0) must not reach the disk cache
     from triton.runtime.autotuner import Autotuner
 
     prune, run = Autotuner.prune_configs, Autotuner.run
@@ -370,7 +377,7 @@ def _worker_init(tune_rep_ms: int) -> None:
         return run(self, *args, **kwargs)
 
     Autotuner.prune_configs, Autotuner.run = shard_prune, fresh_run
-    quick_tuning(tune_rep_ms)
+    Autotuner.do_bench = property(lambda self: _run_once)
 
 
 def _warm_task(job: WarmJob) -> tuple[WarmJob, str, float]:
@@ -387,49 +394,63 @@ def _warm_task(job: WarmJob) -> tuple[WarmJob, str, float]:
             _forward_and_backward(fn, inputs)()
         status = "ok"
     except Exception as err:  # a refusal (fla's gated backward) is a result: the forward is compiled
-        status = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
+        status = _first_line(err)
     if job.device == "cuda":
         torch.cuda.synchronize()
     return job, status, time.monotonic() - t0
 
 
 class WarmPool:
-    """Spawned workers kept across plans (each pays its torch, CUDA and fla start-up
-    once); replaced after a warm-up that overran, whose workers are killed mid-compile."""
+    """Spawned workers that take warm-up jobs first in, first out: the jobs of every plan
+    are submitted at the start, so workers that finish one plan's jobs go on to the next
+    plans' while the slowest job of the current plan runs, and no core idles. While the
+    measuring process times a plan, the workers are stopped (SIGSTOP), so that neither
+    their compiles nor their launches disturb the timing."""
 
-    def __init__(self, workers: int, tune_rep_ms: int):
-        self.workers, self.tune_rep_ms, self.pool = workers, tune_rep_ms, None
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init)
 
-    def run(self, jobs: list[WarmJob], limit_s: float) -> list[tuple[WarmJob, str, float]]:
-        if not jobs:
-            return []
-        if self.pool is None:
-            self.pool = mp.get_context("spawn").Pool(self.workers, initializer=_worker_init, initargs=(self.tune_rep_ms,))
+    def submit(self, jobs: list[WarmJob]) -> list:
+        return [(job, self.pool.apply_async(_warm_task, (job,))) for job in jobs]
+
+    def wait(self, pending: list, limit_s: float) -> list[tuple[WarmJob, str, float]]:
+        """Results of `pending` within `limit_s`; a job not done by then is reported as
+        such and left running (its kernels still reach the cache for later plans)."""
         end = time.monotonic() + limit_s
-        pending = [(job, self.pool.apply_async(_warm_task, (job,))) for job in jobs]
         done = []
         for job, result in pending:
             try:
                 done.append(result.get(timeout=max(0.0, end - time.monotonic())))
             except mp.TimeoutError:
-                done.append((job, f"warm-up not finished in {limit_s:.0f} s", limit_s))
-        if any(status.startswith("warm-up not finished") for _, status, _ in done):
-            self.close()
+                done.append((job, f"{NOT_DONE} in {limit_s:.0f} s", limit_s))
         return done
 
+    @contextlib.contextmanager
+    def stopped(self):
+        procs = list(self.pool._pool)  # the workers (a private attribute, stable since Python 3.2)
+        for p in procs:
+            os.kill(p.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for p in procs:
+                os.kill(p.pid, signal.SIGCONT)
+
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
-            self.pool = None
+        self.pool.terminate()
+        self.pool.join()
 
 
-def warm_jobs(plan: PlanSpec, impls: list[str], dtype: str, shape: tuple, workers: int) -> list[WarmJob]:
-    """Our kernels in one worker, fla's autotuned configs split over the rest."""
+NOT_DONE = "warm-up not finished"
+
+
+def warm_jobs(plan: PlanSpec, impls: list[str], dtype: str, shape: tuple, fla_shards: int) -> list[WarmJob]:
+    """Our kernels in one job, fla's autotuned configs split over `fla_shards` jobs (more
+    shards would compile its few-config kernels once per shard for nothing)."""
     jobs = [WarmJob(plan.name, "triton", dtype, shape)] if "triton" in impls else []
     if "fla" in impls and plan.fla:
-        n = max(1, workers - len(jobs))
-        jobs += [WarmJob(plan.name, "fla", dtype, shape, shard=(j, n)) for j in range(n)]
+        jobs += [WarmJob(plan.name, "fla", dtype, shape, shard=(j, fla_shards)) for j in range(fla_shards)]
     return jobs
 
 
@@ -481,33 +502,36 @@ def measure_impl(plan: PlanSpec, impl: str, inputs: dict, seconds: float) -> Row
     return row
 
 
-def measure_plan(plan: PlanSpec, shape: dict, dtype: str, impls: list[str], device, clock: Clock, args, pool: WarmPool | None) -> dict:
-    """Warm up, then time each implementation; every step ends by the plan's deadline."""
+def measure_plan(plan: PlanSpec, shape: dict, dtype: str, impls: list[str], device, clock: Clock, args,
+                 pool: WarmPool | None, pending: list) -> dict:
+    """Wait for the plan's warm-up jobs, then time each implementation with the workers
+    stopped; every step ends by the plan's deadline."""
     end = min(clock.elapsed() + args.plan_limit_s, clock.budget - args.reserve_s)
     inputs = make_inputs(plan, *(shape[n] for n in "BTHKV"), getattr(torch, dtype), device)
     entry = {"spec": asdict(plan), "floors": floors(plan, inputs, shape), "rows": [], "warmup": {}, "skipped": {}}
-    if pool is not None:
+    if pool is not None and pending:
         limit = min(args.compile_limit_s, end - clock.elapsed())
-        shape_t = tuple(shape[n] for n in "BTHKV")
         t0 = time.monotonic()
-        done = pool.run(warm_jobs(plan, impls, dtype, shape_t, pool.workers), limit)
+        done = pool.wait(pending, limit)
         for impl in dict.fromkeys(job.impl for job, _, _ in done):
             mine = [(status, s) for job, status, s in done if job.impl == impl]
-            slow = [st for st, _ in mine if st.startswith("warm-up not finished")]
-            entry["warmup"][impl] = {"jobs": len(mine), "max_s": round(max(s for _, s in mine), 1), "status": slow[0] if slow else mine[0][0]}
-            if slow and impl == "fla":  # its own first call would compile the rest serially: minutes
-                entry["skipped"]["fla"] = f"compile+autotune warm-up ({len(mine)} workers) not finished in {limit:.0f} s"
-        clock.log(f"{plan.name}: warm-up {time.monotonic() - t0:.1f}s " + ", ".join(f"{k} {v['max_s']}s {v['status'][:60]}" for k, v in entry["warmup"].items()))
-    for impl in impls:
-        if impl in entry["skipped"]:
-            entry["rows"].append(asdict(Row(plan.name, impl, error="skipped: " + entry["skipped"][impl])))
-            continue
-        row = measure_impl(plan, impl, inputs, end - clock.elapsed())
-        if row is None:
-            continue
-        entry["rows"].append(asdict(row))
-        ms = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-        clock.log(f"{plan.name}: {impl:6s} fwd {ms(row.fwd_ms)} ms, f+b {ms(row.fwdbwd_ms)} ms, first call {row.first_call_s} s {row.error[:120]}")
+            late = [st for st, _ in mine if st.startswith(NOT_DONE)]
+            entry["warmup"][impl] = {"jobs": len(mine), "max_s": round(max(s for _, s in mine), 1), "status": late[0] if late else mine[0][0]}
+            if late and impl == "fla":  # its own first call would compile the rest one by one: minutes
+                entry["skipped"]["fla"] = f"compile warm-up ({len(mine)} shards) not finished in {limit:.0f} s"
+        clock.log(f"{plan.name}: waited {time.monotonic() - t0:.1f}s for its warm-up; "
+                  + ", ".join(f"{k} {v['max_s']}s {v['status'][:60]}" for k, v in entry["warmup"].items()))
+    with pool.stopped() if pool is not None else contextlib.nullcontext():
+        for impl in impls:
+            if impl in entry["skipped"]:
+                entry["rows"].append(asdict(Row(plan.name, impl, error="skipped: " + entry["skipped"][impl])))
+                continue
+            row = measure_impl(plan, impl, inputs, end - clock.elapsed())
+            if row is None:
+                continue
+            entry["rows"].append(asdict(row))
+            ms = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+            clock.log(f"{plan.name}: {impl:6s} fwd {ms(row.fwd_ms)} ms, f+b {ms(row.fwdbwd_ms)} ms, first call {row.first_call_s} s {row.error[:120]}")
     return entry
 
 
@@ -592,6 +616,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile-limit-s", type=float, default=150, help="most seconds one plan's parallel warm-up may take")
     parser.add_argument("--min-plan-s", type=float, default=40, help="start no plan with less budget left than this")
     parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)), help="warm-up processes (GPU); 0: none")
+    parser.add_argument("--fla-shards", type=int, default=6, help="warm-up jobs that split fla's autotune configs of one plan")
     parser.add_argument("--tune-rep-ms", type=int, default=20, help="benchmark time per autotune config (Triton's default: 100)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter: checks that the script runs")
     args = parser.parse_args(argv)
@@ -620,7 +645,9 @@ def main(argv: list[str] | None = None) -> dict:
     clock.log(f"{len(todo)} plans, impls {impls}, budget {args.budget_s:.0f}s, {args.workers if cuda else 0} warm-up workers")
     if cuda:
         quick_tuning(args.tune_rep_ms)
-    pool = WarmPool(args.workers, args.tune_rep_ms) if cuda and args.workers > 0 else None
+    pool = WarmPool(args.workers) if cuda and args.workers > 0 else None
+    shape_t = tuple(shape[n] for n in "BTHKV")
+    pending = {p.name: pool.submit(warm_jobs(p, impls, args.dtype, shape_t, args.fla_shards)) if pool else [] for p in todo}
     try:
         for plan in todo:
             if clock.left() - args.reserve_s < args.min_plan_s:
@@ -629,7 +656,7 @@ def main(argv: list[str] | None = None) -> dict:
                 break
             t0 = time.monotonic()
             try:
-                entry = measure_plan(plan, shape, args.dtype, impls, device, clock, args, pool)
+                entry = measure_plan(plan, shape, args.dtype, impls, device, clock, args, pool, pending[plan.name])
             except Exception:  # one plan's crash (inputs, floors) must not lose the others
                 traceback.print_exc()
                 continue

@@ -263,8 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
         H, K = DIMS["H"], DIMS["K"]
         jobs = list(dict.fromkeys(bench.WarmJob(c.plan, "triton", c.dtype, (c.B, c.T, H, K, K), states=True, lengths=c.lengths)
                                   for c in checks if c.kind != "naive"))
-        pool = bench.WarmPool(args.workers, tune_rep_ms=20)
-        done = pool.run(jobs, min(args.compile_limit_s, clock.left() - 30))
+        pool = bench.WarmPool(args.workers)
+        done = pool.wait(pool.submit(jobs), min(args.compile_limit_s, clock.left() - 30))
         pool.close()
         slow = [f"{j.plan}/{j.dtype}" for j, status, _ in done if status != "ok"]
         clock.log(f"warm-up of {len(jobs)} specializations: longest {max(s for _, _, s in done):.0f}s" + (f"; not ok: {slow}" if slow else ""))

@@ -1,0 +1,116 @@
+"""The GPU scripts' smoke modes on the CPU interpreter, so that the commands planned for a
+time-boxed GPU call (`docs/gpu-session.md`) cannot rot between sessions: the benchmark and
+the correctness check run end to end on tiny shapes, the budget stops a run cleanly with
+its results written, and the warm-up workers compile, time out and shard configs."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def scripts():
+    """`benchmarks/kernels.py` as the module `kernels` (the check script imports it so, and
+    the warm-up workers unpickle jobs by that name); the repository's `kernels/` folder
+    could shadow it, so it is swapped out meanwhile."""
+    saved = sys.modules.pop("kernels", None)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        bench = importlib.import_module("kernels")
+        assert Path(bench.__file__).parent == BENCHMARKS
+        yield bench, importlib.import_module("triton_gpu_check")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        sys.modules.pop("kernels", None)
+        if saved is not None:
+            sys.modules["kernels"] = saved
+
+
+def test_benchmark_smoke_writes_every_plan(scripts, tmp_path: Path) -> None:
+    bench, _ = scripts
+    results = bench.main(["--smoke", "--plans", "deltanet,osdn-apf-gdn", "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "kernels.json").read_text())
+    assert list(written["plans"]) == ["deltanet", "osdn-apf-gdn"] == list(results["plans"])
+    for entry in written["plans"].values():
+        assert {row["impl"]: row["error"] for row in entry["rows"]} == {"triton": "", "torch": ""}
+        assert entry["floors"]["floor_fwdbwd_ms"] > entry["floors"]["floor_fwd_ms"] > 0
+    assert "| deltanet |" in (tmp_path / "kernels.md").read_text()
+
+
+def test_benchmark_budget_and_resume(scripts, tmp_path: Path) -> None:
+    """No plan starts without the time it needs; a later call measures only the rest."""
+    bench, _ = scripts
+    first = bench.main(["--smoke", "--plans", "deltanet,gdn", "--out", str(tmp_path), "--budget-s", "1", "--min-plan-s", "5"])
+    assert first["plans"] == {} and "budget" in first["stopped"]
+    bench.main(["--smoke", "--plans", "deltanet", "--out", str(tmp_path)])
+    merged = bench.main(["--smoke", "--plans", "deltanet,gdn", "--out", str(tmp_path), "--resume", str(tmp_path / "kernels.json")])
+    assert list(merged["plans"]) == ["deltanet", "gdn"] and merged["resumed_from"]
+
+
+def test_deadline_interrupts_python_code(scripts) -> None:
+    bench, _ = scripts
+    start = time.monotonic()
+    with pytest.raises(bench.OutOfTime), bench.deadline(0.2):
+        while True:
+            time.sleep(0.01)
+    assert time.monotonic() - start < 1.0
+
+
+def test_check_gaps_smoke(scripts, tmp_path: Path) -> None:
+    """Packed batches (against float64 and each sequence alone), float16, n_h = 4."""
+    _, check = scripts
+    results = check.main(["--smoke", "--gaps", "--plans", "gated-deltaproduct-2,deltanet,deltaproduct-4", "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "triton_gpu_check_gaps.json").read_text())
+    assert set(written["checks"]) == {"packed:gated-deltaproduct-2/bfloat16", "packed:gated-deltaproduct-2/float32",
+                                      "path:deltanet/float16", "path:deltaproduct-4/bfloat16", "path:deltaproduct-4/float32"}
+    assert all(r["pass"] for r in results["checks"].values()), results["checks"]
+    packed = written["checks"]["packed:gated-deltaproduct-2/float32"]
+    assert packed["alone_vs_packed"]["o"] < 1e-6 and "d_initial_state" in packed["alone_vs_packed"]
+
+
+def test_check_default_smoke(scripts, tmp_path: Path) -> None:
+    _, check = scripts
+    results = check.main(["--smoke", "--plans", "gdn", "--out", str(tmp_path)])
+    assert set(results["checks"]) == {"path:gdn/bfloat16", "path:gdn/float32", "naive:gdn/float32"}
+    assert all(r["pass"] for r in results["checks"].values())
+    assert all(s["finite"] for s in results["stability"])
+
+
+def test_warm_pool_compiles_times_out_and_shards(scripts) -> None:
+    """Workers run jobs (here on the CPU interpreter), a stopped pool reports a job as not
+    finished instead of waiting, and a shard (1, 3) of 7 autotune configs is 1 and 4."""
+    bench, _ = scripts
+    pool = bench.WarmPool(1)
+    try:
+        job = bench.WarmJob("gdn", "triton", "float32", (1, 32, 1, 16, 16), states=True, lengths=(20, 12), device="cpu")
+        with pool.stopped():
+            pending = pool.submit([job])
+            assert pool.wait(pending, 0.5)[0][1].startswith(bench.NOT_DONE)
+        assert pool.wait(pending, 60)[0][1] == "ok"
+        assert pool.pool.apply(_shard_of_seven) == [1, 4]
+    finally:
+        pool.close()
+
+
+def _shard_of_seven() -> list[int]:
+    """Runs in a warm-up worker, where `_worker_init` has patched the autotuner."""
+    import triton
+    import triton.language as tl
+
+    bench = sys.modules["kernels"]
+
+    @triton.jit
+    def kernel(x, N: tl.constexpr):
+        pass
+
+    tuner = triton.autotune([triton.Config({"N": i}) for i in range(7)], key=[])(kernel)
+    bench._SHARD = (1, 3)
+    return [c.kwargs["N"] for c in tuner.prune_configs({})]

@@ -46,6 +46,19 @@ exponent is <= 0:
   (`_DyadicScores`) with an explicit backward: autograd's own, through every level's
   half-block views, was about five times the forward.
 
+  Not used, though measured: when a chunk's whole decay is bounded (say `-G_L <= 64`),
+  one masked product `(x exp2(G)) (y exp2(-G))^T` (the no-gate path, factors `<= 2**64`)
+  is exact too, and made the KDA, RWKV-7 and GLA forwards 15-25% faster on the
+  benchmark's mild gates (about -0.6 log2 units per token). But `blocks/gates.py`'s
+  `ChannelGate` starts at -1 to -16 log2 units per token (by head), so its fast heads
+  pass any float32-safe bound within a chunk and real layers would take the dyadic path
+  anyway; and a data-dependent choice
+  would make the matmul count depend on the gate values, which `blocks/cost.py` prices
+  from the plan alone. A factorization per block of `s` row tokens (reference at the
+  block's first sub-step, `s` chosen from the data, always exact at `s = 1`) keeps the
+  matmul count fixed, but its `Ct/s` rescaled copies of the columns made the forward 2.5
+  to 5.5 times slower than dyadic splitting at those gates.
+
 Shapes: row operands `[..., Ct*nr, K]` (`nr = n_h` for sub-steps, 1 for queries), column
 operands `[..., L, K]`, `G` `[..., L]` (scalar) or `[..., L, K]` (channel) or None, `L =
 Ct*n_h`; a score matrix is `[..., Ct*nr, L]`.

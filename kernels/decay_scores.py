@@ -52,12 +52,12 @@ exponent is <= 0:
   benchmark's mild gates (about -0.6 log2 units per token). But `blocks/gates.py`'s
   `ChannelGate` starts at -1 to -16 log2 units per token (by head), so its fast heads
   pass any float32-safe bound within a chunk and real layers would take the dyadic path
-  anyway; and a data-dependent choice
-  would make the matmul count depend on the gate values, which `blocks/cost.py` prices
-  from the plan alone. A factorization per block of `s` row tokens (reference at the
-  block's first sub-step, `s` chosen from the data, always exact at `s = 1`) keeps the
-  matmul count fixed, but its `Ct/s` rescaled copies of the columns made the forward 2.5
-  to 5.5 times slower than dyadic splitting at those gates.
+  anyway; and a data-dependent choice would make the matmul count depend on the gate
+  values, which `blocks/cost.py` prices from the plan alone. A factorization per block of
+  `s` row tokens (reference at the block's first sub-step, `s` chosen from the data,
+  always exact at `s = 1`) keeps the matmul count fixed, but its `Ct/s` rescaled copies
+  of the columns made the forward 2.5 to 5.5 times slower than dyadic splitting at
+  those gates.
 
 Shapes: row operands `[..., Ct*nr, K]` (`nr = n_h` for sub-steps, 1 for queries), column
 operands `[..., L, K]`, `G` `[..., L]` (scalar) or `[..., L, K]` (channel) or None, `L =

@@ -468,6 +468,10 @@ class Row:
     error: str = ""
 
 
+def cut_short(error: str) -> bool:
+    return "out of time" in error or error.startswith("skipped")
+
+
 def _first_line(err: Exception) -> str:
     return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
 
@@ -639,8 +643,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.resume and Path(args.resume).exists():
         earlier = json.loads(Path(args.resume).read_text())
         if earlier["shape"] == shape and earlier["dtype"] == args.dtype:
-            results["plans"], results["resumed_from"] = earlier["plans"], earlier["machine"]
-            clock.log(f"resumed: {', '.join(earlier['plans'])} already measured")
+            # a plan cut short (out of time, fla skipped) is measured again
+            whole = {n: e for n, e in earlier["plans"].items() if not any(cut_short(r["error"]) for r in e["rows"])}
+            results["plans"], results["resumed_from"] = whole, earlier["machine"]
+            clock.log(f"resumed: {', '.join(whole) or 'nothing'} already measured")
     todo = [plan_named(n) for n in names if n not in results["plans"]]
     clock.log(f"{len(todo)} plans, impls {impls}, budget {args.budget_s:.0f}s, {args.workers if cuda else 0} warm-up workers")
     if cuda:

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The device calls of a GPU session, one `run` call each (plan, times, how to commit:
+# docs/gpu-session.md). Each call carries ".whl" (filled by ../shared/tools/device-wheels.sh)
+# and ends well inside the 10-minute limit of one command:
+#
+#   bash benchmarks/gpu_session.sh 1   # correctness gaps of issue 3, then the first timings (issue 6)   ~8.5 min
+#   bash benchmarks/gpu_session.sh 2   # the remaining timings, resumed from benchmarks/results/kernels.json  ~8 min
+#   bash benchmarks/gpu_session.sh 3   # DeltaProduct S4 and A5 (issue 4), the four runs side by side     ~5 min
+#
+# Every result lands flat in $OUT (at most 8 files come back, no deeper than $OUT/a/b).
+# BUDGET_S overrides the call's budget in seconds (the whole command, installs included);
+# RUN_S overrides call 3's training time per run. DRY_CPU=1 rehearses a call on a machine
+# without a GPU: no installs, the scripts' --smoke modes, runs of a few steps.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+call=${1:?usage: gpu_session.sh 1|2|3}
+OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+case $call in 1) budget=${BUDGET_S:-510} ;; 2) budget=${BUDGET_S:-480} ;; 3) budget=${BUDGET_S:-300} ;; *) echo "no call $call"; exit 2 ;; esac
+left() { echo $((budget - SECONDS)); }
+say() { echo "[gpu_session $call, ${SECONDS}s] $*"; }
+
+dry=${DRY_CPU:-}
+smoke=${dry:+--smoke}
+device=cuda
+exp_set=()
+[ -z "$dry" ] || { device=cpu; exp_set=(--set train.steps=2 --set train.batch_size=4 --set task.options.eval_size=8); }
+
+# Wheels (pydantic, fla-core 0.6.0, matplotlib) and the project. A machine still warm from
+# the previous call keeps /tmp/site and the editable install: skip them then.
+if [ -n "$dry" ]; then
+  :
+elif [ ! -e /tmp/site/.installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+  touch /tmp/site/.installed
+fi
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+python3 -c "import archspec.kernels" 2>/dev/null ||
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+say "installed; $(python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())')"
+
+bench() {  # the timing benchmark for what is left of the budget, resumed from the committed results
+  local s=$(($(left) - 15))
+  say "benchmark, budget ${s}s"
+  timeout $((s + 10)) python3 benchmarks/kernels.py --out "$OUT" --budget-s "$s" $smoke \
+    --resume "${RESUME:-benchmarks/results/kernels.json}" 2>&1 | tee -a "$OUT/bench.log"
+}
+
+case $call in
+1)
+  say "correctness gaps (cu_seqlens, float16, n_h 4 and 8)"
+  timeout 230 python3 benchmarks/triton_gpu_check.py --gaps --out "$OUT" --budget-s 210 $smoke 2>&1 | tee "$OUT/check-gaps.log"
+  bench
+  ;;
+2)
+  bench
+  ;;
+3)
+  # The two experiments of specs/experiments/run-gpu.sh, but each run in its own process,
+  # all four at once (one small model leaves the H200 and 16 cores mostly idle), with a
+  # training time limit that fits the call; then one pass per experiment assembles
+  # results.md from the finished runs (the CLI skips runs already in DIR).
+  run_s=${RUN_S:-$((budget - SECONDS - 110))}
+  EXP=/tmp/gpu-session-exp  # outside $OUT: the per-run folders lie too deep to come back (results.json sums them up)
+  say "S4 and A5, 4 runs side by side, ${run_s}s of training each"
+  for e in s4 a5; do
+    for r in n_h-2-beta-in-0-2 n_h-1-beta-in-0-2; do
+      timeout $((run_s + 90)) python3 -m archspec.search.cli experiment "specs/experiments/deltaproduct-$e-gpu.yaml" \
+        --out "$EXP/$e" --device $device --quiet --only "$r" --set "train.time_limit_s=$run_s" "${exp_set[@]}" 2>&1 |
+        sed -u "s/^/[$e $r] /" >>"$OUT/experiments.log" &
+    done
+  done
+  wait
+  for e in s4 a5; do
+    # Only to assemble results.md from the finished runs: the CLI writes it before it
+    # would (re)train a run that did not finish, which `timeout` then cuts off.
+    timeout 40 python3 -m archspec.search.cli experiment "specs/experiments/deltaproduct-$e-gpu.yaml" --out "$EXP/$e" \
+      --device $device --quiet --set "train.time_limit_s=$run_s" "${exp_set[@]}" >>"$OUT/experiments.log" 2>&1
+    cp "$EXP/$e/results.md" "$OUT/deltaproduct-$e-gpu.md"
+    cp "$EXP/$e/results.json" "$OUT/deltaproduct-$e-gpu.json"
+    cat "$OUT/deltaproduct-$e-gpu.md"
+  done
+  ;;
+esac
+say "done; files in \$OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -43,6 +43,7 @@ say "installed; $(python3 -c 'import torch, triton; print(torch.__version__, tri
 
 bench() {  # the timing benchmark for what is left of the budget, resumed from the committed results
   local s=$(($(left) - 15))
+  [ "$s" -ge 60 ] || { say "no time left for the benchmark (${s}s)"; return; }
   say "benchmark, budget ${s}s"
   timeout $((s + 10)) python3 benchmarks/kernels.py --out "$OUT" --budget-s "$s" $smoke \
     --resume "${RESUME:-benchmarks/results/kernels.json}" 2>&1 | tee -a "$OUT/bench.log"

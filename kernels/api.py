@@ -172,12 +172,16 @@ def osdn_write_keys(
     d0: Tensor | None = None,
     eps: float = 1e-6,
     cu_seqlens: Tensor | None = None,
+    n_h: int | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """OSDN phase 1: the preconditioned write keys `w_i = d_i * k_i` and the final `d`.
 
     `k` `[B, T*n_h, H, K]`; `beta` `[B, T*n_h, H]`; `retain` `[B, T, H]` (APF, applied at
-    the first sub-step of each token); `d0` `[B, H, K]` or `[H, K]` (default ones).
+    the first sub-step of each token); `d0` `[B, H, K]` or `[H, K]` (default ones; with
+    `cu_seqlens`, `[N, H, K]` or `[H, K]`). `cu_seqlens` holds token offsets (B == 1), as
+    for `linear_recurrence`; `d` restarts at each sequence. `n_h` (sub-steps per token) is
+    read from `retain` when given, else it is 1 unless passed.
     Differentiable with respect to `k`, `beta`, `retain` and `d0`.
     """
     if k.dim() != 4:
@@ -190,8 +194,23 @@ def osdn_write_keys(
     if retain is not None:
         if retain.dim() != 3 or retain.shape[0] != B or retain.shape[2] != H or retain.shape[1] == 0 or TN % retain.shape[1]:
             raise ValueError(f"osdn_write_keys: retain must be [B, T, H] with T dividing {TN}, got {tuple(retain.shape)}")
-    if d0 is not None and tuple(d0.shape) not in ((H, K), (B, H, K)) and cu_seqlens is None:
-        raise ValueError(f"osdn_write_keys: d0 must be [H, K] or [B, H, K], got {tuple(d0.shape)}")
+    inferred = 1 if retain is None else TN // retain.shape[1]
+    if n_h is None:
+        n_h = inferred
+    if n_h < 1 or TN % n_h or (retain is not None and n_h != inferred):
+        raise ValueError(f"osdn_write_keys: n_h={n_h} does not fit k's {TN} sub-steps" + ("" if retain is None else f" and retain's {retain.shape[1]} tokens"))
+    rows = B
+    if cu_seqlens is not None:
+        if B != 1 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) * n_h != TN:
+            raise ValueError(f"osdn_write_keys: with cu_seqlens the batch must be 1 and the offsets run from 0 to T = {TN // n_h} tokens")
+        rows = cu_seqlens.numel() - 1
+        if retain is None and n_h > 1:
+            # Backends read n_h from `retain`; without it they count sub-steps, so the
+            # token offsets become sub-step offsets here, once, for all of them.
+            cu_seqlens = cu_seqlens * n_h
+    if d0 is not None and tuple(d0.shape) not in ((H, K), (rows, H, K)):
+        per = "N" if cu_seqlens is not None else "B"
+        raise ValueError(f"osdn_write_keys: d0 must be [H, K] or [{per}, H, K] = {(rows, H, K)}, got {tuple(d0.shape)}")
     if not (0 < d_min <= d_max):
         raise ValueError(f"osdn_write_keys: need 0 < d_min <= d_max, got [{d_min}, {d_max}]")
     name = resolve_backend(backend, k.device)

@@ -64,10 +64,34 @@ def test_osdn_errors():
         osdn_write_keys(k, None)
     with pytest.raises(ValueError, match="retain must be"):
         osdn_write_keys(k, zeros(2, 6, 3), retain=zeros(2, 4, 3))
-    with pytest.raises(ValueError, match=re.escape("d0 must be [H, K] or [B, H, K], got (3, 5)")):
+    with pytest.raises(ValueError, match=re.escape("d0 must be [H, K] or [B, H, K] = (2, 3, 4), got (3, 5)")):
         osdn_write_keys(k, zeros(2, 6, 3), d0=zeros(3, 5))
     with pytest.raises(ValueError, match="need 0 < d_min <= d_max"):
         osdn_write_keys(k, zeros(2, 6, 3), d_min=2.0, d_max=1.0)
+    with pytest.raises(ValueError, match="n_h=4 does not fit"):
+        osdn_write_keys(k, zeros(2, 6, 3), n_h=4)
+    with pytest.raises(ValueError, match="offsets run from 0 to T = 3 tokens"):
+        osdn_write_keys(k[:1], zeros(1, 6, 3), n_h=2, cu_seqlens=torch.tensor([0, 6]))
+
+
+@pytest.mark.parametrize("backend", ["naive", "torch", "triton"])
+def test_osdn_packed_offsets_count_tokens_without_retain(backend):
+    """`cu_seqlens` are token offsets for `osdn_write_keys` too: with n_h = 2 and no APF,
+    each packed sequence equals running it alone (and d restarts at each one)."""
+    gen = torch.Generator().manual_seed(3)
+    n_h, lengths, H, K = 2, (3, 5), 2, 4
+    k = torch.nn.functional.normalize(torch.randn(1, sum(lengths) * n_h, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    beta = torch.rand(1, sum(lengths) * n_h, H, generator=gen, dtype=torch.float64)
+    d0 = 0.5 + torch.rand(len(lengths), H, K, generator=gen, dtype=torch.float64)
+    cu = torch.tensor([0, lengths[0], sum(lengths)])
+    w, d = osdn_write_keys(k, beta, eta=0.3, d0=d0, cu_seqlens=cu, n_h=n_h, backend=backend)
+    start = 0
+    for n, length in enumerate(lengths):
+        rows = slice(start * n_h, (start + length) * n_h)
+        w_alone, d_alone = osdn_write_keys(k[:, rows], beta[:, rows], eta=0.3, d0=d0[n : n + 1], backend="naive")
+        torch.testing.assert_close(w[:, rows], w_alone)
+        torch.testing.assert_close(d[n : n + 1], d_alone)
+        start += length
 
 
 def test_auto_resolves_to_torch_on_cpu_and_dispatches_to_the_chunked_backend(monkeypatch):

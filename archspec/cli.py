@@ -15,22 +15,24 @@ from archspec.atomic import write_text_atomic
 from archspec.errors import ArchspecError
 
 
-def _add_overrides(parser: argparse.ArgumentParser) -> None:
+def add_overrides_option(parser: argparse.ArgumentParser, example: str = "mixer.heads=8", what: str = "a field") -> None:
+    """`--set KEY=VALUE` (repeatable, value parsed as YAML) into `args.overrides`: the one
+    definition every command shares."""
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a field by its dotted key, value parsed as YAML (repeatable), e.g. --set mixer.heads=8",
+        help=f"override {what} by its dotted key, value parsed as YAML (repeatable), e.g. --set {example}",
     )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     validate = subparsers.add_parser("validate", help="check spec files; one line per file")
     validate.add_argument("specs", nargs="+", metavar="SPEC", help="model spec YAML files")
-    _add_overrides(validate)
+    add_overrides_option(validate)
     validate.set_defaults(func=run_validate)
 
     compile_ = subparsers.add_parser("compile", help="lower and build a spec; print plan, cost and caveats")
     compile_.add_argument("spec", metavar="SPEC", help="model spec YAML file")
-    _add_overrides(compile_)
+    add_overrides_option(compile_)
     compile_.add_argument("--save", metavar="FILE", help="write the module (state_dict and resolved spec) to FILE")
     compile_.add_argument("--seq-len", type=int, default=2048, metavar="T", help="sequence length for FLOPs/token (default 2048)")
     compile_.set_defaults(func=run_compile)

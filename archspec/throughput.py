@@ -161,6 +161,8 @@ def default_device() -> str:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from archspec.cli import add_overrides_option  # the CLI module imports the spec stack: only when the CLI runs
+
     bench = subparsers.add_parser(
         "bench",
         help="measure a spec's training throughput (tokens/s, forward+backward) and peak memory",
@@ -168,10 +170,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(the tokens_per_s and peak_mem_bytes a search reports).",
     )
     bench.add_argument("spec", metavar="SPEC", help="model spec YAML file")
-    bench.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a spec field by its dotted key (repeatable), e.g. --set mixer.heads=8",
-    )
+    add_overrides_option(bench, what="a spec field")
     bench.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     bench.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
     bench.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")

@@ -8,6 +8,8 @@ import sys
 
 from rich.console import Console
 
+from archspec.cli import add_overrides_option
+
 HELP_SEARCH = """\
 Search a space of model specs with Ray Tune and Optuna for the Pareto front of the
 objectives (docs/search.md). Everything goes to the run directory --out: the resolved
@@ -40,8 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     search.add_argument("--trials", type=_positive, metavar="N", help="trials to train (overrides budget.trials)")
     search.add_argument("--resume", action="store_true", help="continue the search in DIR")
     search.add_argument("--address", metavar="HOST:PORT", help="join this Ray cluster instead of starting a local Ray")
-    search.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a search-spec field, e.g. --set budget.steps=50 (repeatable)")
+    add_overrides_option(search, "budget.steps=50", what="a search-spec field")
     search.add_argument("--no-live", dest="live", action="store_false", help="no live view (one line per finished trial)")
     search.set_defaults(func=run_search_command)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from archspec.cli import add_overrides_option
 from archspec.errors import ArchspecError
 
 
@@ -24,10 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("spec", metavar="SPEC", help="model spec YAML file")
     p.add_argument("--task", required=True, metavar="NAME", help=f"one of: {', '.join(task_names())}")
-    p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a spec field by its dotted key (repeatable), e.g. --set mixer.transition.n_h=2",
-    )
+    add_overrides_option(p, "mixer.transition.n_h=2", what="a spec field")
     p.add_argument(
         "--task-option", dest="task_options", action="append", default=[], metavar="KEY=VALUE",
         help="set a task option (repeatable), e.g. --task-option train_len=64",
@@ -56,10 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     e.add_argument("experiment", metavar="FILE", help="experiment YAML file")
     e.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    e.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a field of the experiment file (repeatable), e.g. --set train.steps=100",
-    )
+    add_overrides_option(e, "train.steps=100", what="a field of the experiment file")
     e.add_argument("--only", action="append", default=[], metavar="RUN", help="run only this run (repeatable)")
     e.add_argument("--fresh", action="store_true", help="retrain the selected runs even if DIR has them")
     e.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")

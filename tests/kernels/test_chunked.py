@@ -48,6 +48,11 @@ def assert_matches_naive(inputs: dict, chunk_sizes=(None,), **tolerance) -> None
         o, s, grads = run_with_grads(linear_recurrence_chunked, inputs, chunk_size=chunk_size)
         torch.testing.assert_close(o, o_ref, **tolerance, msg=lambda m: f"o (chunk {chunk_size}): {m}")
         torch.testing.assert_close(s, s_ref, **tolerance, msg=lambda m: f"final state (chunk {chunk_size}): {m}")
+        # Without autograd the chain takes its own path (`_chain_without_grad`).
+        with torch.no_grad():
+            o_ng, s_ng = linear_recurrence_chunked(**inputs, output_final_state=True, chunk_size=chunk_size)
+        torch.testing.assert_close(o_ng, o_ref, **tolerance, msg=lambda m: f"o without grad (chunk {chunk_size}): {m}")
+        torch.testing.assert_close(s_ng, s_ref, **tolerance, msg=lambda m: f"final state without grad (chunk {chunk_size}): {m}")
         for name, g in grads.items():
             if g_ref[name] is None:  # an input the path ignores (k of an untied diagonal write)
                 assert g is None or not g.any(), f"{name} should not influence the result"

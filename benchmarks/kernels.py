@@ -262,6 +262,27 @@ def _bench(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def kernel_breakdown(step, repeats: int = 3, top: int = 10) -> list[list]:
+    """GPU time per kernel of one `step()` (mean over `repeats`, ms), largest first: where
+    an implementation spends its time, to set beside the floors and the peer's kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for ev in prof.events():
+        t = getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0)  # microseconds
+        if t and getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type):
+            totals[ev.name] = totals.get(ev.name, 0.0) + t
+    rows = sorted(totals.items(), key=lambda kv: -kv[1])
+    return [[name[:80], round(us / repeats / 1000, 4)] for name, us in rows[:top]] + (
+        [["(sum of all kernels)", round(sum(totals.values()) / repeats / 1000, 4)]] if rows else [])
+
+
 def _forward_and_backward(fn, inputs: dict):
     leaves = [t for t in inputs.values() if t.requires_grad]
 
@@ -384,6 +405,8 @@ def _warm_task(job: WarmJob) -> tuple[WarmJob, str, float]:
     global _SHARD
     _SHARD = job.shard
     t0 = time.monotonic()
+    step = "forward"
+    cuda = job.device == "cuda"
     try:
         plan = plan_named(job.plan)
         B, T, H, K, V = job.shape
@@ -391,12 +414,27 @@ def _warm_task(job: WarmJob) -> tuple[WarmJob, str, float]:
         options = {"output_final_state": True} if job.states else {}
         fn = impl_callable(plan, job.impl, inputs, **options)
         if fn is not None:
+            # forward and backward apart, each synchronized inside the try: a kernel that
+            # faults (an illegal address) is then reported as this job's status, by pass
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            step = "backward"
             _forward_and_backward(fn, inputs)()
+            if cuda:
+                torch.cuda.synchronize()
         status = "ok"
     except Exception as err:  # a refusal (fla's gated backward) is a result: the forward is compiled
-        status = _first_line(err)
-    if job.device == "cuda":
-        torch.cuda.synchronize()
+        status = f"{step}: {_first_line(err)}"
+    finally:
+        inputs = fn = None  # noqa: F841 (release the tensors before emptying the cache)
+    if cuda:
+        # a worker keeps its caching allocator's peak otherwise: 14 idle workers held
+        # 4-14 GiB each on the H200 and the measuring process ran out of memory
+        try:
+            torch.cuda.empty_cache()
+        except Exception:  # a context poisoned by a fault cannot free; the process ends anyway
+            pass
     return job, status, time.monotonic() - t0
 
 
@@ -407,9 +445,12 @@ class WarmPool:
     measuring process times a plan, the workers are stopped (SIGSTOP), so that neither
     their compiles nor their launches disturb the timing."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, fresh_process_per_job: bool = False):
+        # A fresh process per job (correctness checks) keeps a kernel fault in one job
+        # from poisoning the CUDA context of every later job of that worker.
         self.workers = workers
-        self.pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init)
+        self.pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init,
+                                                 maxtasksperchild=1 if fresh_process_per_job else None)
 
     def submit(self, jobs: list[WarmJob]) -> list:
         return [(job, self.pool.apply_async(_warm_task, (job,))) for job in jobs]
@@ -466,6 +507,7 @@ class Row:
     fwdbwd_ms: float | None = None
     first_call_s: float | None = None  # compile (or cache load) and autotuning
     error: str = ""
+    kernels: dict | None = None  # GPU ms per kernel, forward and forward+backward (--profile)
 
 
 def cut_short(error: str) -> bool:
@@ -476,7 +518,7 @@ def _first_line(err: Exception) -> str:
     return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
 
 
-def measure_impl(plan: PlanSpec, impl: str, inputs: dict, seconds: float) -> Row | None:
+def measure_impl(plan: PlanSpec, impl: str, inputs: dict, seconds: float, profile: bool = False) -> Row | None:
     """One implementation's row, every step within `seconds`; None if it lacks the plan."""
     row = Row(plan.name, impl)
     step, start = "forward", time.monotonic()
@@ -492,7 +534,11 @@ def measure_impl(plan: PlanSpec, impl: str, inputs: dict, seconds: float) -> Row
             row.first_call_s = round(time.monotonic() - t0, 2)
             row.fwd_ms = _bench(fn)
             step = "backward"
-            row.fwdbwd_ms = _bench(_forward_and_backward(fn, inputs))
+            fb = _forward_and_backward(fn, inputs)
+            row.fwdbwd_ms = _bench(fb)
+            if profile and torch.cuda.is_available():
+                step = "profile"
+                row.kernels = {"forward": kernel_breakdown(fn), "forward_backward": kernel_breakdown(fb)}
     except ImportError as err:
         row.error = f"not installed: {err}"
     except OutOfTime as err:
@@ -530,12 +576,14 @@ def measure_plan(plan: PlanSpec, shape: dict, dtype: str, impls: list[str], devi
             if impl in entry["skipped"]:
                 entry["rows"].append(asdict(Row(plan.name, impl, error="skipped: " + entry["skipped"][impl])))
                 continue
-            row = measure_impl(plan, impl, inputs, end - clock.elapsed())
+            row = measure_impl(plan, impl, inputs, end - clock.elapsed(), profile=args.profile and impl != "torch")
             if row is None:
                 continue
             entry["rows"].append(asdict(row))
             ms = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
             clock.log(f"{plan.name}: {impl:6s} fwd {ms(row.fwd_ms)} ms, f+b {ms(row.fwdbwd_ms)} ms, first call {row.first_call_s} s {row.error[:120]}")
+            for kernel, t in (row.kernels or {}).get("forward_backward", [])[:8]:
+                clock.log(f"    {t:8.4f} ms  {kernel}")
     return entry
 
 
@@ -623,6 +671,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fla-shards", type=int, default=6, help="warm-up jobs that split fla's autotune configs of one plan")
     parser.add_argument("--tune-rep-ms", type=int, default=20, help="benchmark time per autotune config (Triton's default: 100)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter: checks that the script runs")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="skip the per-kernel GPU time breakdown of ours and fla's (torch.profiler, a few steps)")
     args = parser.parse_args(argv)
     clock = Clock(args.budget_s)
     if args.smoke:

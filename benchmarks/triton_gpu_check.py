@@ -211,6 +211,15 @@ def fla_gated_backward(device) -> dict:
         return {"status": "refused", "error": f"{type(err).__name__}: {str(err).strip()[:400]}"}
 
 
+def run_check_within(c: Check, device: str, seconds: float) -> dict:
+    try:
+        with bench.deadline(seconds):
+            return run_check(c, device)
+    except Exception as err:  # OutOfTime included: the check is recorded as failed
+        traceback.print_exc()
+        return {"error": f"{type(err).__name__}: {err}"[:300], "worst": float("inf")}
+
+
 def checks_for(args) -> list[Check]:
     if args.gaps:
         (B, T), total = ((1, 48), 48) if args.smoke else ((2, 2048), 4096)
@@ -259,32 +268,40 @@ def main(argv: list[str] | None = None) -> dict:
         (out / name).write_text(json.dumps(results, indent=1))
 
     clock.log(f"{len(checks)} checks, budget {args.budget_s:.0f}s")
+    faulted: dict[str, str] = {}  # check key -> the CUDA fault its warm-up met
     if device == "cuda" and args.workers > 0:  # compile every specialization in parallel first
         H, K = DIMS["H"], DIMS["K"]
-        jobs = []
+        jobs: dict = {}  # job -> the checks it warms
         for c in checks:
+            mine = []
             if c.kind != "naive":
-                jobs.append(bench.WarmJob(c.plan, "triton", c.dtype, (c.B, c.T, H, K, K), states=True, lengths=c.lengths))
+                mine.append(bench.WarmJob(c.plan, "triton", c.dtype, (c.B, c.T, H, K, K), states=True, lengths=c.lengths))
             # each packed sequence alone is a dense run; Triton specializes on T % 16 == 0
             for t in {n % 16 == 0: n for n in (c.lengths or ()) if n}.values():
-                jobs.append(bench.WarmJob(c.plan, "triton", c.dtype, (1, t, H, K, K), states=True))
-        jobs = list(dict.fromkeys(jobs))
-        pool = bench.WarmPool(args.workers)
-        done = pool.wait(pool.submit(jobs), min(args.compile_limit_s, clock.left() - 30))
+                mine.append(bench.WarmJob(c.plan, "triton", c.dtype, (1, t, H, K, K), states=True))
+            for j in mine:
+                jobs.setdefault(j, []).append(c.key)
+        pool = bench.WarmPool(args.workers, fresh_process_per_job=True)
+        done = pool.wait(pool.submit(list(jobs)), min(args.compile_limit_s, clock.left() - 30))
         pool.close()
-        slow = [f"{j.plan}/{j.dtype}" for j, status, _ in done if status != "ok"]
-        clock.log(f"warm-up of {len(jobs)} specializations: longest {max(s for _, _, s in done):.0f}s" + (f"; not ok: {slow}" if slow else ""))
+        results["warmup"] = {f"{j.plan}/{j.dtype}/{'x'.join(map(str, j.shape))}" + (f"/packed{list(j.lengths)}" if j.lengths else ""):
+                             {"status": status, "s": round(s, 1)} for j, status, s in done}
+        for j, status, _ in done:
+            if "CUDA error" in status or "AcceleratorError" in status:  # a fault: running it here would poison this process
+                for key in jobs[j]:
+                    faulted.setdefault(key, f"warm-up {j.plan} {j.shape} {j.lengths or ''}: {status}")
+        slow = [f"{j.plan}/{j.dtype}: {status[:100]}" for j, status, _ in done if status != "ok"]
+        clock.log(f"warm-up of {len(jobs)} specializations: longest {max(s for _, _, s in done):.0f}s"
+                  + ("; not ok:\n  " + "\n  ".join(slow) if slow else ""))
     for c in checks:
         left = clock.left() - 15
         if left < 5:
             results["not_run"].append(c.key)
             continue
-        try:
-            with bench.deadline(min(args.check_limit_s, left)):
-                r = run_check(c, device)
-        except Exception as err:  # OutOfTime included: the check is recorded as failed
-            traceback.print_exc()
-            r = {"error": f"{type(err).__name__}: {err}"[:300], "worst": float("inf")}
+        if c.key in faulted:
+            r = {"error": faulted[c.key][:400], "worst": float("inf")}
+        else:
+            r = run_check_within(c, device, min(args.check_limit_s, left))
         r["pass"] = r["worst"] < TOL[c.dtype]
         results["checks"][c.key] = r
         write()

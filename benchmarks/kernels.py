@@ -511,7 +511,8 @@ class Row:
 
 
 def cut_short(error: str) -> bool:
-    return "out of time" in error or error.startswith("skipped")
+    # out of memory too: the warm-up workers' memory, not the plan, was the cause once
+    return "out of time" in error or error.startswith("skipped") or "OutOfMemoryError" in error
 
 
 def _first_line(err: Exception) -> str:

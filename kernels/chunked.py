@@ -143,18 +143,10 @@ def tokens_per_chunk(n_h: int, chunk_size: int | None = None, *, delta: bool) ->
 # Small pieces
 
 
-def _expand_gate(g: Tensor, n_h: int) -> Tensor:
-    """Per-token log-gate `[B, T, H(, K)]` -> per sub-step: `g_t` at `t*n_h`, 0 elsewhere."""
-    if n_h == 1:
-        return g
-    B, T = g.shape[:2]
-    zeros = g.new_zeros(B, T, n_h - 1, *g.shape[2:])
-    return torch.cat([g.unsqueeze(2), zeros], dim=2).reshape(B, T * n_h, *g.shape[2:])
-
-
-def _to_chunks(x: Tensor | None, length: int, dtype: torch.dtype) -> Tensor | None:
+def _to_chunks(x: Tensor | None, length: int, dtype: torch.dtype, scale: float | None = None) -> Tensor | None:
     """`[B, T, H, ...]` -> `[N, B*H, length, ...]` (chunk-major, so that the sequential
-    loop reads contiguous blocks), zero-padding the end of time.
+    loop reads contiguous blocks), zero-padding the end of time, times `scale` if given
+    (in the same pass as the layout copy).
 
     Padding is harmless: a zero sub-step (k = a = w = u = 0, log-gate 0) leaves the state
     unchanged, and padded read-outs are dropped.
@@ -165,11 +157,17 @@ def _to_chunks(x: Tensor | None, length: int, dtype: torch.dtype) -> Tensor | No
     rest = x.shape[3:]
     n_chunks = -(-T // length)
     pad = n_chunks * length - T
-    x = x.to(dtype)
     if pad:
         x = torch.cat([x, x.new_zeros(B, pad, H, *rest)], dim=1)
-    x = x.reshape(B, n_chunks, length, H, *rest).transpose(2, 3).transpose(0, 1)  # [N, B, H, length, ...]
-    return x.reshape(n_chunks, B * H, length, *rest)
+    view = x.reshape(B, n_chunks, length, H, *rest).permute(1, 0, 3, 2, *range(4, 4 + len(rest)))  # [N, B, H, length, ...]
+    out = torch.empty(view.shape, dtype=dtype, device=x.device)
+    if scale is not None and not (torch.is_grad_enabled() and x.requires_grad):
+        torch.mul(view, scale, out=out)  # (out= is not differentiable)
+    else:
+        out.copy_(view)
+        if scale is not None:
+            out.mul_(scale)
+    return out.view(n_chunks, B * H, length, *rest)
 
 
 def _decay(x: Tensor, factor: Tensor | None) -> Tensor:
@@ -391,7 +389,7 @@ def _chunked_dense(
     # [N, B*H, L, ...] per sub-step, [N, B*H, Ct, K] per token; the read-out scale goes
     # into q (one pass; as the read-out matmuls' alpha it would cost passes over the
     # larger gradients of the states in the backward).
-    q = _to_chunks(q, ct, acc) * scale
+    q = _to_chunks(q, ct, acc, scale=scale)
     k, v, beta, write_key, erase = (_to_chunks(x, L, acc) for x in (k, v, beta, write_key, erase))
     w = k if write_key is None else write_key
 
@@ -400,7 +398,17 @@ def _chunked_dense(
     # (read-outs sit at their token's last sub-step), to the chunk's end from every
     # sub-step, and over the whole chunk (Gamma_L: [N, B*H, K, 1] channel, [N, B*H, 1, 1]
     # scalar, None without a gate).
-    G = None if g is None else _to_chunks(_expand_gate(g, n_h), L, acc).cumsum(dim=2).mul_(LOG2_E)
+    # (Per token first: within a token the gate sits at its first sub-step, so G is the same
+    # at all its sub-steps; each token's own decay exp2(g_t) is what the channel-gate
+    # scores are built from.)
+    G = token_decay = None
+    if g is not None:
+        g_tokens = _to_chunks(g, ct, acc, scale=LOG2_E)  # [N, B*H, Ct(, K)]
+        G = g_tokens.cumsum(dim=2)
+        if n_h > 1:
+            G = G.repeat_interleave(n_h, dim=2)
+        if channel:
+            token_decay = g_tokens.exp2_()
     from_start = to_end = decay_chunk = None
     if G is not None:
         from_start = torch.exp2(G)
@@ -411,7 +419,7 @@ def _chunked_dense(
     k_start, t_columns = (_decay(k, from_start), None) if channel else (k, from_start)
 
     def scores(rows, cols):
-        return score_matrices(G, channel, ct, n_h, rows, cols)
+        return score_matrices(G, channel, ct, n_h, rows, cols, token_decay)
 
     # Writes whose values depend on the chunk's start state: nu = N - P S_0 (delta rule),
     # and writes whose values do not (Z', N'), each with the (scaled) scores of its

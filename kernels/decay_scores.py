@@ -34,17 +34,24 @@ exponent is <= 0:
   the lower triangle is formed), plus `O(L K log L)` elementwise work. Tokens per chunk
   must be a power of two.
 
-  On CPU that elementwise work, not the matmuls, decides the speed, so it is organised
-  to touch memory few times: the operands are stacked once along a new outermost axis
-  (`R` row operands, `C` column operands), so that each level rescales all row operands
-  with one multiplication (the factor broadcast over that axis), all column operands
-  with one, and forms all `R x C` cross products with one matmul. A level's factors are
-  the two half-block tensors it needs; at the lowest level the column factor is exactly
-  1 (the columns are the token `ref` belongs to, with no gate after its first sub-step)
-  and is skipped. With `n_h == 1` the read-outs sit at the sub-step positions, so `q`
-  joins `k` in one stack. The whole computation is one autograd Function
-  (`_DyadicScores`) with an explicit backward: autograd's own, through every level's
-  half-block views, was about five times the forward.
+  On CPU that elementwise work, not the matmuls, decides the speed, so the forward
+  touches memory few times and never evaluates a decay per level: it keeps every row
+  operand relative to the start of its current block and every column operand relative
+  to the end of its block, and goes from blocks of `m` tokens to blocks of `2m` by
+  multiplying the second-half rows by the decay of the first half and the first-half
+  columns by the decay of the second half, in place. Those block decays are products of
+  the tokens' own decays `exp2(g_t)` (passed in, `token_decay`): one `exp2` per token
+  and channel in all, each factor `<= 1` for log-gates `<= 0`, and a level's factor is a
+  product of `log2(m) + 1` of them (float32 roundoff; an underflow to 0 is the decay's
+  true size). The operands are interleaved per position (`[Bt, Ct, per, R, K]` rows,
+  `[Bt, Ct, n_h, C, K]` columns: `R` row operands, `C` column operands), so that a
+  block's half is one `[m per R, K]` or `[m n_h C, K]` matrix, a view: each level is one
+  batched matmul of views for all `R x C` cross products, and two in-place
+  multiplications. With `n_h == 1` the read-outs sit at the sub-step positions, so `q`
+  joins `k` as rows. The whole computation is one autograd Function (`_DyadicScores`)
+  with an explicit backward (autograd's own, through every level's half-block views, was
+  about five times the forward), which recomputes each level's factors as
+  `exp2(G_r - G_ref)`, `exp2(G_ref - G_c)` from `G`.
 
   Not used, though measured: when a chunk's whole decay is bounded (say `-G_L <= 64`),
   one masked product `(x exp2(G)) (y exp2(-G))^T` (the no-gate path, factors `<= 2**64`)
@@ -121,13 +128,14 @@ def _levels(ct: int) -> list[int]:
 class _Dyadic:
     """The geometry of one dyadic score computation, shared by its forward and backward.
 
-    Internally the batch is flattened (`Bt`), row operands are stacked per group of
-    positions, `X` `[R, Bt, P, K]` (`P = Ct*per`: `per = n_h` for sub-steps, 1 for
-    read-outs; one group when `n_h == 1`), column operands `Y` `[C, Bt, L, K]`, and each
-    group's matrices are `out` `[R, C, Bt, P, L]`. At level `m` (blocks of `2m` tokens,
-    `nb` of them) a group's cross products are one matmul of `[Bt*nb, R*mp, K]` rescaled
-    second-half rows against `[Bt*nb, C*mn, K]` rescaled first-half columns (`mp = m*per`,
-    `mn = m*n_h`).
+    Internally the batch is flattened (`Bt`), row operands come in groups of positions
+    (`P = Ct*per` rows: `per = n_h` for sub-steps, 1 for read-outs; one group when
+    `n_h == 1`), and each group's matrices are `out` `[R, C, Bt, P, L]`. At level `m`
+    (blocks of `2m` tokens, `nb` of them) a group's cross products are one matmul of
+    `[Bt*nb, R*mp, K]` rescaled second-half rows against `[Bt*nb, C*mn, K]` rescaled
+    first-half columns (`mp = m*per`, `mn = m*n_h`). The backward (and the helpers below)
+    stack the operands outermost, `X` `[R, Bt, P, K]`, `Y` `[C, Bt, L, K]`; the forward
+    interleaves them per position (`_DyadicScores.forward`).
     """
 
     def __init__(self, ct: int, n_h: int, kinds: tuple[Rows, ...], G: Tensor):
@@ -194,7 +202,9 @@ class _Dyadic:
 class _DyadicScores(torch.autograd.Function):
     """Channel-gate scores by dyadic splitting (module docstring), with an explicit backward.
 
-    `(ct, n_h, kinds, G, *rows, *cols) -> one [R*C, *batch, P, L] per group of rows`.
+    `(ct, n_h, kinds, G, token_decay, *rows, *cols) -> one [R*C, *batch, P, L] per group of
+    rows`, `token_decay = exp2(g_t)` `[*batch, Ct, K]` (not differentiated: the backward
+    gives `G` the gate's whole gradient).
     Written with autograd, every level's half-block views and products would record nodes
     whose backward allocates full-size zero gradients and accumulates them one by one (for
     KDA about five times the forward's time). Here the backward recomputes each level's
@@ -206,33 +216,58 @@ class _DyadicScores(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, ct, n_h, kinds, G, *operands):
+    def forward(ctx, ct, n_h, kinds, G, token_decay, *operands):
         *batch, L, K = G.shape
         G = G.reshape(-1, L, K)
         geo = _Dyadic(ct, n_h, kinds, G)
-        rows, Y = operands[: len(kinds)], _stack(operands[len(kinds) :], geo.Bt)
-        C = Y.shape[0]
-        outs = []
+        Bt = geo.Bt
+        rows, cols = operands[: len(kinds)], operands[len(kinds) :]
+        C = len(cols)
+        # Columns, interleaved per sub-step `[Bt, Ct, n_h, C, K]` (a block's first half is
+        # then one `[m n_h C, K]` matrix), each relative to the end of its block: at level 1
+        # that is its own token, with no gate after its first sub-step, so the plain values.
+        Y = G.new_empty(Bt, ct, n_h, C, K)
+        for c, y in enumerate(cols):
+            Y[:, :, :, c].copy_(y.reshape(Bt, ct, n_h, K))
+        decay = token_decay.reshape(Bt, ct, K)  # from the end of the previous token to the token
+        groups = []
         for per, indices in geo.groups:
-            X = _stack([rows[i] for i in indices], geo.Bt)
-            out = G.new_zeros(len(indices), C, geo.Bt, ct * per, L)
+            R = len(indices)
+            out = G.new_zeros(R, C, Bt, ct * per, L)
+            # Rows `[Bt, Ct, per, R, K]`, each relative to the end of the token before its block
+            # (level 1: the previous token).
+            X = G.new_empty(Bt, ct, per, R, K)
             for r, i in enumerate(indices):
+                x = rows[i].reshape(Bt, ct, per, K)
+                torch.mul(x, decay[:, :, None], out=X[:, :, :, r])
                 if geo.has_leaves(kinds[i]):
-                    leaves = (X[r].view(geo.Bt, ct, per, 1, K) * Y.view(C, geo.Bt, ct, 1, n_h, K)).sum(-1)  # [C, Bt, Ct, per, n_h]
+                    leaves = (x[:, :, :, None, None] * Y[:, :, None]).sum(-1)  # [Bt, Ct, per, n_h, C]
                     mask = geo.leaf_mask(kinds[i], G.dtype, G.device)
-                    geo.token_pairs(out[r], per).copy_((leaves if mask is None else leaves * mask).permute(0, 1, 3, 4, 2))
-            outs.append((per, X, out))
+                    leaves = leaves if mask is None else leaves * mask[..., None]
+                    geo.token_pairs(out[r], per).copy_(leaves.permute(4, 0, 2, 3, 1))
+            groups.append((per, X, out))
         for m in _levels(ct):
-            Y_hat = geo.rescaled(Y, geo.column_factor(G, m), m, n_h, half=0)  # [Bt, nb, C, mn, K]
-            for per, X, out in outs:
-                R = X.shape[0]
-                X_hat = geo.rescaled(X, geo.row_factor(G, m, per), m, per, half=1)  # [Bt, nb, R, mp, K]
-                cross = torch.bmm(X_hat.view(-1, R * m * per, K), Y_hat.view(-1, C * m * n_h, K).transpose(1, 2))
-                cross = cross.view(geo.Bt, -1, R, m * per, C, m * n_h).permute(2, 4, 0, 3, 5, 1)
+            nb = ct // (2 * m)
+            first = Y.view(Bt * nb, 2, m * n_h * C, K)[:, 0]
+            for per, X, out in groups:
+                R = X.shape[3]
+                second = X.view(Bt * nb, 2, m * per * R, K)[:, 1]
+                cross = torch.bmm(second, first.transpose(1, 2))  # [Bt*nb, (m, per, R), (m, n_h, C)]
+                cross = cross.view(Bt, nb, m * per, R, m * n_h, C).permute(3, 5, 0, 2, 4, 1)
                 geo.same_block(out, m, per).copy_(cross)
+            if 2 * m == ct:
+                break
+            # From blocks of m tokens to blocks of 2m: second-half rows take on the decay of the
+            # first half, first-half columns that of the second half. Every factor is a decay
+            # of whole tokens (<= 1 for log-gates <= 0): their products never overflow.
+            pair = decay.view(Bt, nb, 2, 1, K)
+            Y.view(Bt, nb, 2, m * n_h * C, K)[:, :, 0].mul_(pair[:, :, 1])
+            for per, X, out in groups:
+                X.view(Bt, nb, 2, m * per * X.shape[3], K)[:, :, 1].mul_(pair[:, :, 0])
+            decay = torch.mul(pair[:, :, 0, 0], pair[:, :, 1, 0])  # [Bt, nb, K]: blocks of 2m tokens
         ctx.save_for_backward(G, *operands)
         ctx.geometry = (ct, n_h, kinds, batch)
-        return tuple(out.view(-1, *batch, ct * per, L) for per, _, out in outs)
+        return tuple(out.view(-1, *batch, ct * per, L) for per, _, out in groups)
 
     @staticmethod
     @once_differentiable
@@ -292,7 +327,7 @@ class _DyadicScores(torch.autograd.Function):
             return x.view(*batch, *x.shape[-2:])
 
         d_cols = [unflatten(dY[c]) for c in range(C)]
-        return (None, None, None, unflatten(dG), *[unflatten(d) for d in d_rows], *d_cols)
+        return (None, None, None, unflatten(dG), None, *[unflatten(d) for d in d_rows], *d_cols)
 
 
 def _stack(operands, Bt: int) -> Tensor:
@@ -303,12 +338,15 @@ def _stack(operands, Bt: int) -> Tensor:
     return torch.stack([x.reshape(Bt, *x.shape[-2:]) for x in operands])
 
 
-def _dyadic_scores(G: Tensor, ct: int, n_h: int, rows: list[tuple[Tensor, Rows]], cols: list[Tensor]) -> list[list[Tensor]]:
+def _dyadic_scores(G: Tensor, token_decay: Tensor | None, ct: int, n_h: int, rows: list[tuple[Tensor, Rows]], cols: list[Tensor]) -> list[list[Tensor]]:
     """Channel-gate scores by dyadic splitting: `_DyadicScores`, unstacked."""
     if ct & (ct - 1):
         raise ValueError(f"channel-gate scores need a power-of-two number of tokens per chunk, got {ct}")
     kinds = tuple(kind for _, kind in rows)
-    outs = _DyadicScores.apply(ct, n_h, kinds, G.contiguous(), *(x for x, _ in rows), *cols)
+    if token_decay is None:
+        G_tokens = G[..., n_h - 1 :: n_h, :]
+        token_decay = torch.exp2(torch.diff(G_tokens, dim=-2, prepend=torch.zeros_like(G_tokens[..., :1, :])))
+    outs = _DyadicScores.apply(ct, n_h, kinds, G.contiguous(), token_decay.detach(), *(x for x, _ in rows), *cols)
     C = len(cols)
     results: list[list[Tensor]] = [[] for _ in rows]
     for (_, indices), out in zip(_Dyadic(ct, n_h, kinds, G.reshape(-1, *G.shape[-2:])).groups, outs):
@@ -318,14 +356,18 @@ def _dyadic_scores(G: Tensor, ct: int, n_h: int, rows: list[tuple[Tensor, Rows]]
     return results
 
 
-def score_matrices(G: Tensor | None, channel: bool, ct: int, n_h: int, rows: list[tuple[Tensor, Rows]], cols: list[Tensor]) -> list[list[Tensor]]:
+def score_matrices(
+    G: Tensor | None, channel: bool, ct: int, n_h: int, rows: list[tuple[Tensor, Rows]], cols: list[Tensor], token_decay: Tensor | None = None
+) -> list[list[Tensor]]:
     """`scores[i][j]`: the decayed score matrix `[..., Ct*nr, L]` of row operand
     `rows[i] = (x, kind)` against column operand `cols[j]`, for one set of chunks.
 
     `G` is the within-chunk cumulative log-gate per sub-step (log2 units), `[..., L]`
     (scalar gate) or `[..., L, K]` (channel gate), or None. Decay factors and masks are
-    built once and shared by every matrix.
+    built once and shared by every matrix. `token_decay` (channel gate; formed from `G`
+    when not given) is each token's own decay `exp2(g_t)` `[..., Ct, K]`, which the
+    caller has exactly, before the cumulative sum.
     """
     if channel:
-        return _dyadic_scores(G, ct, n_h, rows, cols)
+        return _dyadic_scores(G, token_decay, ct, n_h, rows, cols)
     return _ratio_scores(G, ct, n_h, rows, cols)

@@ -170,6 +170,20 @@ def _to_chunks(x: Tensor | None, length: int, dtype: torch.dtype, scale: float |
     return out.view(n_chunks, B * H, length, *rest)
 
 
+def _cumsum_tokens(g: Tensor) -> Tensor:
+    """Cumulative sum over the tokens of each chunk (dim 2) of `g` `[N, BH, Ct(, K)]`.
+
+    Without autograd and with a channel gate, in place by one addition per token: on CPU
+    `torch.cumsum` runs a scalar loop over this short axis and takes about twice as long
+    as `Ct - 1` vectorized row additions."""
+    if g.dim() < 4 or (torch.is_grad_enabled() and g.requires_grad):
+        return g.cumsum(dim=2)
+    rows = g.unbind(2)
+    for prev, row in itertools.pairwise(rows):
+        row.add_(prev)
+    return g
+
+
 def _decay(x: Tensor, factor: Tensor | None) -> Tensor:
     """`x` times a decay factor per row, `[..., L]` (scalar gate) or `[..., L, K]` (channel)."""
     if factor is None:
@@ -404,11 +418,11 @@ def _chunked_dense(
     G = token_decay = None
     if g is not None:
         g_tokens = _to_chunks(g, ct, acc, scale=LOG2_E)  # [N, B*H, Ct(, K)]
-        G = g_tokens.cumsum(dim=2)
+        if channel:
+            token_decay = torch.exp2(g_tokens)
+        G = _cumsum_tokens(g_tokens)
         if n_h > 1:
             G = G.repeat_interleave(n_h, dim=2)
-        if channel:
-            token_decay = g_tokens.exp2_()
     from_start = to_end = decay_chunk = None
     if G is not None:
         from_start = torch.exp2(G)

@@ -108,13 +108,14 @@ with a channel gate each score matrix is built by dyadic splitting (`decay_score
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from .api import register_backend
-from .decay_scores import score_matrices
+from .decay_scores import score_matrices, score_matrices_and_ends
 from .naive import accumulation_dtype
 from .osdn_scan import osdn_write_keys_scan
 
@@ -182,6 +183,51 @@ def _cumsum_tokens(g: Tensor) -> Tensor:
     for prev, row in itertools.pairwise(rows):
         row.add_(prev)
     return g
+
+
+class _Decays:
+    """Operands decayed from the chunk's start (`start`) or to its end (`end`), and the
+    chunk's whole decay (`chunk`: `[N, BH, K, 1]` channel, `[N, BH, 1, 1]` scalar, None
+    without a gate), every exponent <= 0. Formed from `G` when first asked for, unless the
+    channel-gate scores already made them (`remember`: looked up by operand)."""
+
+    def __init__(self, G: Tensor | None, channel: bool, n_h: int):
+        self.G, self.channel, self.n_h = G, channel, n_h
+        self.starts: dict[int, Tensor] = {}
+        self.ends: dict[int, Tensor] = {}
+        self.whole: Tensor | None = None
+
+    @functools.cached_property
+    def from_start(self) -> Tensor:
+        return torch.exp2(self.G)
+
+    @functools.cached_property
+    def to_end(self) -> Tensor:
+        return torch.sub(self.G[:, :, -1:], self.G).exp2_()
+
+    def remember(self, rows: list[tuple[Tensor, str]], cols: list[Tensor], ends) -> None:
+        self.starts.update((id(x), x_start) for (x, _), x_start in zip(rows, ends.rows))
+        self.ends.update((id(y), y_end) for y, y_end in zip(cols, ends.cols))
+        self.whole = ends.decay[..., None]
+
+    def start(self, x: Tensor, per_token: bool = False) -> Tensor:
+        """`x * exp2(G)` at `x`'s positions: every sub-step, or (`per_token`) each token's last."""
+        if self.G is None or id(x) in self.starts:
+            return self.starts.get(id(x), x)
+        factor = self.from_start[:, :, self.n_h - 1 :: self.n_h] if per_token else self.from_start
+        return _decay(x, factor)
+
+    def end(self, x: Tensor) -> Tensor:
+        """`x * exp2(G_L - G)`."""
+        if self.G is None or id(x) in self.ends:
+            return self.ends.get(id(x), x)
+        return _decay(x, self.to_end)
+
+    def chunk(self) -> Tensor | None:
+        if self.G is None or self.whole is not None:
+            return self.whole
+        last = self.from_start[:, :, -1]
+        return last[..., None] if self.channel else last[..., None, None]
 
 
 def _decay(x: Tensor, factor: Tensor | None) -> Tensor:
@@ -423,17 +469,22 @@ def _chunked_dense(
         G = _cumsum_tokens(g_tokens)
         if n_h > 1:
             G = G.repeat_interleave(n_h, dim=2)
-    from_start = to_end = decay_chunk = None
-    if G is not None:
-        from_start = torch.exp2(G)
-        to_end = torch.exp2(G[:, :, -1:] - G)
-        decay_chunk = from_start[:, :, -1, :, None] if channel else from_start[:, :, -1:, None]
-    from_start_query = None if G is None else from_start[:, :, n_h - 1 :: n_h]
+    decays = _Decays(G, channel, n_h)
     # `k * Gamma` enters as the rows of P; a scalar gate is a column scaling of T instead.
-    k_start, t_columns = (_decay(k, from_start), None) if channel else (k, from_start)
+    t_columns = decays.from_start if G is not None and not channel else None
+
+    def k_start() -> Tensor:
+        return decays.start(k) if channel else k
+    # Without autograd, the channel-gate scores also hand back the operands decayed from the
+    # chunk's start and to its end (`decay_scores.Ends`), which `decays` then returns.
+    wants_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, write_key, erase, state))
 
     def scores(rows, cols):
-        return score_matrices(G, channel, ct, n_h, rows, cols, token_decay)
+        if not (channel and not wants_grad):
+            return score_matrices(G, channel, ct, n_h, rows, cols, token_decay)
+        matrices, ends = score_matrices_and_ends(G, token_decay, ct, n_h, rows, cols)
+        decays.remember(rows, cols, ends)
+        return matrices
 
     # Writes whose values depend on the chunk's start state: nu = N - P S_0 (delta rule),
     # and writes whose values do not (Z', N'), each with the (scaled) scores of its
@@ -441,25 +492,25 @@ def _chunked_dense(
     dependent = independent = None
     if beta is None and erase is None:  # diagonal
         ((M_qw,),) = scores([(q, "queries")], [w])
-        independent = (_decay(w, to_end), v, M_qw)
+        independent = (decays.end(w), v, M_qw)
     elif erase is None:  # householder: a = beta w, rows scaled (see the module docstring)
         (M_qw,), (A_kw,) = scores([(q, "queries"), (k, "substeps")], [w])
         inverse = _unit_lower_inverse(A_kw * beta[..., None])
         t_beta = _scale_columns(inverse, beta)  # T diag(beta)
-        P = (t_beta if t_columns is None else _scale_columns(t_beta, t_columns)) @ k_start  # [N, BH, L, K]
-        dependent = (_decay(w, to_end), t_beta @ v, P, M_qw)
+        P = (t_beta if t_columns is None else _scale_columns(t_beta, t_columns)) @ k_start()  # [N, BH, L, K]
+        dependent = (decays.end(w), t_beta @ v, P, M_qw)
     else:  # rwkv7
         u = v if beta is None else beta[..., None] * v
         (M_qa, M_qw), (A_ka, A_kw) = scores([(q, "queries"), (k, "substeps")], [erase, w])
         inverse = _unit_lower_inverse(A_ka)
         N = inverse @ (A_kw @ u)  # T A_kw U, entering nu negated (sign): [N, BH, L, V]
-        P = (inverse if t_columns is None else _scale_columns(inverse, t_columns)) @ k_start
-        dependent = (_decay(erase, to_end), N, P, M_qa)
-        independent = (_decay(w, to_end), u, M_qw)
+        P = (inverse if t_columns is None else _scale_columns(inverse, t_columns)) @ k_start()
+        dependent = (decays.end(erase), N, P, M_qa)
+        independent = (decays.end(w), u, M_qw)
 
     Z_end, N, P, M_qz = dependent if dependent is not None else (None, None, None, None)
     sign = -1 if erase is not None else 1  # rwkv7: nu = -(T A_kw U) - P S_0
-    q_start = _decay(q, from_start_query)
+    q_start, decay_chunk = decays.start(q, per_token=True), decays.chunk()
     chain_inputs = (state, decay_chunk, N, P, Z_end, q_start, M_qz, *(independent or ()))
     if not any(x is not None and x.requires_grad for x in chain_inputs):
         o, final = _chain_without_grad(state, decay_chunk, independent, N, P, Z_end, sign, q_start, M_qz)

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -216,7 +216,7 @@ class _DyadicScores(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, ct, n_h, kinds, G, token_decay, *operands):
+    def forward(ctx, ct, n_h, kinds, ends, G, token_decay, *operands):
         *batch, L, K = G.shape
         G = G.reshape(-1, L, K)
         geo = _Dyadic(ct, n_h, kinds, G)
@@ -255,7 +255,7 @@ class _DyadicScores(torch.autograd.Function):
                 cross = torch.bmm(second, first.transpose(1, 2))  # [Bt*nb, (m, per, R), (m, n_h, C)]
                 cross = cross.view(Bt, nb, m * per, R, m * n_h, C).permute(3, 5, 0, 2, 4, 1)
                 geo.same_block(out, m, per).copy_(cross)
-            if 2 * m == ct:
+            if 2 * m == ct and not ends:
                 break
             # From blocks of m tokens to blocks of 2m: second-half rows take on the decay of the
             # first half, first-half columns that of the second half. Every factor is a decay
@@ -266,14 +266,24 @@ class _DyadicScores(torch.autograd.Function):
                 X.view(Bt, nb, 2, m * per * X.shape[3], K)[:, :, 1].mul_(pair[:, :, 0])
             decay = torch.mul(pair[:, :, 0, 0], pair[:, :, 1, 0])  # [Bt, nb, K]: blocks of 2m tokens
         ctx.save_for_backward(G, *operands)
-        ctx.geometry = (ct, n_h, kinds, batch)
-        return tuple(out.view(-1, *batch, ct * per, L) for per, _, out in groups)
+        ctx.geometry = (ct, n_h, kinds, batch, len(groups))
+        scores = tuple(out.view(-1, *batch, ct * per, L) for per, _, out in groups)
+        if not ends:
+            return scores
+        # One doubling past the chunk: rows decayed from the chunk's start, columns to its end.
+        by_row = {i: X[:, :, :, r].view(*batch, ct * per, K) for per, X, _ in groups for r, i in enumerate(dict(geo.groups)[per])}
+        starts = tuple(by_row[i] for i in range(len(kinds)))
+        col_ends = tuple(Y[:, :, :, c].view(*batch, L, K) for c in range(C))
+        extras = (*starts, *col_ends, decay.view(*batch, K))
+        ctx.mark_non_differentiable(*extras)
+        return (*scores, *extras)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *d_outs):
         G, *operands = ctx.saved_tensors
-        ct, n_h, kinds, batch = ctx.geometry
+        ct, n_h, kinds, batch, n_groups = ctx.geometry
+        d_outs = d_outs[:n_groups]  # (the by-products of `ends` are not differentiable)
         geo = _Dyadic(ct, n_h, kinds, G)
         Bt, L, K = G.shape
         rows, Y = operands[: len(kinds)], _stack(operands[len(kinds) :], Bt)
@@ -327,7 +337,7 @@ class _DyadicScores(torch.autograd.Function):
             return x.view(*batch, *x.shape[-2:])
 
         d_cols = [unflatten(dY[c]) for c in range(C)]
-        return (None, None, None, unflatten(dG), None, *[unflatten(d) for d in d_rows], *d_cols)
+        return (None, None, None, None, unflatten(dG), None, *[unflatten(d) for d in d_rows], *d_cols)
 
 
 def _stack(operands, Bt: int) -> Tensor:
@@ -338,7 +348,20 @@ def _stack(operands, Bt: int) -> Tensor:
     return torch.stack([x.reshape(Bt, *x.shape[-2:]) for x in operands])
 
 
-def _dyadic_scores(G: Tensor, token_decay: Tensor | None, ct: int, n_h: int, rows: list[tuple[Tensor, Rows]], cols: list[Tensor]) -> list[list[Tensor]]:
+class Ends(NamedTuple):
+    """What the dyadic scores' running products hold after one more doubling: every row
+    operand decayed from the chunk's start (`x * exp2(G_r)`, at the row positions), every
+    column operand decayed to the chunk's end (`y * exp2(G_L - G_c)`), and the chunk's
+    whole decay `exp2(G_L)` `[..., K]`. Not differentiable."""
+
+    rows: list[Tensor]
+    cols: list[Tensor]
+    decay: Tensor
+
+
+def _dyadic_scores(
+    G: Tensor, token_decay: Tensor | None, ct: int, n_h: int, rows: list[tuple[Tensor, Rows]], cols: list[Tensor], ends: bool = False
+) -> tuple[list[list[Tensor]], Ends | None]:
     """Channel-gate scores by dyadic splitting: `_DyadicScores`, unstacked."""
     if ct & (ct - 1):
         raise ValueError(f"channel-gate scores need a power-of-two number of tokens per chunk, got {ct}")
@@ -346,14 +369,29 @@ def _dyadic_scores(G: Tensor, token_decay: Tensor | None, ct: int, n_h: int, row
     if token_decay is None:
         G_tokens = G[..., n_h - 1 :: n_h, :]
         token_decay = torch.exp2(torch.diff(G_tokens, dim=-2, prepend=torch.zeros_like(G_tokens[..., :1, :])))
-    outs = _DyadicScores.apply(ct, n_h, kinds, G.contiguous(), token_decay.detach(), *(x for x, _ in rows), *cols)
+    outs = _DyadicScores.apply(ct, n_h, kinds, ends, G.contiguous(), token_decay.detach(), *(x for x, _ in rows), *cols)
+    groups = _Dyadic(ct, n_h, kinds, G.reshape(-1, *G.shape[-2:])).groups
     C = len(cols)
     results: list[list[Tensor]] = [[] for _ in rows]
-    for (_, indices), out in zip(_Dyadic(ct, n_h, kinds, G.reshape(-1, *G.shape[-2:])).groups, outs):
+    for (_, indices), out in zip(groups, outs):
         matrices = out.unbind(0)
         for r, i in enumerate(indices):
             results[i] = list(matrices[r * C : (r + 1) * C])
-    return results
+    if not ends:
+        return results, None
+    extras = outs[len(groups) :]
+    return results, Ends(list(extras[: len(rows)]), list(extras[len(rows) : len(rows) + C]), extras[-1])
+
+
+def score_matrices_and_ends(
+    G: Tensor, token_decay: Tensor, ct: int, n_h: int, rows: list[tuple[Tensor, Rows]], cols: list[Tensor]
+) -> tuple[list[list[Tensor]], Ends]:
+    """Channel gate, without autograd: `score_matrices` and, at the cost of one more
+    doubling, the decayed operands of `Ends` (which would otherwise cost an `exp2` and a
+    multiplication each)."""
+    scores, ends = _dyadic_scores(G, token_decay, ct, n_h, rows, cols, ends=True)
+    assert ends is not None
+    return scores, ends
 
 
 def score_matrices(
@@ -369,5 +407,5 @@ def score_matrices(
     caller has exactly, before the cumulative sum.
     """
     if channel:
-        return _dyadic_scores(G, token_decay, ct, n_h, rows, cols)
+        return _dyadic_scores(G, token_decay, ct, n_h, rows, cols)[0]
     return _ratio_scores(G, ct, n_h, rows, cols)

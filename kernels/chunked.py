@@ -171,28 +171,14 @@ def _to_chunks(x: Tensor | None, length: int, dtype: torch.dtype, scale: float |
     return out.view(n_chunks, B * H, length, *rest)
 
 
-def _cumsum_tokens(g: Tensor) -> Tensor:
-    """Cumulative sum over the tokens of each chunk (dim 2) of `g` `[N, BH, Ct(, K)]`.
-
-    Without autograd and with a channel gate, in place by one addition per token: on CPU
-    `torch.cumsum` runs a scalar loop over this short axis and takes about twice as long
-    as `Ct - 1` vectorized row additions."""
-    if g.dim() < 4 or (torch.is_grad_enabled() and g.requires_grad):
-        return g.cumsum(dim=2)
-    rows = g.unbind(2)
-    for prev, row in itertools.pairwise(rows):
-        row.add_(prev)
-    return g
-
-
 class _Decays:
     """Operands decayed from the chunk's start (`start`) or to its end (`end`), and the
     chunk's whole decay (`chunk`: `[N, BH, K, 1]` channel, `[N, BH, 1, 1]` scalar, None
     without a gate), every exponent <= 0. Formed from `G` when first asked for, unless the
     channel-gate scores already made them (`remember`: looked up by operand)."""
 
-    def __init__(self, G: Tensor | None, channel: bool, n_h: int):
-        self.G, self.channel, self.n_h = G, channel, n_h
+    def __init__(self, G: Tensor | None, gated: bool, channel: bool, n_h: int):
+        self.G, self.gated, self.channel, self.n_h = G, gated, channel, n_h
         self.starts: dict[int, Tensor] = {}
         self.ends: dict[int, Tensor] = {}
         self.whole: Tensor | None = None
@@ -212,19 +198,19 @@ class _Decays:
 
     def start(self, x: Tensor, per_token: bool = False) -> Tensor:
         """`x * exp2(G)` at `x`'s positions: every sub-step, or (`per_token`) each token's last."""
-        if self.G is None or id(x) in self.starts:
+        if not self.gated or id(x) in self.starts:
             return self.starts.get(id(x), x)
         factor = self.from_start[:, :, self.n_h - 1 :: self.n_h] if per_token else self.from_start
         return _decay(x, factor)
 
     def end(self, x: Tensor) -> Tensor:
         """`x * exp2(G_L - G)`."""
-        if self.G is None or id(x) in self.ends:
+        if not self.gated or id(x) in self.ends:
             return self.ends.get(id(x), x)
         return _decay(x, self.to_end)
 
     def chunk(self) -> Tensor | None:
-        if self.G is None or self.whole is not None:
+        if not self.gated or self.whole is not None:
             return self.whole
         last = self.from_start[:, :, -1]
         return last[..., None] if self.channel else last[..., None, None]
@@ -461,26 +447,28 @@ def _chunked_dense(
     # (Per token first: within a token the gate sits at its first sub-step, so G is the same
     # at all its sub-steps; each token's own decay exp2(g_t) is what the channel-gate
     # scores are built from.)
+    # Without autograd, the channel-gate scores also hand back the operands decayed from the
+    # chunk's start and to its end (`decay_scores.Ends`), which `decays` then returns, and G
+    # itself is not needed.
+    wants_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, write_key, erase, state))
+    by_products = channel and not wants_grad
     G = token_decay = None
     if g is not None:
         g_tokens = _to_chunks(g, ct, acc, scale=LOG2_E)  # [N, B*H, Ct(, K)]
         if channel:
             token_decay = torch.exp2(g_tokens)
-        G = _cumsum_tokens(g_tokens)
-        if n_h > 1:
-            G = G.repeat_interleave(n_h, dim=2)
-    decays = _Decays(G, channel, n_h)
+        if not by_products:
+            G = g_tokens.cumsum(dim=2)
+            if n_h > 1:
+                G = G.repeat_interleave(n_h, dim=2)
+    decays = _Decays(G, g is not None, channel, n_h)
     # `k * Gamma` enters as the rows of P; a scalar gate is a column scaling of T instead.
-    t_columns = decays.from_start if G is not None and not channel else None
+    t_columns = decays.from_start if g is not None and not channel else None
 
     def k_start() -> Tensor:
         return decays.start(k) if channel else k
-    # Without autograd, the channel-gate scores also hand back the operands decayed from the
-    # chunk's start and to its end (`decay_scores.Ends`), which `decays` then returns.
-    wants_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, write_key, erase, state))
-
     def scores(rows, cols):
-        if not (channel and not wants_grad):
+        if not by_products:
             return score_matrices(G, channel, ct, n_h, rows, cols, token_decay)
         matrices, ends = score_matrices_and_ends(G, token_decay, ct, n_h, rows, cols)
         decays.remember(rows, cols, ends)

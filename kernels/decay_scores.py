@@ -138,9 +138,9 @@ class _Dyadic:
     interleaves them per position (`_DyadicScores.forward`).
     """
 
-    def __init__(self, ct: int, n_h: int, kinds: tuple[Rows, ...], G: Tensor):
+    def __init__(self, ct: int, n_h: int, kinds: tuple[Rows, ...], Bt: int, K: int):
         self.ct, self.n_h, self.kinds = ct, n_h, kinds
-        self.Bt, self.L, self.K = G.shape
+        self.Bt, self.L, self.K = Bt, ct * n_h, K
         # groups: (per, indices of their row operands)
         members: dict[int, list[int]] = {}
         for i, kind in enumerate(kinds):
@@ -217,32 +217,33 @@ class _DyadicScores(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ct, n_h, kinds, ends, G, token_decay, *operands):
-        *batch, L, K = G.shape
-        G = G.reshape(-1, L, K)
-        geo = _Dyadic(ct, n_h, kinds, G)
+        *batch, _, K = token_decay.shape
+        L = ct * n_h
+        G = None if G is None else G.reshape(-1, L, K)  # (only the backward needs G)
+        geo = _Dyadic(ct, n_h, kinds, token_decay.numel() // (ct * K), K)
         Bt = geo.Bt
         rows, cols = operands[: len(kinds)], operands[len(kinds) :]
         C = len(cols)
         # Columns, interleaved per sub-step `[Bt, Ct, n_h, C, K]` (a block's first half is
         # then one `[m n_h C, K]` matrix), each relative to the end of its block: at level 1
         # that is its own token, with no gate after its first sub-step, so the plain values.
-        Y = G.new_empty(Bt, ct, n_h, C, K)
+        Y = token_decay.new_empty(Bt, ct, n_h, C, K)
         for c, y in enumerate(cols):
             Y[:, :, :, c].copy_(y.reshape(Bt, ct, n_h, K))
         decay = token_decay.reshape(Bt, ct, K)  # from the end of the previous token to the token
         groups = []
         for per, indices in geo.groups:
             R = len(indices)
-            out = G.new_zeros(R, C, Bt, ct * per, L)
+            out = token_decay.new_zeros(R, C, Bt, ct * per, L)
             # Rows `[Bt, Ct, per, R, K]`, each relative to the end of the token before its block
             # (level 1: the previous token).
-            X = G.new_empty(Bt, ct, per, R, K)
+            X = token_decay.new_empty(Bt, ct, per, R, K)
             for r, i in enumerate(indices):
                 x = rows[i].reshape(Bt, ct, per, K)
                 torch.mul(x, decay[:, :, None], out=X[:, :, :, r])
                 if geo.has_leaves(kinds[i]):
                     leaves = (x[:, :, :, None, None] * Y[:, :, None]).sum(-1)  # [Bt, Ct, per, n_h, C]
-                    mask = geo.leaf_mask(kinds[i], G.dtype, G.device)
+                    mask = geo.leaf_mask(kinds[i], Y.dtype, Y.device)
                     leaves = leaves if mask is None else leaves * mask[..., None]
                     geo.token_pairs(out[r], per).copy_(leaves.permute(4, 0, 2, 3, 1))
             groups.append((per, X, out))
@@ -284,8 +285,8 @@ class _DyadicScores(torch.autograd.Function):
         G, *operands = ctx.saved_tensors
         ct, n_h, kinds, batch, n_groups = ctx.geometry
         d_outs = d_outs[:n_groups]  # (the by-products of `ends` are not differentiable)
-        geo = _Dyadic(ct, n_h, kinds, G)
         Bt, L, K = G.shape
+        geo = _Dyadic(ct, n_h, kinds, Bt, K)
         rows, Y = operands[: len(kinds)], _stack(operands[len(kinds) :], Bt)
         C = Y.shape[0]
         dG, dY = torch.zeros_like(G), torch.zeros_like(Y)
@@ -369,8 +370,10 @@ def _dyadic_scores(
     if token_decay is None:
         G_tokens = G[..., n_h - 1 :: n_h, :]
         token_decay = torch.exp2(torch.diff(G_tokens, dim=-2, prepend=torch.zeros_like(G_tokens[..., :1, :])))
-    outs = _DyadicScores.apply(ct, n_h, kinds, ends, G.contiguous(), token_decay.detach(), *(x for x, _ in rows), *cols)
-    groups = _Dyadic(ct, n_h, kinds, G.reshape(-1, *G.shape[-2:])).groups
+    G = None if G is None else G.contiguous()
+    outs = _DyadicScores.apply(ct, n_h, kinds, ends, G, token_decay.detach(), *(x for x, _ in rows), *cols)
+    K = token_decay.shape[-1]
+    groups = _Dyadic(ct, n_h, kinds, token_decay.numel() // (ct * K), K).groups
     C = len(cols)
     results: list[list[Tensor]] = [[] for _ in rows]
     for (_, indices), out in zip(groups, outs):
@@ -384,11 +387,11 @@ def _dyadic_scores(
 
 
 def score_matrices_and_ends(
-    G: Tensor, token_decay: Tensor, ct: int, n_h: int, rows: list[tuple[Tensor, Rows]], cols: list[Tensor]
+    G: Tensor | None, token_decay: Tensor, ct: int, n_h: int, rows: list[tuple[Tensor, Rows]], cols: list[Tensor]
 ) -> tuple[list[list[Tensor]], Ends]:
     """Channel gate, without autograd: `score_matrices` and, at the cost of one more
     doubling, the decayed operands of `Ends` (which would otherwise cost an `exp2` and a
-    multiplication each)."""
+    multiplication each). `G` may be None: only a backward needs it."""
     scores, ends = _dyadic_scores(G, token_decay, ct, n_h, rows, cols, ends=True)
     assert ends is not None
     return scores, ends

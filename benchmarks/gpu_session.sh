@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh 1   # correctness gaps of issue 3, then the first timings (issue 6)   ~8.5 min
 #   bash benchmarks/gpu_session.sh 2   # the remaining timings, resumed from benchmarks/results/kernels.json  ~8 min
 #   bash benchmarks/gpu_session.sh 3   # DeltaProduct S4 and A5 (issue 4), the four runs side by side     ~5 min
+#   bash benchmarks/gpu_session.sh 4   # 3 beside a recheck of the float32 n_h >= 4 paths, then the timings left  ~9 min
 #
 # Every result lands flat in $OUT (at most 8 files come back, no deeper than $OUT/a/b).
 # BUDGET_S overrides the call's budget in seconds (the whole command, installs included);
@@ -17,7 +18,7 @@ call=${1:?usage: gpu_session.sh 1|2|3}
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-case $call in 1) budget=${BUDGET_S:-510} ;; 2) budget=${BUDGET_S:-480} ;; 3) budget=${BUDGET_S:-300} ;; *) echo "no call $call"; exit 2 ;; esac
+case $call in 1) budget=${BUDGET_S:-510} ;; 2) budget=${BUDGET_S:-480} ;; 3) budget=${BUDGET_S:-300} ;; 4) budget=${BUDGET_S:-540} ;; *) echo "no call $call"; exit 2 ;; esac
 left() { echo $((budget - SECONDS)); }
 say() { echo "[gpu_session $call, ${SECONDS}s] $*"; }
 
@@ -49,21 +50,12 @@ bench() {  # the timing benchmark for what is left of the budget, resumed from t
     --resume "${RESUME:-benchmarks/results/kernels.json}" 2>&1 | tee -a "$OUT/bench.log"
 }
 
-case $call in
-1)
-  say "correctness gaps (cu_seqlens, float16, n_h 4 and 8)"
-  timeout 230 python3 benchmarks/triton_gpu_check.py --gaps --out "$OUT" --budget-s 210 $smoke 2>&1 | tee "$OUT/check-gaps.log"
-  bench
-  ;;
-2)
-  bench
-  ;;
-3)
+experiments() {
   # The two experiments of specs/experiments/run-gpu.sh, but each run in its own process,
   # all four at once (one small model leaves the H200 and 16 cores mostly idle), with a
   # training time limit that fits the call; then one pass per experiment assembles
   # results.md from the finished runs (the CLI skips runs already in DIR).
-  run_s=${RUN_S:-$((budget - SECONDS - 110))}
+  local run_s=${run_s:-${RUN_S:-$((budget - SECONDS - 110))}}
   EXP=/tmp/gpu-session-exp  # outside $OUT: the per-run folders lie too deep to come back (results.json sums them up)
   say "S4 and A5, 4 runs side by side, ${run_s}s of training each"
   for e in s4 a5; do
@@ -83,6 +75,33 @@ case $call in
     cp "$EXP/$e/results.json" "$OUT/deltaproduct-$e-gpu.json"
     cat "$OUT/deltaproduct-$e-gpu.md"
   done
+}
+
+case $call in
+1)
+  say "correctness gaps (cu_seqlens, float16, n_h 4 and 8)"
+  timeout 230 python3 benchmarks/triton_gpu_check.py --gaps --out "$OUT" --budget-s 210 $smoke 2>&1 | tee "$OUT/check-gaps.log"
+  bench
+  ;;
+2)
+  bench
+  ;;
+3)
+  experiments
+  ;;
+4)
+  # The follow-up when call 1's float32 n_h >= 4 checks faulted: the experiments of call 3
+  # and the float32 recheck side by side (correctness only, so sharing the GPU is harmless),
+  # then the timings that are left, alone on the GPU. Logs go to stdout, not $OUT: at
+  # most 8 files come back.
+  run_s=${RUN_S:-180}
+  experiments &
+  timeout 260 python3 benchmarks/triton_gpu_check.py --gaps --plans "${RECHECK:-deltaproduct-4,gated-deltaproduct-4,kda-4,gated-deltaproduct-8-beta2,rwkv7-8}" \
+    --out "$OUT" --budget-s 240 --compile-limit-s 200 $smoke 2>&1 | sed -u 's/^/[check] /' | tail -40
+  wait
+  rm -f "$OUT/pip.log"
+  bench >/dev/null
+  tail -60 "$OUT/bench.log"; rm -f "$OUT/bench.log" "$OUT/kernels.md"
   ;;
 esac
 say "done; files in \$OUT: $(ls "$OUT" | tr '\n' ' ')"

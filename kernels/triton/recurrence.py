@@ -94,6 +94,15 @@ def _operand_dtype(dtype: torch.dtype, acc: torch.dtype) -> torch.dtype:
     return acc
 
 
+def _min_query_rows(dtype: torch.dtype) -> int:
+    """Rows of the query tile at least. 16 would do (n_h >= 4 leaves 16 or fewer tokens per
+    chunk), but on the H200 with Triton 3.6 the float32 backward with 16-row query tiles
+    (and float32's 32-wide V blocks) hit an illegal memory access for every plan with
+    n_h = 4 and 8, while 32-row tiles (n_h = 2, 3) and the half-precision 16-row tiles ran
+    clean (benchmarks/results/triton_gpu_check_gaps*.json). The empty rows are masked."""
+    return 32 if dtype == torch.float32 else 16
+
+
 def _plan(q, k, v, g, beta, erase, n_h, cu_seqlens, chunk_table_count, chunk_size) -> Plan:
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -111,7 +120,7 @@ def _plan(q, k, v, g, beta, erase, n_h, cu_seqlens, chunk_table_count, chunk_siz
         mode=2 if erase is not None else 1 if beta is not None else 0,
         gate=0 if g is None else 1 if g.dim() == 3 else 2,
         has_beta=beta is not None,
-        BT=BT, TC=TC, BQ=max(16, triton.next_power_of_2(TC)),
+        BT=BT, TC=TC, BQ=max(_min_query_rows(q.dtype), triton.next_power_of_2(TC)),
         BK=max(16, triton.next_power_of_2(K)), BV=max(16, min(64 if q.dtype != torch.float32 else 32, triton.next_power_of_2(V))),
         BVS=max(16, min(_STATE_BV, triton.next_power_of_2(V))),
         SC=min(SUB_CHUNK, BT), NT=NT, n_seq=n_seq,

@@ -117,6 +117,16 @@ def test_default_chunk_and_deep_products() -> None:
         _assert_close(_triton(inputs, chunk_size=None), _naive(inputs), tol=1e-9)
 
 
+def test_float32_deep_products_use_wider_query_tiles() -> None:
+    """float32 with n_h = 4 and 8 at the production chunk: 16 and 8 query tokens in a
+    32-row tile (`recurrence._min_query_rows`), the empty rows masked."""
+    for n_h in (4, 8):
+        case = Case(gate="scalar", transition="householder", n_h=n_h, beta_scale=2.0, initial_state=True)
+        inputs = make_inputs(case, B=1, T=21, H=1, K=16, V=16, device=DEVICE, seed=n_h)
+        inputs32 = {k: (v.detach().float().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+        _assert_close(_triton(inputs32, chunk_size=None), _naive(inputs), tol=2e-5)
+
+
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # the interpreter warns on any exp overflow
 def test_strong_channel_decay_stays_exact() -> None:
     """Cumulative decays far below e^-88 inside a chunk: exp(-G) would overflow float32.

@@ -216,6 +216,17 @@ class _Decays:
         return last[..., None] if self.channel else last[..., None, None]
 
 
+def _chunk_view(x: Tensor | None, length: int, dtype: torch.dtype) -> Tensor | None:
+    """`[B, T, H, K]` -> `[N, B, H, length, K]`, a view of `x` when no padding or cast is
+    needed (else a copy, `_to_chunks`): for consumers that accept any leading shape."""
+    if x is None:
+        return None
+    B, T, H, K = x.shape
+    if T % length or x.dtype != dtype:
+        return _to_chunks(x, length, dtype).view(-1, B, H, length, K)
+    return x.view(B, T // length, length, H, K).permute(1, 0, 3, 2, 4)
+
+
 def _decay(x: Tensor, factor: Tensor | None) -> Tensor:
     """`x` times a decay factor per row, `[..., L]` (scalar gate) or `[..., L, K]` (channel)."""
     if factor is None:
@@ -436,7 +447,13 @@ def _chunked_dense(
     # into q (one pass; as the read-out matmuls' alpha it would cost passes over the
     # larger gradients of the states in the backward).
     q = _to_chunks(q, ct, acc, scale=scale)
-    k, v, beta, write_key, erase = (_to_chunks(x, L, acc) for x in (k, v, beta, write_key, erase))
+    v, beta = _to_chunks(v, L, acc), _to_chunks(beta, L, acc)
+    # Without autograd, a channel gate's keys enter only the dyadic scores, which read them
+    # in place from the input layout (`_chunk_view`); otherwise they are copied into chunks.
+    wants_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, write_key, erase, initial_state))
+    by_products = channel and not wants_grad
+    keys = _chunk_view if by_products else _to_chunks
+    k, write_key, erase = (keys(x, L, acc) for x in (k, write_key, erase))
     w = k if write_key is None else write_key
 
     # Within-chunk cumulative log-gate per sub-step, in log2 units (see LOG2_E), and the
@@ -450,8 +467,6 @@ def _chunked_dense(
     # Without autograd, the channel-gate scores also hand back the operands decayed from the
     # chunk's start and to its end (`decay_scores.Ends`), which `decays` then returns, and G
     # itself is not needed.
-    wants_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, write_key, erase, state))
-    by_products = channel and not wants_grad
     G = token_decay = None
     if g is not None:
         g_tokens = _to_chunks(g, ct, acc, scale=LOG2_E)  # [N, B*H, Ct(, K)]

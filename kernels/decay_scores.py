@@ -228,8 +228,11 @@ class _DyadicScores(torch.autograd.Function):
         # then one `[m n_h C, K]` matrix), each relative to the end of its block: at level 1
         # that is its own token, with no gate after its first sub-step, so the plain values.
         Y = token_decay.new_empty(Bt, ct, n_h, C, K)
+        # (Operands may be views with any leading shape of Bt elements, such as chunks of the
+        # input layout; every access below goes through `_positions`.)
         for c, y in enumerate(cols):
-            Y[:, :, :, c].copy_(y.reshape(Bt, ct, n_h, K))
+            Y_y, y_pos = _positions(Y, y, ct, n_h)
+            Y_y[..., c, :].copy_(y_pos)
         decay = token_decay.reshape(Bt, ct, K)  # from the end of the previous token to the token
         groups = []
         for per, indices in geo.groups:
@@ -239,10 +242,11 @@ class _DyadicScores(torch.autograd.Function):
             # (level 1: the previous token).
             X = token_decay.new_empty(Bt, ct, per, R, K)
             for r, i in enumerate(indices):
-                x = rows[i].reshape(Bt, ct, per, K)
-                torch.mul(x, decay[:, :, None], out=X[:, :, :, r])
+                X_x, x = _positions(X, rows[i], ct, per)
+                torch.mul(x, decay.view(*X_x.shape[:-3], 1, K), out=X_x[..., r, :])
                 if geo.has_leaves(kinds[i]):
-                    leaves = (x[:, :, :, None, None] * Y[:, :, None]).sum(-1)  # [Bt, Ct, per, n_h, C]
+                    Y_x = Y.view(*X_x.shape[:-3], n_h, C, K)
+                    leaves = (x[..., None, None, :] * Y_x.unsqueeze(-4)).sum(-1).view(Bt, ct, per, n_h, C)
                     mask = geo.leaf_mask(kinds[i], Y.dtype, Y.device)
                     leaves = leaves if mask is None else leaves * mask[..., None]
                     geo.token_pairs(out[r], per).copy_(leaves.permute(4, 0, 2, 3, 1))
@@ -339,6 +343,13 @@ class _DyadicScores(torch.autograd.Function):
 
         d_cols = [unflatten(dY[c]) for c in range(C)]
         return (None, None, None, None, unflatten(dG), None, *[unflatten(d) for d in d_rows], *d_cols)
+
+
+def _positions(buffer: Tensor, x: Tensor, ct: int, per: int) -> tuple[Tensor, Tensor]:
+    """An operand `x` `[*s, Ct*per, K]` as `[*s, Ct, per, K]`, and the interleaved `buffer`
+    `[Bt, Ct, per, S, K]` viewed with the same leading dimensions `s` (views both)."""
+    x = x.unflatten(-2, (ct, per))
+    return buffer.view(*x.shape[:-3], *buffer.shape[1:]), x
 
 
 def _stack(operands, Bt: int) -> Tensor:

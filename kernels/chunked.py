@@ -7,6 +7,23 @@ explicit backward (`torch.autograd.Function`) because autograd's is several time
 there: the chunk-to-chunk state chain (`_StateChain`) and the channel-gate scores
 (`decay_scores._DyadicScores`); the rest is ordinary autograd.
 
+Without autograd (no input requires a gradient, or grad mode is off: inference, and the
+forward that `benchmarks/torch_vs_naive.py` times) the same matmuls run with less
+memory traffic, since nothing need be kept for a backward (the no-grad forward of every
+path is tested against the naive loop too):
+
+  - the chain does each chunk's read-out, independent writes and state update from one
+    current state (`_chain_without_grad`), so no `[chunks, K, V]` tensor is written;
+  - with a channel gate, the dyadic scores hand back the operands decayed from the
+    chunk's start (`q Gamma_q`, `k Gamma`) and to its end (`Z_end`, `Z'_end`) and the
+    chunk's decay (`decay_scores.Ends`: one more in-place doubling of their running
+    products) in place of `exp2(G)`, `exp2(G_L - G)` and the products with them, `G`
+    itself is not formed, and the keys are read as views of the input layout
+    (`_chunk_view`), not copied into chunks.
+
+At T=512, B=2, H=4, K=V=64 on one CPU thread these made the KDA, RWKV-7 and GLA forwards
+1.2-1.4 times faster, the others 1.05-1.15 times (`benchmarks/torch_vs_naive.py`).
+
 One generalized form serves every path
 --------------------------------------
 Every sub-step `i` of the expanded sequence (length `T*n_h`) is
@@ -84,9 +101,10 @@ dyadic channel-gate scores need. The state chain and the read-out of `S_0` cost 
 delta rule the parallel part also holds the triangular inverse, whose batched LAPACK
 solve costs per matrix rather than per multiply-add (32x32: ~3.6 us, 16x16: ~0.9 us on
 the development CPU), so 16 sub-steps measured 6-10% faster than 32 for every delta
-path at head size 64 (T=512, one thread; `benchmarks/torch_vs_naive.py`). Without one
-(GLA-like), 32 stays best: fewer chain steps, and the dyadic scores' elementwise work per
-level does not depend on `L`.
+path at head size 64 (T=512, one thread; `benchmarks/torch_vs_naive.py`; re-measured
+after the no-grad forward above: still 10-15% for KDA and RWKV-7, and 8 no better than
+16). Without one (GLA-like), 32 and 16 now measure the same (fewer chain steps against
+fewer dyadic levels); 32 stays.
 
 Matmuls per chunk (per batch row and head; `Ct` tokens, `L = Ct n_h` sub-steps)
 -------------------------------------------------------------------------------

@@ -56,15 +56,26 @@ exponent is <= 0:
   Not used, though measured: when a chunk's whole decay is bounded (say `-G_L <= 64`),
   one masked product `(x exp2(G)) (y exp2(-G))^T` (the no-gate path, factors `<= 2**64`)
   is exact too, and made the KDA, RWKV-7 and GLA forwards 15-25% faster on the
-  benchmark's mild gates (about -0.6 log2 units per token). But `blocks/gates.py`'s
+  benchmark's mild gates (about -0.6 log2 units per token; measured against the earlier
+  dyadic forward, which formed `exp2(G_r - G_ref)` anew at every level). But `blocks/gates.py`'s
   `ChannelGate` starts at -1 to -16 log2 units per token (by head), so its fast heads
   pass any float32-safe bound within a chunk and real layers would take the dyadic path
   anyway; and a data-dependent choice would make the matmul count depend on the gate
   values, which `blocks/cost.py` prices from the plan alone. A factorization per block of
   `s` row tokens (reference at the block's first sub-step, `s` chosen from the data,
   always exact at `s = 1`) keeps the matmul count fixed, but its `Ct/s` rescaled copies
-  of the columns made the forward 2.5 to 5.5 times slower than dyadic splitting at
-  those gates.
+  of the columns made the forward 2.5 to 5.5 times slower than (that earlier) dyadic
+  splitting at those gates.
+
+  Measured, with the running products: on one CPU thread at the benchmark's KDA shape
+  (256 chunks of 16 tokens, rows `q, k`, column `k`, K = 64) the forward takes about
+  1.3 ms, of which the four levels' batched matmuls (thousands of tiny products: MKL's
+  per-product cost, not the multiply-adds) ~0.4 ms, the in-place doublings ~0.35 ms,
+  the first rescaling of the rows and the column copy ~0.2 ms, the within-token leaves
+  ~0.1 ms and the copies of each level's products into the score matrices ~0.1 ms (it
+  was ~1.4-1.6 ms before the running products, with per-level `exp2`, and the decayed
+  operands of `Ends` then cost ~0.3 ms more in `chunked.py`). Computing a level's
+  products elementwise instead (`(x * y).sum(-1)`) was slower at every level.
 
 Shapes: row operands `[..., Ct*nr, K]` (`nr = n_h` for sub-steps, 1 for queries), column
 operands `[..., L, K]`, `G` `[..., L]` (scalar) or `[..., L, K]` (channel) or None, `L =

@@ -56,7 +56,7 @@ experiments() {
   # training time limit that fits the call; then one pass per experiment assembles
   # results.md from the finished runs (the CLI skips runs already in DIR).
   local run_s=${run_s:-${RUN_S:-$((budget - SECONDS - 110))}}
-  EXP=/tmp/gpu-session-exp  # outside $OUT: the per-run folders lie too deep to come back (results.json sums them up)
+  EXP=${EXP:-/tmp/gpu-session-exp}  # outside $OUT: the per-run folders lie too deep to come back (results.json sums them up)
   say "S4 and A5, 4 runs side by side, ${run_s}s of training each"
   for e in s4 a5; do
     for r in n_h-2-beta-in-0-2 n_h-1-beta-in-0-2; do

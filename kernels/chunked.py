@@ -99,11 +99,12 @@ dyadic channel-gate scores need. The state chain and the read-out of `S_0` cost 
 `3 K V` multiply-adds per sub-step whatever `L`; the parallel part grows like
 `L (K + V)` per sub-step, while short chunks mean more sequential Python steps. With a
 delta rule the parallel part also holds the triangular inverse, whose batched LAPACK
-solve costs per matrix rather than per multiply-add (32x32: ~3.6 us, 16x16: ~0.9 us on
-the development CPU), so 16 sub-steps measured 6-10% faster than 32 for every delta
-path at head size 64 (T=512, one thread; `benchmarks/torch_vs_naive.py`; re-measured
-after the no-grad forward above: still 10-15% for KDA and RWKV-7, and 8 no better than
-16). Without one (GLA-like), 32 and 16 now measure the same (fewer chain steps against
+solve costs per matrix rather than per multiply-add (left-side solve 32x32: ~3.6 us,
+16x16: ~0.9 us on the development CPU; the right-side solve now used: ~1.6 and ~0.4 us),
+so 16 sub-steps measured 6-10% faster than 32 for every delta path at head size 64
+(T=512, one thread; `benchmarks/torch_vs_naive.py`; re-measured after the no-grad
+forward above and the right-side solve: 10-20% for DeltaNet, Gated DeltaNet, KDA and
+RWKV-7, and 8 no better than 16). Without one (GLA-like), 32 and 16 now measure the same (fewer chain steps against
 fewer dyadic levels); 32 stays.
 
 Matmuls per chunk (per batch row and head; `Ct` tokens, `L = Ct n_h` sub-steps)

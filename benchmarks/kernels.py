@@ -628,7 +628,9 @@ def markdown(results: dict) -> str:
     ]
     fmt = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
     ratio = lambda a, b: "—" if a is None or b is None else f"{a / b:.2f}"  # noqa: E731
-    for name, entry in results["plans"].items():
+    order = [p.name for p in PLANS if p.name in results["plans"]] + [n for n in results["plans"] if n not in {p.name for p in PLANS}]
+    for name in order:
+        entry = results["plans"][name]
         r = {row["impl"]: row for row in entry["rows"]}
         ours, peer, tor = r.get("triton", {}), r.get("fla", {}), r.get("torch", {})
         fl = entry["floors"]
@@ -640,6 +642,12 @@ def markdown(results: dict) -> str:
     notes = [f"- {name} / {row['impl']}: {row['error']}" for name, e in results["plans"].items() for row in e["rows"] if row["error"]]
     if notes:
         lines += ["", "Refusals and errors:", *notes]
+    profiled = [(name, row) for name in order for row in results["plans"][name]["rows"] if row.get("kernels")]
+    if profiled:
+        lines += ["", "Where the time goes (forward+backward, GPU ms per kernel, torch.profiler; the largest five):", ""]
+        for name, row in profiled:
+            top = ", ".join(f"{k} {t:.3f}" for k, t in row["kernels"]["forward_backward"][:5])
+            lines.append(f"- {name} / {row['impl']}: {top}")
     missing = [p.name for p in PLANS if p.name not in results["plans"]]
     if missing:
         lines += ["", f"Not measured: {', '.join(missing)}" + (f" ({results['stopped']})" if results.get("stopped") else "")]

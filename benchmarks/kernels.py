@@ -617,6 +617,46 @@ def machine() -> dict:
     return info
 
 
+# The performance targets (issue 6): plans held to flash-linear-attention's time, in both
+# passes or the forward only (where fla's backward refuses on the H200's Triton 3.6).
+FLA_BOTH = ("deltanet", "gla-channel", "kda", "rwkv7")
+FLA_FORWARD = ("gdn", "gated-deltaproduct-2", "gated-deltaproduct-3", "gated-deltaproduct-4", "gla-scalar")
+PASSES = (("fwd_ms", "forward", "floor_fwd_ms"), ("fwdbwd_ms", "forward+backward", "floor_fwdbwd_ms"))
+
+
+def targets(results: dict) -> list[dict]:
+    """Each target with its measured ratio and the limit it must stay under."""
+    plans = results["plans"]
+
+    def ms(name: str, impl: str, key: str) -> float | None:
+        rows = {r["impl"]: r for r in plans.get(name, {}).get("rows", [])}
+        return rows.get(impl, {}).get(key)
+
+    out = []
+
+    def add(target: str, a: float | None, b: float | None, limit: float) -> None:
+        ratio = None if a is None or b is None else a / b
+        out.append({"target": target, "ratio": ratio, "limit": limit, "met": None if ratio is None else ratio <= limit})
+
+    for name in FLA_BOTH + FLA_FORWARD:
+        for key, label, _ in PASSES[: 2 if name in FLA_BOTH else 1]:
+            add(f"{name} {label}: ours / fla", ms(name, "triton", key), ms(name, "fla", key), 1.0)
+    add("deltaproduct-2 / deltanet, ours, forward+backward", ms("deltaproduct-2", "triton", "fwdbwd_ms"), ms("deltanet", "triton", "fwdbwd_ms"), 1.8)
+    for plan in PLANS:
+        if plan.osdn:
+            for key, label, _ in PASSES:
+                add(f"{plan.name} / {plan.baseline}, ours, {label}", ms(plan.name, "triton", key), ms(plan.baseline, "triton", key), 1.05)
+    # "no path slower than 2x its floor-scaled DeltaNet counterpart": time over floor,
+    # relative to DeltaNet's time over its floor
+    for plan in PLANS[1:]:
+        for key, label, floor in PASSES:
+            a, b = ms(plan.name, "triton", key), ms("deltanet", "triton", key)
+            if a is not None and b is not None and plan.name in plans and "deltanet" in plans:
+                a, b = a / plans[plan.name]["floors"][floor], b / plans["deltanet"]["floors"][floor]
+            add(f"{plan.name} {label}: (ours / floor) / deltanet's", a, b, 2.0)
+    return out
+
+
 def markdown(results: dict) -> str:
     m = results["machine"]
     lines = [
@@ -642,6 +682,12 @@ def markdown(results: dict) -> str:
     notes = [f"- {name} / {row['impl']}: {row['error']}" for name, e in results["plans"].items() for row in e["rows"] if row["error"]]
     if notes:
         lines += ["", "Refusals and errors:", *notes]
+    rows = targets(results)
+    if any(t["ratio"] is not None for t in rows):
+        met = sum(bool(t["met"]) for t in rows)
+        lines += ["", f"Targets (issue 6): {met} of {sum(t['ratio'] is not None for t in rows)} met.", "",
+                  "| target | measured | limit | met |", "|---|---|---|---|"]
+        lines += [f"| {t['target']} | {fmt(t['ratio'])} | {t['limit']} | {'yes' if t['met'] else 'no'} |" for t in rows if t["ratio"] is not None]
     profiled = [(name, row) for name in order for row in results["plans"][name]["rows"] if row.get("kernels")]
     if profiled:
         lines += ["", "Where the time goes (forward+backward, GPU ms per kernel, torch.profiler; the largest five):", ""]

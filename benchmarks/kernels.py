@@ -635,7 +635,7 @@ def targets(results: dict) -> list[dict]:
     out = []
 
     def add(target: str, a: float | None, b: float | None, limit: float) -> None:
-        ratio = None if a is None or b is None else a / b
+        ratio = None if a is None or not b else a / b  # no ratio without both (smoke runs time 0)
         out.append({"target": target, "ratio": ratio, "limit": limit, "met": None if ratio is None else ratio <= limit})
 
     for name in FLA_BOTH + FLA_FORWARD:
@@ -651,8 +651,11 @@ def targets(results: dict) -> list[dict]:
     for plan in PLANS[1:]:
         for key, label, floor in PASSES:
             a, b = ms(plan.name, "triton", key), ms("deltanet", "triton", key)
-            if a is not None and b is not None and plan.name in plans and "deltanet" in plans:
-                a, b = a / plans[plan.name]["floors"][floor], b / plans["deltanet"]["floors"][floor]
+            floors = [plans.get(n, {}).get("floors", {}).get(floor) for n in (plan.name, "deltanet")]
+            if a is not None and b is not None and all(floors):
+                a, b = a / floors[0], b / floors[1]
+            else:
+                a = None
             add(f"{plan.name} {label}: (ours / floor) / deltanet's", a, b, 2.0)
     return out
 

@@ -89,15 +89,27 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
+WARM_UP_S = 0.25  # warm-up time per measurement (at least two calls)
+
+
 def measure(fn, repeats: int, device: torch.device) -> tuple[float, float]:
-    """Median (wall seconds, process CPU seconds) of `repeats` calls after one warm-up."""
+    """Median (wall seconds, process CPU seconds) of `repeats` calls after a warm-up of at
+    least two calls and `WARM_UP_S` seconds.
+
+    (With one warm-up call, the torch backend's first timed calls in a process still page
+    in heap memory as glibc grows and trims its heap for the multi-MB buffers: on CPU
+    about 15 calls of ~2.5 ms each took up to 20% longer, with page faults, than the
+    steady state, so a median of 7 was skewed for the first shape timed.)"""
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    fn()
-    sync()
+    start, calls = time.perf_counter(), 0
+    while calls < 2 or time.perf_counter() - start < WARM_UP_S:
+        fn()
+        sync()
+        calls += 1
     walls, cpus = [], []
     for _ in range(repeats):
         wall, cpu = time.perf_counter(), time.process_time()

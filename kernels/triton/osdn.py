@@ -51,6 +51,25 @@ def _step_terms(d, kk, b_i, eps, eta, BETA_AWARE: tl.constexpr):
     return s, sq, n, c, b, tl.sum(d * s, 0)
 
 
+PREFETCH = tl.constexpr(3)  # steps whose loads are in flight ahead of the one computed
+# One warp per (sequence, head): the two dot products of a step reduce by warp shuffles
+# alone, with no shared-memory round trip and barrier between warps on the critical path.
+SCAN_WARPS = 1
+
+
+@triton.jit
+def _load_step(k, beta, retain, bos, j, L, i_h, offs, mk, H: tl.constexpr, K: tl.constexpr, NH: tl.constexpr,
+               BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, ACC: tl.constexpr):
+    """Sub-step `j`'s key, beta (0 when unused) and retain gate (1 except at a token's first
+    sub-step with APF); outside the sequence (`j < 0` or `j >= L`) nothing is read."""
+    ok = (j >= 0) & (j < L)
+    i = bos * NH + j
+    kk = tl.load(k + (i * H + i_h) * K + offs, mask=mk & ok, other=0.0).to(ACC)
+    b_i = tl.load(beta + i * H + i_h, mask=ok & BETA_AWARE, other=0.0).to(ACC)
+    rho = tl.load(retain + (bos + j // NH) * H + i_h, mask=ok & HAS_RETAIN & (j % NH == 0), other=1.0).to(ACC)
+    return kk, b_i, rho
+
+
 @triton.jit(do_not_specialize=["T"])
 def osdn_forward_kernel(
     k, beta, retain, d0, w, traj, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
@@ -69,21 +88,35 @@ def osdn_forward_kernel(
         d = tl.load(d0 + i_h * K + offs, mask=mk, other=0.0).to(ACC)
     else:  # per sequence [N, H, K]
         d = tl.load(d0 + i_nh * K + offs, mask=mk, other=0.0).to(ACC)
-    for j in range(seq_len * NH):
+    L = seq_len * NH
+    # The loads of a step do not depend on `d`: they are issued PREFETCH steps ahead (a
+    # register queue carried through the loop), so that only the arithmetic of `d`, not a
+    # memory latency per step, lies on the scan's critical path.
+    k1, b1, r1 = _load_step(k, beta, retain, bos, 0, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+    k2, b2, r2 = _load_step(k, beta, retain, bos, 1, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+    k3, b3, r3 = _load_step(k, beta, retain, bos, 2, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+    for j in range(L):
         i = bos * NH + j
-        kk = tl.load(k + (i * H + i_h) * K + offs, mask=mk, other=0.0).to(ACC)
+        kk, b_i, rho = k1, b1, r1
+        k1, b1, r1 = k2, b2, r2
+        k2, b2, r2 = k3, b3, r3
+        k3, b3, r3 = _load_step(k, beta, retain, bos, j + PREFETCH, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
         tl.store(w + (i * H + i_h) * K + offs, (d * kk).to(w.dtype.element_ty), mask=mk)
         tl.store(traj + (i * H + i_h) * K + offs, d.to(traj.dtype.element_ty), mask=mk)
-        b_i = 0.0
-        if BETA_AWARE:
-            b_i = tl.load(beta + i * H + i_h).to(ACC)
         s, sq, n, c, b, align = _step_terms(d, kk, b_i, eps, eta, BETA_AWARE)
-        rho = 1.0
-        if HAS_RETAIN:  # APF: the retain gate acts once per token, at its first sub-step
-            rho = tl.load(retain + (bos + j // NH) * H + i_h, mask=j % NH == 0, other=1.0).to(ACC)
         p = rho * d + c * (1 - b * align) * s
         d = tl.minimum(tl.maximum(p, d_min), d_max)
     tl.store(d_final + i_nh * K + offs, d.to(d_final.dtype.element_ty), mask=mk)
+
+
+@triton.jit
+def _load_trajectory(traj, dw, bos, j, i_h, offs, mk, H: tl.constexpr, K: tl.constexpr, NH: tl.constexpr,
+                     HAS_DW: tl.constexpr, ACC: tl.constexpr):
+    """The backward's other loads of sub-step `j`: `d` before the step and the write
+    key's gradient (0 without one); nothing is read for `j < 0`."""
+    row = ((bos * NH + j) * H + i_h) * K + offs
+    ok = mk & (j >= 0)
+    return tl.load(traj + row, mask=ok, other=0.0).to(ACC), tl.load(dw + row, mask=ok & HAS_DW, other=0.0).to(ACC)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -101,19 +134,25 @@ def osdn_backward_kernel(
     dd = tl.zeros([BK], dtype=ACC)
     if HAS_DD:
         dd += tl.load(dd_final + i_nh * K + offs, mask=mk, other=0.0).to(ACC)
-    for jj in range(seq_len * NH):
-        j = seq_len * NH - 1 - jj
+    L = seq_len * NH
+    # as in the forward, every load is issued PREFETCH steps ahead of its use (here the
+    # steps run in reverse: step L-1-jj)
+    k1, b1, r1 = _load_step(k, beta, retain, bos, L - 1, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+    k2, b2, r2 = _load_step(k, beta, retain, bos, L - 2, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+    k3, b3, r3 = _load_step(k, beta, retain, bos, L - 3, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+    d1, w1 = _load_trajectory(traj, dw, bos, L - 1, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
+    d2, w2 = _load_trajectory(traj, dw, bos, L - 2, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
+    d3, w3 = _load_trajectory(traj, dw, bos, L - 3, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
+    for jj in range(L):
+        j = L - 1 - jj
         i = bos * NH + j
         o_row = (i * H + i_h) * K + offs
-        kk = tl.load(k + o_row, mask=mk, other=0.0).to(ACC)
-        d = tl.load(traj + o_row, mask=mk, other=0.0).to(ACC)
-        b_i = 0.0
-        if BETA_AWARE:
-            b_i = tl.load(beta + i * H + i_h).to(ACC)
+        kk, b_i, rho, d, w_bar = k1, b1, r1, d1, w1
+        k1, b1, r1, d1, w1 = k2, b2, r2, d2, w2
+        k2, b2, r2, d2, w2 = k3, b3, r3, d3, w3
+        k3, b3, r3 = _load_step(k, beta, retain, bos, j - PREFETCH, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+        d3, w3 = _load_trajectory(traj, dw, bos, j - PREFETCH, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
         s, sq, n, c, b, align = _step_terms(d, kk, b_i, eps, eta, BETA_AWARE)
-        rho = 1.0
-        if HAS_RETAIN:
-            rho = tl.load(retain + (bos + j // NH) * H + i_h, mask=j % NH == 0, other=1.0).to(ACC)
         p = rho * d + c * (1 - b * align) * s
         pbar = tl.where((p >= d_min) & (p <= d_max) & mk, dd, 0.0)
         ps = tl.sum(pbar * s, 0)
@@ -122,7 +161,6 @@ def osdn_backward_kernel(
         cbar = ps * (1 - b * align)
         dkk += tl.where(sq >= eps, 2 * kk * (-cbar * c / n), 0.0)  # the eps clamp passes no gradient
         if HAS_DW:
-            w_bar = tl.load(dw + o_row, mask=mk, other=0.0).to(ACC)
             dd += w_bar * kk
             dkk += w_bar * d
         tl.store(dk + o_row, dkk.to(dk.dtype.element_ty), mask=mk)
@@ -153,7 +191,8 @@ class OsdnScan(torch.autograd.Function):
                     HAS_RETAIN=retain is not None, IS_VARLEN=cu_seqlens is not None,
                     ACC=tl.float64 if acc == torch.float64 else tl.float32)
         osdn_forward_kernel[(n_seq * H,)](
-            k, beta_, retain_, d0_, w, traj, d_final, cu_seqlens, T, eta, d_min, d_max, eps, D0_MODE=d0_mode, **meta
+            k, beta_, retain_, d0_, w, traj, d_final, cu_seqlens, T, eta, d_min, d_max, eps, D0_MODE=d0_mode,
+            num_warps=SCAN_WARPS, **meta,
         )
         ctx.save_for_backward(k, beta, retain, traj, cu_seqlens)
         ctx.meta, ctx.args = meta, (T, eta, d_min, d_max, eps, n_seq, d0_mode)
@@ -175,7 +214,7 @@ class OsdnScan(torch.autograd.Function):
             k, k if beta is None else beta, k if retain is None else retain, traj,
             k if dw is None else dw.contiguous(), k if dd_final is None else dd_final.contiguous(),
             dk, k if dbeta is None else dbeta, k if dretain is None else dretain, dd0, cu_seqlens,
-            T, eta, d_min, d_max, eps, HAS_DW=dw is not None, HAS_DD=dd_final is not None, **meta,
+            T, eta, d_min, d_max, eps, HAS_DW=dw is not None, HAS_DD=dd_final is not None, num_warps=SCAN_WARPS, **meta,
         )
         dd0_out = None
         if d0_mode == 1:

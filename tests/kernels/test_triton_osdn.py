@@ -71,8 +71,9 @@ def test_osdn_matches_naive(n_h: int, beta_aware: bool, retain: bool, d0: str) -
 def test_osdn_packed_sequences_restart_d() -> None:
     inputs = _inputs(1, 20, 2, 16, 2, retain=True, d0="none", seed=9)
     gen = torch.Generator().manual_seed(10)
-    inputs["d0"] = (0.6 + 1.2 * torch.rand(3, 2, 16, generator=gen, dtype=torch.float64)).to(DEVICE).requires_grad_()
-    cu = torch.tensor([0, 7, 7, 20], dtype=torch.int32, device=DEVICE)
+    inputs["d0"] = (0.6 + 1.2 * torch.rand(4, 2, 16, generator=gen, dtype=torch.float64)).to(DEVICE).requires_grad_()
+    # an empty sequence and one of a single token (2 sub-steps: fewer than the scan's prefetch queue)
+    cu = torch.tensor([0, 7, 7, 8, 20], dtype=torch.int32, device=DEVICE)
     options = dict(eta=0.3, cu_seqlens=cu)
     names = ["write_key", "d_final"] + ["d_" + n for n in inputs]
     _compare(_run(inputs, "triton", **options), _run(inputs, "naive", **options), names, tol=1e-10)

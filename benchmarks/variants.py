@@ -1,0 +1,102 @@
+"""Time our Triton kernels under several launch settings, one process per setting.
+
+    python benchmarks/variants.py [--plans deltanet,kda,...] [--variants "8,4 8,8 16,8"] [--out DIR] [--budget-s S]
+
+The launch knobs of `kernels/triton/recurrence.py` (`ARCHSPEC_TRITON_WARPS`: warps of the
+chunk-parallel kernels and of the state passes; `ARCHSPEC_TRITON_STAGES`;
+`ARCHSPEC_TRITON_STATE_BV`) are read once at import, so each setting runs
+`benchmarks/kernels.py --no-fla --no-torch` in its own process. Why: the offline sm_90
+compile (`python -m archspec.kernels.triton.compile_report`) shows register spills that
+move with the warp count (the state pass: 456 B of stack with 4 warps, 16 B with 8; the
+channel-gate backward: 4.9 KB with 8 warps, 2.9 KB with 16), and only the GPU can say
+which setting is faster. Writes `DIR/variants.json` and `DIR/variants.md`: forward and
+forward+backward ms per plan and setting, and each setting's per-kernel times.
+A variant is written as `WARPS[/STAGES[/STATE_BV]]`, e.g. `8,8` or `8,4/2`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_PLANS = "deltanet,kda,gla-channel,deltaproduct-2,osdn-deltanet"
+DEFAULT_VARIANTS = "8,4 8,8 16,8 4,4"
+
+
+def variant_env(variant: str) -> dict[str, str]:
+    warps, *rest = variant.split("/")
+    env = {"ARCHSPEC_TRITON_WARPS": warps}
+    if rest:
+        env["ARCHSPEC_TRITON_STAGES"] = rest[0]
+    if len(rest) > 1:
+        env["ARCHSPEC_TRITON_STATE_BV"] = rest[1]
+    return env
+
+
+def run_variant(variant: str, plans: str, work: Path, seconds: float, smoke: bool = False) -> dict:
+    folder = work / ("v-" + variant.replace(",", "_").replace("/", "-"))
+    cmd = [sys.executable, str(HERE / "kernels.py"), "--plans", plans, "--no-fla", "--no-torch",
+           "--out", str(folder), "--budget-s", str(int(seconds)), "--workers", str(len(plans.split(",")))]
+    cmd += ["--smoke"] if smoke else []
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env={**os.environ, **variant_env(variant)}, capture_output=True, text=True,
+                          timeout=seconds + 30, check=False)
+    result = {"variant": variant, "env": variant_env(variant), "seconds": round(time.monotonic() - t0, 1), "rc": proc.returncode}
+    try:
+        data = json.loads((folder / "kernels.json").read_text())
+    except (OSError, ValueError):
+        result["error"] = (proc.stderr or proc.stdout)[-800:]
+        return result
+    result["machine"] = data["machine"]
+    result["plans"] = {name: next((r for r in e["rows"] if r["impl"] == "triton"), {}) for name, e in data["plans"].items()}
+    return result
+
+
+def markdown(results: list[dict], plans: list[str]) -> str:
+    ms = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
+    lines = ["| plan | " + " | ".join(f"{r['variant']} fwd | {r['variant']} f+b" for r in results) + " |",
+             "|---|" + "---|---|" * len(results)]
+    for p in plans:
+        cells = [f"{ms(r.get('plans', {}).get(p, {}).get('fwd_ms'))} | {ms(r.get('plans', {}).get(p, {}).get('fwdbwd_ms'))}" for r in results]
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    for r in results:
+        if "error" in r:
+            lines.append(f"\n{r['variant']}: {r['error'][-300:]}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plans", default=DEFAULT_PLANS)
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="space-separated WARPS[/STAGES[/STATE_BV]]")
+    parser.add_argument("--out", default="benchmarks/results/variants")
+    parser.add_argument("--work", default="/tmp/archspec-variants", help="each variant's own kernels.json (kept out of --out)")
+    parser.add_argument("--budget-s", type=float, default=400, help="for all variants together")
+    parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks that the script runs")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    variants, plans = args.variants.split(), args.plans.split(",")
+    start, results = time.monotonic(), []
+    for i, variant in enumerate(variants):
+        share = (args.budget_s - (time.monotonic() - start)) / (len(variants) - i)  # the time left, split evenly
+        if share < 30:
+            results.append({"variant": variant, "error": "out of budget"})
+            continue
+        results.append(run_variant(variant, args.plans, Path(args.work), share - 10, args.smoke))
+        print(f"[{time.monotonic() - start:6.1f}s] {variant}: " + ", ".join(
+            f"{p} {r.get('fwd_ms')}/{r.get('fwdbwd_ms')}" for p, r in results[-1].get("plans", {}).items()), flush=True)
+        (out / "variants.json").write_text(json.dumps(results, indent=1))
+        (out / "variants.md").write_text(markdown(results, plans))
+    print(markdown(results, plans))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -137,12 +137,12 @@ def _recurrence_flops(plan: RecurrencePlan, seq_len: int) -> dict[str, float]:
         # (I + A)^{-1}: a unit lower-triangular solve against the L x L identity (LAPACK's
         # trsm does not skip the identity's zeros: L columns of L (L - 1) / 2 each)
         solve = L * L * (L - 1) // 2
-        matmul += L * L * K + L * L * V  # P = T (k Gamma) ; N = T U (householder) or T (A_kw U)
+        matmul += L * L * K + L * L * V  # P = T (k Gamma) ; N = T U (householder) or (T A_kw) U
         matmul += L * K * V + K * L * V  # state chain: P S_0 ; Z_end^T nu
         matmul += ct * L * V  # read-out M_qz nu
         if plan.transition == "rwkv7":
             scores += [substep_scores, query_scores]  # A_ka = k a^T, M_qa = q a^T
-            matmul += L * L * V  # A_kw U
+            matmul += L * L * L  # T A_kw
             matmul += K * L * V + ct * L * V  # independent writes: Z'_end^T N', M_qz' N'
     matmul += sum(mm for mm, _ in scores)
     to_per_token = 2 * plan.heads * math.ceil(seq_len / ct) / seq_len

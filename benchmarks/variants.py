@@ -11,7 +11,8 @@ move with the warp count (the state pass: 456 B of stack with 4 warps, 16 B with
 channel-gate backward: 4.9 KB with 8 warps, 2.9 KB with 16), and only the GPU can say
 which setting is faster. Writes `DIR/variants.json` and `DIR/variants.md`: forward and
 forward+backward ms per plan and setting, and each setting's per-kernel times.
-A variant is written as `WARPS[/STAGES[/STATE_BV]]`, e.g. `8,8` or `8,4/2`.
+A variant is written as `WARPS[/STAGES[/STATE_BV]][:name=value...]`, e.g. `8,8`, `8,4/2` or
+`8,4:solve=doubling` (a name sets `ARCHSPEC_TRITON_<NAME>`: the UT inverse of `solve.py`).
 """
 
 from __future__ import annotations
@@ -26,12 +27,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PLANS = "deltanet,kda,gla-channel,deltaproduct-2,osdn-deltanet"
-DEFAULT_VARIANTS = "8,4 8,8 16,8 4,4"
+DEFAULT_VARIANTS = "8,4 8,8 16,8 4,4 8,4:solve=doubling 8,8:solve=doubling"
 
 
 def variant_env(variant: str) -> dict[str, str]:
-    warps, *rest = variant.split("/")
+    positional, *named = variant.split(":")
+    warps, *rest = positional.split("/")
     env = {"ARCHSPEC_TRITON_WARPS": warps}
+    for item in named:  # e.g. "solve=doubling" -> ARCHSPEC_TRITON_SOLVE=doubling
+        name, _, value = item.partition("=")
+        env[f"ARCHSPEC_TRITON_{name.upper()}"] = value
     if rest:
         env["ARCHSPEC_TRITON_STAGES"] = rest[0]
     if len(rest) > 1:
@@ -40,7 +45,7 @@ def variant_env(variant: str) -> dict[str, str]:
 
 
 def run_variant(variant: str, plans: str, work: Path, seconds: float, smoke: bool = False) -> dict:
-    folder = work / ("v-" + variant.replace(",", "_").replace("/", "-"))
+    folder = work / ("v-" + variant.replace(",", "_").replace("/", "-").replace(":", "-").replace("=", "-"))
     cmd = [sys.executable, str(HERE / "kernels.py"), "--plans", plans, "--no-fla", "--no-torch",
            "--out", str(folder), "--budget-s", str(int(seconds)), "--workers", str(len(plans.split(",")))]
     cmd += ["--smoke"] if smoke else []

@@ -40,6 +40,15 @@ def _resource_usage(cubin: bytes) -> dict:
     return {k: int(v) for k, v in found.items()}
 
 
+def _sass(cubin: bytes) -> str:
+    """The machine code (for instruction counts: what a kernel spends its issue slots on)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=False).stdout
+
+
 class _OfflineLauncher:
     def __init__(self, fn, grid):
         self.fn, self.grid = fn, grid
@@ -76,6 +85,7 @@ class _OfflineLauncher:
         if os.environ.get("ARCHSPEC_DUMP"):
             Path(os.environ["ARCHSPEC_DUMP"]).mkdir(parents=True, exist_ok=True)
             (Path(os.environ["ARCHSPEC_DUMP"]) / f"{fn.__name__}.ptx").write_text(ptx)
+            (Path(os.environ["ARCHSPEC_DUMP"]) / f"{fn.__name__}.sass").write_text(_sass(compiled.asm["cubin"]))
         flags = {k: (v if not hasattr(v, "name") else v.name) for k, v in constexprs.items() if v is not None}
         REPORT.append({"kernel": fn.__name__, **usage, "flags": flags})
 

@@ -28,7 +28,7 @@ def prepare_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, TC: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr, DOUBLING: tl.constexpr,
 ):
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
     _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
@@ -52,7 +52,7 @@ def prepare_kernel(
         cb = tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)
         a = a * cb[:, None]
     o_t = (i_chunk * H + i_h) * BT * BT
-    tinv = unit_lower_inverse(a, Tinv + o_t, BT, SC, ACC, INV_PREC)  # uses its output slot as scratch
+    tinv = unit_lower_inverse(a, Tinv + o_t, BT, SC, ACC, INV_PREC, DOUBLING)  # substitution: its output slot is scratch
     tl.debug_barrier()
     tl.store(Tinv + o_t + i_sub[:, None] * BT + i_sub[None, :], tinv.to(Tinv.dtype.element_ty))
 

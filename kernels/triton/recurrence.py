@@ -43,6 +43,10 @@ _STAGES = int(os.environ.get("ARCHSPEC_TRITON_STAGES", "1"))  # software pipelin
 # chunk kernels (compute-sanitizer: invalid shared-memory read in a wgmma); 64 ran clean.
 _STATE_BV = int(os.environ.get("ARCHSPEC_TRITON_STATE_BV", "64"))
 _WARPS = tuple(int(x) for x in os.environ.get("ARCHSPEC_TRITON_WARPS", "8,4").split(","))
+# the UT transform's inverse (`solve.py`): "substitution" (measured) or "doubling" (not yet timed)
+_SOLVE = os.environ.get("ARCHSPEC_TRITON_SOLVE", "substitution")
+if _SOLVE not in ("substitution", "doubling"):
+    raise ValueError(f"ARCHSPEC_TRITON_SOLVE={_SOLVE!r}: expected 'substitution' or 'doubling'")
 
 
 @dataclass(frozen=True)
@@ -174,7 +178,7 @@ class ChunkRecurrence(torch.autograd.Function):
                 k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
                 Tinv, P, X, cu_seqlens, table, p.T, p.NT, SC=p.SC, MODE=p.mode, GATE=p.gate,
                 HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=p.warps, num_stages=_STAGES,
-                INV_PREC="ieee" if p.acc == torch.float64 else "tf32x3", **_common(p),
+                INV_PREC="ieee" if p.acc == torch.float64 else "tf32x3", DOUBLING=_SOLVE == "doubling", **_common(p),
             )
         h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=dev, dtype=p.op)
         final = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if output_final_state else None

@@ -123,12 +123,12 @@ def test_variants_smoke_runs_each_setting_in_its_own_process(tmp_path: Path) -> 
 
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "variants.py"), "--smoke", "--plans", "deltanet",
-                           "--variants", "8,4 4,4/2", "--out", str(out), "--work", str(tmp_path / "work"), "--budget-s", "200"],
+                           "--variants", "8,4 4,4/2:solve=doubling", "--out", str(out), "--work", str(tmp_path / "work"), "--budget-s", "200"],
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads((out / "variants.json").read_text())
-    assert [r["variant"] for r in results] == ["8,4", "4,4/2"]
-    assert results[1]["env"] == {"ARCHSPEC_TRITON_WARPS": "4,4", "ARCHSPEC_TRITON_STAGES": "2"}
+    assert [r["variant"] for r in results] == ["8,4", "4,4/2:solve=doubling"]
+    assert results[1]["env"] == {"ARCHSPEC_TRITON_WARPS": "4,4", "ARCHSPEC_TRITON_STAGES": "2", "ARCHSPEC_TRITON_SOLVE": "doubling"}
     for r in results:
         assert r["rc"] == 0 and set(r["plans"]) == {"deltanet"}
         assert r["plans"]["deltanet"]["error"] == ""

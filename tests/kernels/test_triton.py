@@ -117,6 +117,20 @@ def test_default_chunk_and_deep_products() -> None:
         _assert_close(_triton(inputs, chunk_size=None), _naive(inputs), tol=1e-9)
 
 
+@pytest.mark.parametrize("chunk_size", [16, None])
+def test_inverse_by_doubling_matches_naive(monkeypatch, chunk_size) -> None:
+    """The other UT inverse (`solve.py`, `ARCHSPEC_TRITON_SOLVE=doubling`) on the paths
+    whose inverse matters most: products of reflections (beta up to 2, n_h = 3) and
+    RWKV-7's erase with a channel gate; the production chunk of 64 and a chunk of 16."""
+    from archspec.kernels.triton import recurrence
+
+    monkeypatch.setattr(recurrence, "_SOLVE", "doubling")
+    for case in (Case(gate="scalar", transition="householder", n_h=3, beta_scale=2.0, initial_state=True),
+                 Case(gate="channel", transition="rwkv7", write_key="untied", beta_scale=2.0)):
+        inputs = make_inputs(case, B=1, T=40, H=1, K=16, V=16, device=DEVICE, seed=3)
+        _assert_close(_triton(inputs, chunk_size=chunk_size), _naive(inputs), tol=1e-9)
+
+
 def test_float32_deep_products_use_wider_query_tiles() -> None:
     """float32 with n_h = 4 and 8 at the production chunk: 16 and 8 query tokens in a
     32-row tile (`recurrence._min_query_rows`), the empty rows masked."""

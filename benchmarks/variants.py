@@ -12,7 +12,8 @@ channel-gate backward: 4.9 KB with 8 warps, 2.9 KB with 16), and only the GPU ca
 which setting is faster. Writes `DIR/variants.json` and `DIR/variants.md`: forward and
 forward+backward ms per plan and setting, and each setting's per-kernel times.
 A variant is written as `WARPS[/STAGES[/STATE_BV]][:name=value...]`, e.g. `8,8`, `8,4/2` or
-`8,4:solve=doubling` (a name sets `ARCHSPEC_TRITON_<NAME>`: the UT inverse of `solve.py`).
+`8,4:solve=doubling:osdn_ahead=1` (a name sets `ARCHSPEC_TRITON_<NAME>`: `solve` the UT
+inverse of `solve.py`, `osdn_ahead` and `osdn_warps` the OSDN scan of `osdn.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PLANS = "deltanet,kda,gla-channel,deltaproduct-2,osdn-deltanet"
-DEFAULT_VARIANTS = "8,4 8,8 16,8 4,4 8,4:solve=doubling 8,8:solve=doubling"
+DEFAULT_VARIANTS = "8,4 8,8 16,8 4,4 8,4:solve=doubling:osdn_ahead=1:osdn_warps=1 8,8:solve=doubling:osdn_ahead=1:osdn_warps=1"
 
 
 def variant_env(variant: str) -> dict[str, str]:

@@ -20,6 +20,8 @@ with `m = [d_min <= p <= d_max]` (`torch.clamp`'s convention) and `pbar = m * db
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -51,10 +53,16 @@ def _step_terms(d, kk, b_i, eps, eta, BETA_AWARE: tl.constexpr):
     return s, sq, n, c, b, tl.sum(d * s, 0)
 
 
-PREFETCH = tl.constexpr(3)  # steps whose loads are in flight ahead of the one computed
-# One warp per (sequence, head): the two dot products of a step reduce by warp shuffles
-# alone, with no shared-memory round trip and barrier between warps on the critical path.
-SCAN_WARPS = 1
+PREFETCH = tl.constexpr(3)  # with AHEAD: steps whose loads are in flight ahead of the one computed
+# Two launch choices, opt-in until timed and checked on the GPU (`benchmarks/variants.py`,
+# e.g. the variant `8,4:osdn_ahead=1:osdn_warps=1`): AHEAD issues every step's loads
+# PREFETCH steps before the step (they do not depend on `d`), so that a memory latency per
+# step leaves the scan's critical path (the H200 spent about 0.7 us per step, one load
+# latency, with loads at their use); one warp per program reduces a step's two dot
+# products by shuffles alone, with no barrier between warps. Both are exact on the
+# interpreter and compile for sm_90 without spills.
+AHEAD = os.environ.get("ARCHSPEC_TRITON_OSDN_AHEAD", "0") == "1"
+SCAN_WARPS = int(os.environ.get("ARCHSPEC_TRITON_OSDN_WARPS", "4"))
 
 
 @triton.jit
@@ -75,7 +83,7 @@ def osdn_forward_kernel(
     k, beta, retain, d0, w, traj, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NH: tl.constexpr,
     BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, D0_MODE: tl.constexpr,
-    IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ACC: tl.constexpr, AHEAD: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -89,18 +97,25 @@ def osdn_forward_kernel(
     else:  # per sequence [N, H, K]
         d = tl.load(d0 + i_nh * K + offs, mask=mk, other=0.0).to(ACC)
     L = seq_len * NH
-    # The loads of a step do not depend on `d`: they are issued PREFETCH steps ahead (a
-    # register queue carried through the loop), so that only the arithmetic of `d`, not a
-    # memory latency per step, lies on the scan's critical path.
-    k1, b1, r1 = _load_step(k, beta, retain, bos, 0, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
-    k2, b2, r2 = _load_step(k, beta, retain, bos, 1, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
-    k3, b3, r3 = _load_step(k, beta, retain, bos, 2, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+    if AHEAD:  # a register queue of the next steps' loads, carried through the loop
+        k1, b1, r1 = _load_step(k, beta, retain, bos, 0, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+        k2, b2, r2 = _load_step(k, beta, retain, bos, 1, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+        k3, b3, r3 = _load_step(k, beta, retain, bos, 2, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
     for j in range(L):
         i = bos * NH + j
-        kk, b_i, rho = k1, b1, r1
-        k1, b1, r1 = k2, b2, r2
-        k2, b2, r2 = k3, b3, r3
-        k3, b3, r3 = _load_step(k, beta, retain, bos, j + PREFETCH, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+        if AHEAD:
+            kk, b_i, rho = k1, b1, r1
+            k1, b1, r1 = k2, b2, r2
+            k2, b2, r2 = k3, b3, r3
+            k3, b3, r3 = _load_step(k, beta, retain, bos, j + PREFETCH, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+        else:  # each load at its use (the form checked on the H200)
+            kk = tl.load(k + (i * H + i_h) * K + offs, mask=mk, other=0.0).to(ACC)
+            b_i = 0.0
+            if BETA_AWARE:
+                b_i = tl.load(beta + i * H + i_h).to(ACC)
+            rho = 1.0
+            if HAS_RETAIN:  # APF: the retain gate acts once per token, at its first sub-step
+                rho = tl.load(retain + (bos + j // NH) * H + i_h, mask=j % NH == 0, other=1.0).to(ACC)
         tl.store(w + (i * H + i_h) * K + offs, (d * kk).to(w.dtype.element_ty), mask=mk)
         tl.store(traj + (i * H + i_h) * K + offs, d.to(traj.dtype.element_ty), mask=mk)
         s, sq, n, c, b, align = _step_terms(d, kk, b_i, eps, eta, BETA_AWARE)
@@ -124,7 +139,7 @@ def osdn_backward_kernel(
     k, beta, retain, traj, dw, dd_final, dk, dbeta, dretain, dd0, cu_seqlens, T, eta, d_min, d_max, eps,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NH: tl.constexpr,
     BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, HAS_DW: tl.constexpr, HAS_DD: tl.constexpr,
-    IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ACC: tl.constexpr, AHEAD: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -135,23 +150,35 @@ def osdn_backward_kernel(
     if HAS_DD:
         dd += tl.load(dd_final + i_nh * K + offs, mask=mk, other=0.0).to(ACC)
     L = seq_len * NH
-    # as in the forward, every load is issued PREFETCH steps ahead of its use (here the
-    # steps run in reverse: step L-1-jj)
-    k1, b1, r1 = _load_step(k, beta, retain, bos, L - 1, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
-    k2, b2, r2 = _load_step(k, beta, retain, bos, L - 2, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
-    k3, b3, r3 = _load_step(k, beta, retain, bos, L - 3, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
-    d1, w1 = _load_trajectory(traj, dw, bos, L - 1, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
-    d2, w2 = _load_trajectory(traj, dw, bos, L - 2, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
-    d3, w3 = _load_trajectory(traj, dw, bos, L - 3, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
+    if AHEAD:  # as in the forward, with the steps in reverse
+        k1, b1, r1 = _load_step(k, beta, retain, bos, L - 1, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+        k2, b2, r2 = _load_step(k, beta, retain, bos, L - 2, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+        k3, b3, r3 = _load_step(k, beta, retain, bos, L - 3, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+        d1, w1 = _load_trajectory(traj, dw, bos, L - 1, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
+        d2, w2 = _load_trajectory(traj, dw, bos, L - 2, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
+        d3, w3 = _load_trajectory(traj, dw, bos, L - 3, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
     for jj in range(L):
         j = L - 1 - jj
         i = bos * NH + j
         o_row = (i * H + i_h) * K + offs
-        kk, b_i, rho, d, w_bar = k1, b1, r1, d1, w1
-        k1, b1, r1, d1, w1 = k2, b2, r2, d2, w2
-        k2, b2, r2, d2, w2 = k3, b3, r3, d3, w3
-        k3, b3, r3 = _load_step(k, beta, retain, bos, j - PREFETCH, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
-        d3, w3 = _load_trajectory(traj, dw, bos, j - PREFETCH, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
+        if AHEAD:
+            kk, b_i, rho, d, w_bar = k1, b1, r1, d1, w1
+            k1, b1, r1, d1, w1 = k2, b2, r2, d2, w2
+            k2, b2, r2, d2, w2 = k3, b3, r3, d3, w3
+            k3, b3, r3 = _load_step(k, beta, retain, bos, j - PREFETCH, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
+            d3, w3 = _load_trajectory(traj, dw, bos, j - PREFETCH, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
+        else:  # each load at its use (the form checked on the H200)
+            kk = tl.load(k + o_row, mask=mk, other=0.0).to(ACC)
+            d = tl.load(traj + o_row, mask=mk, other=0.0).to(ACC)
+            b_i = 0.0
+            if BETA_AWARE:
+                b_i = tl.load(beta + i * H + i_h).to(ACC)
+            rho = 1.0
+            if HAS_RETAIN:
+                rho = tl.load(retain + (bos + j // NH) * H + i_h, mask=j % NH == 0, other=1.0).to(ACC)
+            w_bar = 0.0
+            if HAS_DW:
+                w_bar = tl.load(dw + o_row, mask=mk, other=0.0).to(ACC)
         s, sq, n, c, b, align = _step_terms(d, kk, b_i, eps, eta, BETA_AWARE)
         p = rho * d + c * (1 - b * align) * s
         pbar = tl.where((p >= d_min) & (p <= d_max) & mk, dd, 0.0)
@@ -189,7 +216,7 @@ class OsdnScan(torch.autograd.Function):
         d_final = torch.empty(n_seq, H, K, device=k.device, dtype=acc)
         meta = dict(H=H, K=K, BK=max(16, triton.next_power_of_2(K)), NH=n_h, BETA_AWARE=beta_aware,
                     HAS_RETAIN=retain is not None, IS_VARLEN=cu_seqlens is not None,
-                    ACC=tl.float64 if acc == torch.float64 else tl.float32)
+                    ACC=tl.float64 if acc == torch.float64 else tl.float32, AHEAD=AHEAD)
         osdn_forward_kernel[(n_seq * H,)](
             k, beta_, retain_, d0_, w, traj, d_final, cu_seqlens, T, eta, d_min, d_max, eps, D0_MODE=d0_mode,
             num_warps=SCAN_WARPS, **meta,

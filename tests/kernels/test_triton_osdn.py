@@ -88,3 +88,22 @@ def test_osdn_float32_and_bfloat16_keys() -> None:
         got = _run(low, "triton", eta=0.3)
         assert got[0].dtype == dtype
         _compare(got, want, ["write_key", "d_final", "d_k", "d_beta", "d_retain"], tol=tol)
+
+
+def test_osdn_loads_ahead_match_naive(monkeypatch) -> None:
+    """The opt-in scan with every step's loads issued three steps ahead (`osdn.AHEAD`), on
+    packed sequences of 0, 1 and several tokens (fewer steps than the queue included),
+    with beta, the APF retain gate and n_h = 2."""
+    from archspec.kernels.triton import osdn
+
+    monkeypatch.setattr(osdn, "AHEAD", True)
+    inputs = _inputs(1, 20, 2, 16, 2, retain=True, d0="none", seed=9)
+    cu = torch.tensor([0, 7, 7, 8, 20], dtype=torch.int32, device=DEVICE)
+    options = dict(eta=0.3, cu_seqlens=cu)
+    names = ["write_key", "d_final"] + ["d_" + n for n in inputs]
+    _compare(_run(inputs, "triton", **options), _run(inputs, "naive", **options), names, tol=1e-10)
+    for n_h, aware in ((1, True), (3, False)):
+        inputs = _inputs(2, 12, 2, 16, n_h, retain=False, d0="shared", seed=n_h)
+        names = ["write_key", "d_final"] + ["d_" + n for n in inputs]
+        options = dict(eta=0.3, beta_aware=aware)
+        _compare(_run(inputs, "triton", **options), _run(inputs, "naive", **options), names, tol=1e-10)

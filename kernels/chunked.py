@@ -167,10 +167,11 @@ def tokens_per_chunk(n_h: int, chunk_size: int | None = None, *, delta: bool) ->
 # Small pieces
 
 
-def _to_chunks(x: Tensor | None, length: int, dtype: torch.dtype, scale: float | None = None) -> Tensor | None:
+def _to_chunks(x: Tensor | None, length: int, dtype: torch.dtype, scale: float | Tensor | None = None) -> Tensor | None:
     """`[B, T, H, ...]` -> `[N, B*H, length, ...]` (chunk-major, so that the sequential
     loop reads contiguous blocks), zero-padding the end of time, times `scale` if given
-    (in the same pass as the layout copy).
+    (in the same pass as the layout copy, without autograd): a number, or a tensor that
+    broadcasts against `[N, B, H, length, ...]` (RWKV-7's `beta` for `u = beta v`).
 
     Padding is harmless: a zero sub-step (k = a = w = u = 0, log-gate 0) leaves the state
     unchanged, and padded read-outs are dropped.
@@ -185,11 +186,14 @@ def _to_chunks(x: Tensor | None, length: int, dtype: torch.dtype, scale: float |
         x = torch.cat([x, x.new_zeros(B, pad, H, *rest)], dim=1)
     view = x.reshape(B, n_chunks, length, H, *rest).permute(1, 0, 3, 2, *range(4, 4 + len(rest)))  # [N, B, H, length, ...]
     out = torch.empty(view.shape, dtype=dtype, device=x.device)
-    if scale is not None and not (torch.is_grad_enabled() and x.requires_grad):
+    wants_grad = torch.is_grad_enabled() and (x.requires_grad or (isinstance(scale, Tensor) and scale.requires_grad))
+    if scale is not None and not wants_grad:
         torch.mul(view, scale, out=out)  # (out= is not differentiable)
     else:
         out.copy_(view)
-        if scale is not None:
+        if isinstance(scale, Tensor):
+            out = out * scale
+        elif scale is not None:
             out.mul_(scale)
     return out.view(n_chunks, B * H, length, *rest)
 
@@ -473,7 +477,11 @@ def _chunked_dense(
     # into q (one pass; as the read-out matmuls' alpha it would cost passes over the
     # larger gradients of the states in the backward).
     q = _to_chunks(q, ct, acc, scale=scale)
-    v, beta = _to_chunks(v, L, acc), _to_chunks(beta, L, acc)
+    beta = _to_chunks(beta, L, acc)
+    if erase is not None and beta is not None:  # rwkv7 needs only u = beta v: made in the layout copy
+        v = _to_chunks(v, L, acc, scale=beta.view(beta.shape[0], B, H, L, 1))
+    else:
+        v = _to_chunks(v, L, acc)
     # Without autograd, a channel gate's keys enter only the dyadic scores, which read them
     # in place from the input layout (`_chunk_view`); otherwise they are copied into chunks.
     wants_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, write_key, erase, initial_state))
@@ -497,7 +505,7 @@ def _chunked_dense(
     if g is not None:
         g_tokens = _to_chunks(g, ct, acc, scale=LOG2_E)  # [N, B*H, Ct(, K)]
         if channel:
-            token_decay = torch.exp2(g_tokens)
+            token_decay = g_tokens.exp2_() if by_products else torch.exp2(g_tokens)  # (in place when G is not formed)
         if not by_products:
             G = g_tokens.cumsum(dim=2)
             if n_h > 1:
@@ -529,7 +537,7 @@ def _chunked_dense(
         P = (t_beta if t_columns is None else _scale_columns(t_beta, t_columns)) @ k_start()  # [N, BH, L, K]
         dependent = (decays.end(w), t_beta @ v, P, M_qw)
     else:  # rwkv7
-        u = v if beta is None else beta[..., None] * v
+        u = v  # (beta v when beta is given: `_to_chunks` made it)
         (M_qa, M_qw), (A_ka, A_kw) = scores([(q, "queries"), (k, "substeps")], [erase, w])
         inverse = _unit_lower_inverse(A_ka)
         # T A_kw U, entering nu negated (sign): [N, BH, L, V]. (T A_kw) U rather than

@@ -142,8 +142,15 @@ def _recurrence_flops(plan: RecurrencePlan, seq_len: int) -> dict[str, float]:
         matmul += ct * L * V  # read-out M_qz nu
         if plan.transition == "rwkv7":
             scores += [substep_scores, query_scores]  # A_ka = k a^T, M_qa = q a^T
-            matmul += L * L * L  # T A_kw
             matmul += K * L * V + ct * L * V  # independent writes: Z'_end^T N', M_qz' N'
+            if channel and n == 1:
+                # `_rwkv7_chain_without_grad` (the forward without autograd, which is what
+                # is priced): neither P = T (k Gamma) nor T A_kw is formed; the chain
+                # applies T to r = k S_0 + A_kw U instead ([L,L]@[L,V]; `[q; k] S_0` and
+                # `[M_qw; A_kw] U` are the read-out, `P S_0`, `M_qz' N'` and `A_kw U` stacked)
+                matmul += L * L * V - L * L * K
+            else:
+                matmul += L * L * L  # T A_kw
     matmul += sum(mm for mm, _ in scores)
     to_per_token = 2 * plan.heads * math.ceil(seq_len / ct) / seq_len
     return {

@@ -283,7 +283,9 @@ def _unit_lower_inverse(A: Tensor) -> Tensor:
     16x16 systems took less than half the time of the left-side one (~0.4 against
     ~0.85 us per matrix)."""
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-    return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True, left=False)
+    # (A strided view, such as RWKV-7's A_ka stored by column operand, took the solve from
+    # ~0.1 to ~0.16 ms at the benchmark's shape; a contiguous copy first costs ~7 us.)
+    return torch.linalg.solve_triangular(A.contiguous(), eye, upper=False, unitriangular=True, left=False)
 
 
 # ---------------------------------------------------------------------------------------
@@ -443,6 +445,42 @@ def _chain_without_grad(state, decay, independent, N, P, Z, sign, Q, M) -> tuple
     return o, S
 
 
+def _rwkv7_chain_without_grad(state, decay, T, rows, base, M_qa, a_end, w_end, u) -> tuple[Tensor, Tensor]:
+    """RWKV-7's chain without autograd when the read-out and the removal keys are rows of
+    one matrix (`n_h == 1`, channel gate: `decay_scores.Ends.stacked_rows`): per chunk
+
+        [q S + M_qw U ; k S + A_kw U] = base[c] + rows[c] S     (one matmul, rows interleaved)
+        r      = k S + A_kw U,   nu = -T r                      (T = (I + A_ka)^{-1})
+        o[c]   = (q S + M_qw U) - M_qa (T r)
+        S     <- Gamma[c] * S + w_end^T U - a_end^T (T r)
+
+    with `base = [M_qw ; A_kw] U` batched over all chunks beforehand. The same result as
+    `_chain_without_grad` with `N = (T A_kw) U`, `P = T (k Gamma)`: `nu = -N - P S = -T r`;
+    but `P` and `N` are never formed, the read-out `q S` shares the matmul of `k S`, and
+    `M_qz' N'` is in `base`: per chunk one `[2L, K] @ [K, V]` and one `[L, L] @ [L, V]`
+    in place of two `[L, K] @ [K, V]` and two `[Ct, L] @ [L, V]`.
+
+    `rows` `[n, BH, 2L, K]` and `base` `[n, BH, 2L, V]` interleave (q_t, k_t); `base` is
+    overwritten.
+    """
+    n = T.shape[0]
+    o = base.new_empty(n, *base.shape[1:-2], base.shape[-2] // 2, state.shape[-1])
+    buffers = (torch.empty_like(state), torch.empty_like(state))
+    t_r = torch.empty_like(u[0])
+    o_, base_, rows_, T_, M_, D_, u_ = (_per_chunk(x, n) for x in (o, base, rows, T, M_qa, decay, u))
+    At_, Wt_ = (_per_chunk(x.transpose(-1, -2), n) for x in (a_end, w_end))
+    S = state
+    for c in range(n):
+        new = buffers[c % 2]
+        qk = torch.baddbmm(base_[c], rows_[c], S, out=base_[c])
+        torch.bmm(T_[c], qk[:, 1::2], out=t_r)
+        torch.baddbmm(qk[:, 0::2], M_[c], t_r, alpha=-1, out=o_[c])
+        torch.mul(S, D_[c], out=new)
+        torch.baddbmm(new, Wt_[c], u_[c], out=new)
+        S = torch.baddbmm(new, At_[c], t_r, alpha=-1, out=new)
+    return o, S
+
+
 # ---------------------------------------------------------------------------------------
 # The chunked recurrence on one dense batch
 
@@ -516,11 +554,14 @@ def _chunked_dense(
 
     def k_start() -> Tensor:
         return decays.start(k) if channel else k
+    stacked = []  # (`decay_scores.Ends.stacked_rows`, `.stacked_scores`) when made
     def scores(rows, cols):
         if not by_products:
             return score_matrices(G, channel, ct, n_h, rows, cols, token_decay)
         matrices, ends = score_matrices_and_ends(G, token_decay, ct, n_h, rows, cols)
         decays.remember(rows, cols, ends)
+        if ends.stacked_rows is not None:
+            stacked[:] = [ends.stacked_rows, ends.stacked_scores]
         return matrices
 
     # Writes whose values depend on the chunk's start state: nu = N - P S_0 (delta rule),
@@ -540,6 +581,10 @@ def _chunked_dense(
         u = v  # (beta v when beta is given: `_to_chunks` made it)
         (M_qa, M_qw), (A_ka, A_kw) = scores([(q, "queries"), (k, "substeps")], [erase, w])
         inverse = _unit_lower_inverse(A_ka)
+        if stacked and len(stacked[1]) == 2:  # (no autograd, channel gate, n_h == 1)
+            rows_qk, (_, scores_w) = stacked
+            o, final = _rwkv7_chain_without_grad(state, decays.chunk(), inverse, rows_qk, scores_w @ u, M_qa, decays.end(erase), decays.end(w), u)
+            return _from_chunks(o, B, H, T), final.reshape(B, H, K, V)
         # T A_kw U, entering nu negated (sign): [N, BH, L, V]. (T A_kw) U rather than
         # T (A_kw U): L^3 + L^2 V multiply-adds instead of 2 L^2 V (2-3% of the forward).
         N = (inverse @ A_kw) @ u
@@ -562,9 +607,13 @@ def _chunked_dense(
         o, final = _StateChain.apply(state, decay_chunk, R, N, P, Z_end, sign, q_start, M_qz)
         if independent is not None:
             o = baddmm(o, M_ind, N_ind)  # [N, BH, Ct, V]
-    n_chunks = o.shape[0]
-    o = o.reshape(n_chunks, B, H, ct, V).permute(1, 0, 3, 2, 4).reshape(B, n_chunks * ct, H, V)[:, :T]
-    return o, final.reshape(B, H, K, V)
+    return _from_chunks(o, B, H, T), final.reshape(B, H, K, V)
+
+
+def _from_chunks(o: Tensor, B: int, H: int, T: int) -> Tensor:
+    """Read-outs `[N, B*H, Ct, V]` -> `[B, T, H, V]` (dropping the padding)."""
+    n_chunks, _, ct, V = o.shape
+    return o.reshape(n_chunks, B, H, ct, V).permute(1, 0, 3, 2, 4).reshape(B, n_chunks * ct, H, V)[:, :T]
 
 
 def linear_recurrence_chunked(

@@ -245,10 +245,18 @@ class _DyadicScores(torch.autograd.Function):
             Y_y, y_pos = _positions(Y, y, ct, n_h)
             Y_y[..., c, :].copy_(y_pos)
         decay = token_decay.reshape(Bt, ct, K)  # from the end of the previous token to the token
-        groups = []
+        groups, storages = [], []
         for per, indices in geo.groups:
             R = len(indices)
-            out = token_decay.new_zeros(R, C, Bt, ct * per, L)
+            if ends:
+                # Without autograd the scores are stored `[C, Bt, P, R, L]`: a column operand's
+                # scores against all rows interleaved per position (`Ends.stacked_scores`);
+                # `out` is the same `[R, C, Bt, P, L]` view as otherwise, only strided.
+                storages.append(token_decay.new_zeros(C, Bt, ct * per, R, L))
+                out = storages[-1].permute(3, 0, 1, 2, 4)
+            else:
+                out = token_decay.new_zeros(R, C, Bt, ct * per, L)
+                storages.append(out)
             # Rows `[Bt, Ct, per, R, K]`, each relative to the end of the token before its block
             # (level 1: the previous token).
             X = token_decay.new_empty(Bt, ct, per, R, K)
@@ -286,23 +294,24 @@ class _DyadicScores(torch.autograd.Function):
                 X.view(Bt, nb, 2, m * per * X.shape[3], K)[:, :, 1].mul_(pair[:, :, 0])
             decay = torch.mul(pair[:, :, 0, 0], pair[:, :, 1, 0])  # [Bt, nb, K]: blocks of 2m tokens
         ctx.save_for_backward(G, *operands)
-        ctx.geometry = (ct, n_h, kinds, batch, len(groups))
-        scores = tuple(out.view(-1, *batch, ct * per, L) for per, _, out in groups)
+        ctx.geometry = (ct, n_h, kinds, batch, len(groups), ends)
         if not ends:
-            return scores
+            return tuple(out.view(-1, *batch, ct * per, L) for per, _, out in groups)
         # One doubling past the chunk: rows decayed from the chunk's start, columns to its end.
         by_row = {i: X[:, :, :, r].view(*batch, ct * per, K) for per, X, _ in groups for r, i in enumerate(dict(geo.groups)[per])}
         starts = tuple(by_row[i] for i in range(len(kinds)))
         col_ends = tuple(Y[:, :, :, c].view(*batch, L, K) for c in range(C))
-        extras = (*starts, *col_ends, decay.view(*batch, K))
+        # With one group of rows, also the rows interleaved per position `[*batch, P R, K]`.
+        stacked = (groups[0][1].view(*batch, -1, K),) if len(groups) == 1 else ()
+        extras = (*starts, *col_ends, decay.view(*batch, K), *stacked)
         ctx.mark_non_differentiable(*extras)
-        return (*scores, *extras)
+        return (*(x.view(C, *batch, -1, L) for x in storages), *extras)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *d_outs):
         G, *operands = ctx.saved_tensors
-        ct, n_h, kinds, batch, n_groups = ctx.geometry
+        ct, n_h, kinds, batch, n_groups, stored_by_column = ctx.geometry
         d_outs = d_outs[:n_groups]  # (the by-products of `ends` are not differentiable)
         Bt, L, K = G.shape
         geo = _Dyadic(ct, n_h, kinds, Bt, K)
@@ -314,7 +323,10 @@ class _DyadicScores(torch.autograd.Function):
         for (per, indices), d_out in zip(geo.groups, d_outs):
             X = _stack([rows[i] for i in indices], Bt)
             dX = torch.zeros_like(X)
-            d_out = d_out.reshape(len(indices), C, Bt, ct * per, L)
+            if stored_by_column:  # `[C, *batch, P R, L]` (the layout without autograd)
+                d_out = d_out.reshape(C, Bt, ct * per, len(indices), L).permute(3, 0, 1, 2, 4)
+            else:
+                d_out = d_out.reshape(len(indices), C, Bt, ct * per, L)
             for r, i in enumerate(indices):
                 if geo.has_leaves(kinds[i]):
                     d_leaves = geo.token_pairs(d_out[r], per).permute(0, 1, 4, 2, 3)  # [C, Bt, Ct, per, n_h]
@@ -384,6 +396,13 @@ class Ends(NamedTuple):
     rows: list[Tensor]
     cols: list[Tensor]
     decay: Tensor
+    # With one group of rows (every row operand at the same positions: `n_h == 1`, or
+    # sub-step rows only), the same interleaved per position (row operand innermost):
+    # `stacked_rows` `[..., P R, K]` (the decayed rows) and, per column operand,
+    # `stacked_scores[j]` `[..., P R, L]` (its score matrices against every row operand),
+    # else None.
+    stacked_rows: Tensor | None = None
+    stacked_scores: list[Tensor] | None = None
 
 
 def _dyadic_scores(
@@ -402,14 +421,22 @@ def _dyadic_scores(
     groups = _Dyadic(ct, n_h, kinds, token_decay.numel() // (ct * K), K).groups
     C = len(cols)
     results: list[list[Tensor]] = [[] for _ in rows]
-    for (_, indices), out in zip(groups, outs):
-        matrices = out.unbind(0)
-        for r, i in enumerate(indices):
-            results[i] = list(matrices[r * C : (r + 1) * C])
+    for (per, indices), out in zip(groups, outs):
+        if ends:  # `[C, *batch, P R, L]`
+            R = len(indices)
+            by_column = out.unflatten(-2, (-1, R))
+            for r, i in enumerate(indices):
+                results[i] = [by_column[c, ..., r, :] for c in range(C)]
+        else:
+            matrices = out.unbind(0)
+            for r, i in enumerate(indices):
+                results[i] = list(matrices[r * C : (r + 1) * C])
     if not ends:
         return results, None
     extras = outs[len(groups) :]
-    return results, Ends(list(extras[: len(rows)]), list(extras[len(rows) : len(rows) + C]), extras[-1])
+    n = len(rows) + C + 1
+    stacked = (extras[n], list(outs[0].unbind(0))) if len(groups) == 1 else (None, None)
+    return results, Ends(list(extras[: len(rows)]), list(extras[len(rows) : len(rows) + C]), extras[len(rows) + C], *stacked)
 
 
 def score_matrices_and_ends(

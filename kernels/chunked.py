@@ -469,12 +469,14 @@ def _rwkv7_chain_without_grad(state, decay, T, rows, base, M_qa, a_end, w_end, u
     t_r = torch.empty_like(u[0])
     o_, base_, rows_, T_, M_, D_, u_ = (_per_chunk(x, n) for x in (o, base, rows, T, M_qa, decay, u))
     At_, Wt_ = (_per_chunk(x.transpose(-1, -2), n) for x in (a_end, w_end))
+    by_row = base.unflatten(-2, (-1, 2))  # (the q and k rows of `base` as views, made at once)
+    bq_, bk_ = (_per_chunk(by_row[..., i, :], n) for i in (0, 1))
     S = state
     for c in range(n):
         new = buffers[c % 2]
-        qk = torch.baddbmm(base_[c], rows_[c], S, out=base_[c])
-        torch.bmm(T_[c], qk[:, 1::2], out=t_r)
-        torch.baddbmm(qk[:, 0::2], M_[c], t_r, alpha=-1, out=o_[c])
+        torch.baddbmm(base_[c], rows_[c], S, out=base_[c])
+        torch.bmm(T_[c], bk_[c], out=t_r)
+        torch.baddbmm(bq_[c], M_[c], t_r, alpha=-1, out=o_[c])
         torch.mul(S, D_[c], out=new)
         torch.baddbmm(new, Wt_[c], u_[c], out=new)
         S = torch.baddbmm(new, At_[c], t_r, alpha=-1, out=new)

@@ -19,13 +19,40 @@ path is tested against the naive loop too):
     chunk's decay (`decay_scores.Ends`: one more in-place doubling of their running
     products) in place of `exp2(G)`, `exp2(G_L - G)` and the products with them, `G`
     itself is not formed, and the keys are read as views of the input layout
-    (`_chunk_view`), not copied into chunks.
+    (`_chunk_view`), not copied into chunks;
+  - RWKV-7 with a channel gate and `n_h == 1` (`_rwkv7_chain_without_grad`): the
+    read-out and the removal keys are rows of one interleaved matrix (`Ends.stacked_rows`),
+    so `[q Gamma_q; k Gamma] S_0` is one matmul per chunk, `[M_qw; A_kw] U` one batched
+    matmul (`Ends.stacked_scores`, as the chain's base), and `T = (I + A_ka)^{-1}` is applied
+    in the chain to `r = k Gamma S_0 + A_kw U` (`nu = -T r`), so `P = T (k Gamma)` and
+    `T A_kw` are never formed.
 
 At T=512, B=2, H=4, K=V=64 on one CPU thread (`benchmarks/torch_vs_naive.py`) these,
 with the dyadic scores' running products (`decay_scores.py`) and the right-side
 triangular solve (`_unit_lower_inverse`), took the forwards from 5.2, 7.3 and 3.6 ms to
 about 3.9, 5.3 and 2.4 ms for KDA, RWKV-7 and GLA, and the delta paths without a
-channel gate 10-25% down; the machine is shared, and repeated runs spread by 5-10%.
+channel gate 10-25% down; the machine is shared, and repeated runs spread by 5-10%
+(back-to-back timings of the same call by up to 15%). The RWKV-7 chain above then took
+its forward from about 5.1-5.3 to 4.9-5.0 ms (3-4% in alternated A/B runs, 14 rounds).
+
+Where RWKV-7's forward goes (about 5 ms, measured in place, stage by stage): the chain
+~2.1-2.2 ms, of which ~1.8 ms are its matmuls at ~85-90 GFLOP/s (per chunk one
+`[8: 32x64 @ 64x64]`, two `[8: 64x16 @ 16x64]` and two `[8: 16x16 @ 16x64]`: MKL's
+rate for these shapes whichever way they are transposed or merged; the state update's
+`w_end^T U` does not depend on the state but must enter it, and batching it over all
+chunks measured the same); the dyadic scores ~1.7-1.9 ms (two row and two column
+operands: four levels of small batched matmuls ~0.5 ms, in-place doublings ~0.4 ms,
+the read-outs' within-token leaves ~0.17 ms, copies into the score matrices ~0.13 ms,
+the first rescaling and the column copy ~0.25 ms, ~0.17 ms of fixed per-call cost);
+layout copies of q, v, beta, g ~0.3 ms; the solve ~0.15 ms; `[M_qw; A_kw] U` ~0.2 ms;
+the output copy ~0.1 ms. Passes over memory cost 2-4 times their isolated time there
+(the forward touches ~14 MB). Tried for RWKV-7 and dropped: reading q in place with the
+read-out scale moved into the output copy (3% slower, as reading it in place with the
+scale inside the scores was before); the leaves one column operand at a time, summed
+straight into the scores (no measurable change); 8 or 32 sub-steps per chunk again (16
+stays fastest); splitting the batch into calls of B=1 (slower: fixed costs double);
+`W = M_qa T` and `T^T a_end` formed beforehand to drop `T r` from the chain (the batched
+matmuls cost more than the chain saves).
 
 One generalized form serves every path
 --------------------------------------
@@ -119,7 +146,12 @@ With a delta rule (householder, rwkv7):
   - `(I + A_ka)^{-1}`                          about L^3/6 multiply-adds (`solve_triangular`
                                                against the identity: FlopCounterMode does not see it)
   - `P`, `N`                                   [L,L]@[L,K], [L,L]@[L,V]   (rwkv7: also `T A_kw`
-                                               [L,L]@[L,L], then `N = (T A_kw) U`)
+                                               [L,L]@[L,L], then `N = (T A_kw) U`; without
+                                               autograd, channel gate, n_h = 1: neither, but
+                                               `[M_qw; A_kw] U` [2L,L]@[L,V] once, and per chunk
+                                               `[q; k] S_0` [2L,K]@[K,V] and `T r` [L,L]@[L,V]
+                                               in place of `P S_0`, the read-out of `S_0` and
+                                               `M_qz' N'`: `_rwkv7_chain_without_grad`)
   - state chain `P S_0`, `Z_end^T nu`          [L,K]@[K,V], [K,L]@[L,V]   (sequential)
   - read-out `M_qz nu`                         [Ct,L]@[L,V]
 Independent writes (diagonal, rwkv7):

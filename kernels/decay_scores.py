@@ -79,7 +79,11 @@ exponent is <= 0:
 
 Shapes: row operands `[..., Ct*nr, K]` (`nr = n_h` for sub-steps, 1 for queries), column
 operands `[..., L, K]`, `G` `[..., L]` (scalar) or `[..., L, K]` (channel) or None, `L =
-Ct*n_h`; a score matrix is `[..., Ct*nr, L]`.
+Ct*n_h`; a score matrix is `[..., Ct*nr, L]` (a view with rows `R` apart when made with
+the by-products of `Ends`, whose storage interleaves the row operands per position so that
+a column operand's scores against all of them are one matrix; RWKV-7's chain without
+autograd multiplies `[M_qw; A_kw]` by `U` in one matmul that way; the copies of each
+level's products into that layout measured ~30% cheaper than into `[R, C, ...]`).
 """
 
 from __future__ import annotations
@@ -213,9 +217,11 @@ class _Dyadic:
 class _DyadicScores(torch.autograd.Function):
     """Channel-gate scores by dyadic splitting (module docstring), with an explicit backward.
 
-    `(ct, n_h, kinds, G, token_decay, *rows, *cols) -> one [R*C, *batch, P, L] per group of
-    rows`, `token_decay = exp2(g_t)` `[*batch, Ct, K]` (not differentiated: the backward
-    gives `G` the gate's whole gradient).
+    `(ct, n_h, kinds, ends, G, token_decay, *rows, *cols) -> one [R*C, *batch, P, L] per group
+    of rows`, or with `ends` one `[C, *batch, P*R, L]` per group (stored by column operand,
+    rows interleaved per position: `Ends.stacked_scores`) and the by-products of `Ends`;
+    `token_decay = exp2(g_t)` `[*batch, Ct, K]` (not differentiated: the backward gives `G`
+    the gate's whole gradient).
     Written with autograd, every level's half-block views and products would record nodes
     whose backward allocates full-size zero gradients and accumulates them one by one (for
     KDA about five times the forward's time). Here the backward recomputes each level's

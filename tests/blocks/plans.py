@@ -61,6 +61,7 @@ COMBINATIONS: dict[str, RecurrencePlan] = {
     "householder-nh2-channel": mixer_plan("kda", "channel", n_h=2),
     # RWKV-7 transition
     "rwkv7-nh1-scalar": mixer_plan("gdn", "scalar", "rwkv7"),
+    "rwkv7-nh1-channel": mixer_plan("kda", "channel", "rwkv7"),  # RWKV-7 itself (its own no-grad chain in chunked.py)
     "rwkv7-nh2-b2-channel": mixer_plan("kda", "channel", "rwkv7", n_h=2, beta_scale=2.0),
     "rwkv7-nh3-none": mixer_plan("deltanet", "none", "rwkv7", n_h=3),
     # OSDN variants

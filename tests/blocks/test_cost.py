@@ -45,6 +45,7 @@ FLOP_CASES = [
     "diagonal-channel",
     "householder-nh3-b2-none",
     "rwkv7-nh2-b2-channel",
+    "rwkv7-nh1-channel",
     "osgdn-apf-learned",
     "noconv-gdn",
 ]

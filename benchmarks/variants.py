@@ -13,7 +13,8 @@ which setting is faster. Writes `DIR/variants.json` and `DIR/variants.md`: forwa
 forward+backward ms per plan and setting, and each setting's per-kernel times.
 A variant is written as `WARPS[/STAGES[/STATE_BV]][:name=value...]`, e.g. `8,8`, `8,4/2` or
 `8,4:solve=doubling:osdn_ahead=1` (a name sets `ARCHSPEC_TRITON_<NAME>`: `solve` the UT
-inverse of `solve.py`, `osdn_ahead` and `osdn_warps` the OSDN scan of `osdn.py`).
+inverse of `solve.py`, `osdn_ahead` and `osdn_warps` the OSDN scan of `osdn.py`,
+`backward_warps` the last backward kernel's warps).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PLANS = "deltanet,kda,gla-channel,deltaproduct-2,osdn-deltanet"
-DEFAULT_VARIANTS = "8,4 8,8 16,8 4,4 8,4:solve=doubling:osdn_ahead=1:osdn_warps=1 8,8:solve=doubling:osdn_ahead=1:osdn_warps=1"
+DEFAULT_VARIANTS = "8,4 8,8 16,8 4,4 8,8:backward_warps=16 8,4:solve=doubling:osdn_ahead=1:osdn_warps=1 8,8:solve=doubling:osdn_ahead=1:osdn_warps=1"
 
 
 def variant_env(variant: str) -> dict[str, str]:

@@ -43,6 +43,10 @@ _STAGES = int(os.environ.get("ARCHSPEC_TRITON_STAGES", "1"))  # software pipelin
 # chunk kernels (compute-sanitizer: invalid shared-memory read in a wgmma); 64 ran clean.
 _STATE_BV = int(os.environ.get("ARCHSPEC_TRITON_STATE_BV", "64"))
 _WARPS = tuple(int(x) for x in os.environ.get("ARCHSPEC_TRITON_WARPS", "8,4").split(","))
+# warps of the last backward kernel alone (default: the chunk-parallel kernels'): offline,
+# its channel-gate specializations spill 4.9 KB per thread with 8 warps and 2.9 KB with 16,
+# while `prepare_kernel` spills more with 16 (`compile_report.py`); not yet timed
+_BACKWARD_WARPS = int(os.environ.get("ARCHSPEC_TRITON_BACKWARD_WARPS", str(_WARPS[0])))
 # the UT transform's inverse (`solve.py`): "substitution" (measured) or "doubling" (not yet timed)
 _SOLVE = os.environ.get("ARCHSPEC_TRITON_SOLVE", "substitution")
 if _SOLVE not in ("substitution", "doubling"):
@@ -245,7 +249,7 @@ class ChunkRecurrence(torch.autograd.Function):
             dq, dk, dw, dummy if de is None else de, dv,
             dummy if dbeta is None else dbeta, dummy if dg is None else dg,
             cu_seqlens, table, p.T, p.NT, scale, BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate,
-            HAS_BETA=p.has_beta, TIED=ctx.tied, IS_VARLEN=varlen, num_warps=p.warps, num_stages=_STAGES, **_common(p),
+            HAS_BETA=p.has_beta, TIED=ctx.tied, IS_VARLEN=varlen, num_warps=_BACKWARD_WARPS, num_stages=_STAGES, **_common(p),
         )
         cast = lambda x, dt: None if x is None else x.to(dt)  # noqa: E731
         tq, tk, tv, tg, tb, tw, te, th = ctx.dtypes

@@ -108,7 +108,7 @@ case $call in
   s=$(($(left) - 20))
   say "launch settings, budget ${s}s: ${VARIANTS:-default}"
   timeout $((s + 15)) python3 benchmarks/variants.py --out "$OUT" --budget-s "$s" $smoke ${PLANS:+--plans "$PLANS"} \
-    ${VARIANTS:+--variants "$VARIANTS"} 2>&1 | tail -40
+    ${VARIANTS:+--variants "$VARIANTS"} ${CHECK:+--check "$CHECK"} 2>&1 | tail -40
   ;;
 esac
 say "done; files in \$OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -9,7 +9,8 @@ chunk-parallel kernels and of the state passes; `ARCHSPEC_TRITON_STAGES`;
 compile (`python -m archspec.kernels.triton.compile_report`) shows register spills that
 move with the warp count (the state pass: 456 B of stack with 4 warps, 16 B with 8; the
 channel-gate backward: 4.9 KB with 8 warps, 2.9 KB with 16), and only the GPU can say
-which setting is faster. Writes `DIR/variants.json` and `DIR/variants.md`: forward and
+which setting is faster; `--check PLANS` runs the GPU correctness check of those plans
+under each setting first, since a setting is adopted only if it is right too. Writes `DIR/variants.json` and `DIR/variants.md`: forward and
 forward+backward ms per plan and setting, and each setting's per-kernel times.
 A variant is written as `WARPS[/STAGES[/STATE_BV]][:name=value...]`, e.g. `8,8`, `8,4/2` or
 `8,4:solve=doubling:osdn_ahead=1` (a name sets `ARCHSPEC_TRITON_<NAME>`: `solve` the UT
@@ -46,15 +47,30 @@ def variant_env(variant: str) -> dict[str, str]:
     return env
 
 
-def run_variant(variant: str, plans: str, work: Path, seconds: float, smoke: bool = False) -> dict:
+def run_variant(variant: str, plans: str, work: Path, seconds: float, smoke: bool = False, check: str = "") -> dict:
+    """Time `plans` under the variant's environment; with `check`, first run the GPU
+    correctness check of those plans under the same environment (a setting that is faster
+    but wrong must not be adopted), with a third of the time."""
     folder = work / ("v-" + variant.replace(",", "_").replace("/", "-").replace(":", "-").replace("=", "-"))
+    env = {**os.environ, **variant_env(variant)}
+    result = {"variant": variant, "env": variant_env(variant)}
+    t0 = time.monotonic()
+    if check:
+        check_s = seconds / 3
+        cmd = [sys.executable, str(HERE / "triton_gpu_check.py"), "--plans", check, "--out", str(folder),
+               "--budget-s", str(int(check_s))] + (["--smoke"] if smoke else [])
+        subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=check_s + 30, check=False)
+        try:
+            checked = json.loads((folder / "triton_gpu_check.json").read_text())["checks"]
+            result["check"] = {key: {"worst": r["worst"], "pass": r["pass"]} for key, r in checked.items()}
+        except (OSError, ValueError, KeyError) as err:
+            result["check"] = {"error": f"{type(err).__name__}: {err}"}
+        seconds -= time.monotonic() - t0
     cmd = [sys.executable, str(HERE / "kernels.py"), "--plans", plans, "--no-fla", "--no-torch",
            "--out", str(folder), "--budget-s", str(int(seconds)), "--workers", str(len(plans.split(",")))]
     cmd += ["--smoke"] if smoke else []
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, env={**os.environ, **variant_env(variant)}, capture_output=True, text=True,
-                          timeout=seconds + 30, check=False)
-    result = {"variant": variant, "env": variant_env(variant), "seconds": round(time.monotonic() - t0, 1), "rc": proc.returncode}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 30, check=False)
+    result.update(seconds=round(time.monotonic() - t0, 1), rc=proc.returncode)
     try:
         data = json.loads((folder / "kernels.json").read_text())
     except (OSError, ValueError):
@@ -72,6 +88,13 @@ def markdown(results: list[dict], plans: list[str]) -> str:
     for p in plans:
         cells = [f"{ms(r.get('plans', {}).get(p, {}).get('fwd_ms'))} | {ms(r.get('plans', {}).get(p, {}).get('fwdbwd_ms'))}" for r in results]
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    checked = [r for r in results if r.get("check")]
+    if checked:
+        lines += ["", "Correctness under each variant (worst relative error against float64; pass/fail):", ""]
+        for r in checked:
+            cells = ", ".join(f"{k} {v['worst']:.1e} {'ok' if v['pass'] else 'FAIL'}" if "worst" in v else f"{k}: {v}"
+                              for k, v in r["check"].items()) if "error" not in r["check"] else r["check"]["error"]
+            lines.append(f"- {r['variant']}: {cells}")
     for r in results:
         if "error" in r:
             lines.append(f"\n{r['variant']}: {r['error'][-300:]}")
@@ -86,6 +109,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--work", default="/tmp/archspec-variants", help="each variant's own kernels.json (kept out of --out)")
     parser.add_argument("--budget-s", type=float, default=400, help="for all variants together")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks that the script runs")
+    parser.add_argument("--check", default="", help="plans to check for correctness under each variant first (triton_gpu_check.py)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,7 +120,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if share < 30:
             results.append({"variant": variant, "error": "out of budget"})
             continue
-        results.append(run_variant(variant, args.plans, Path(args.work), share - 10, args.smoke))
+        results.append(run_variant(variant, args.plans, Path(args.work), share - 10, args.smoke, args.check))
         print(f"[{time.monotonic() - start:6.1f}s] {variant}: " + ", ".join(
             f"{p} {r.get('fwd_ms')}/{r.get('fwdbwd_ms')}" for p, r in results[-1].get("plans", {}).items()), flush=True)
         (out / "variants.json").write_text(json.dumps(results, indent=1))

@@ -123,7 +123,7 @@ def test_variants_smoke_runs_each_setting_in_its_own_process(tmp_path: Path) -> 
 
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "variants.py"), "--smoke", "--plans", "deltanet",
-                           "--variants", "8,4 4,4/2:solve=doubling", "--out", str(out), "--work", str(tmp_path / "work"), "--budget-s", "200"],
+                           "--variants", "8,4 4,4/2:solve=doubling", "--check", "deltanet", "--out", str(out), "--work", str(tmp_path / "work"), "--budget-s", "200"],
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads((out / "variants.json").read_text())
@@ -132,4 +132,5 @@ def test_variants_smoke_runs_each_setting_in_its_own_process(tmp_path: Path) -> 
     for r in results:
         assert r["rc"] == 0 and set(r["plans"]) == {"deltanet"}
         assert r["plans"]["deltanet"]["error"] == ""
+        assert r["check"] and all(c["pass"] for c in r["check"].values())  # the check ran under the variant
     assert "| deltanet |" in (out / "variants.md").read_text()

@@ -101,7 +101,7 @@ def main() -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     from . import backward, gate, osdn, output, prepare, state
     from .recurrence import linear_recurrence_triton
-    offline([gate.gate_cumsum_kernel, prepare.prepare_kernel, state.state_forward_kernel, state.state_backward_kernel,
+    offline([gate.gate_cumsum_kernel, prepare.inverse_kernel, prepare.prepare_kernel, state.state_forward_kernel, state.state_backward_kernel,
              output.output_kernel, output.output_backward_kernel, backward.chunk_backward_kernel,
              osdn.osdn_forward_kernel, osdn.osdn_backward_kernel])
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

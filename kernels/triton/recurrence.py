@@ -11,7 +11,7 @@ beta-free code:
     tied write key: `w` is the same tensor as `k` (no flag needed; gradients are summed)
     USE_H0 / STORE_HT, IS_VARLEN (cu_seqlens), ACC (float32, or float64 for float64 inputs)
 
-Forward: [gate cumsum] -> prepare (UT transform, delta rules only) -> state pass -> output.
+Forward: [gate cumsum] -> inverse, prepare (UT transform, delta rules only) -> state pass -> output.
 Backward: local output gradients -> reverse state pass -> one chunk-parallel kernel for
 every input gradient (`backward.py`). See `docs/kernel.md` for the algorithm and numbers.
 """
@@ -29,7 +29,7 @@ from .backward import chunk_backward_kernel
 from .chunks import chunk_tables
 from .gate import gate_cumsum_kernel
 from .output import output_backward_kernel, output_kernel
-from .prepare import prepare_kernel
+from .prepare import inverse_kernel, prepare_kernel
 from .state import state_backward_kernel, state_forward_kernel
 
 Tensor = torch.Tensor
@@ -47,6 +47,9 @@ _WARPS = tuple(int(x) for x in os.environ.get("ARCHSPEC_TRITON_WARPS", "8,4").sp
 # its channel-gate specializations spill 4.9 KB per thread with 8 warps and 2.9 KB with 16,
 # while `prepare_kernel` spills more with 16 (`compile_report.py`); not yet timed
 _BACKWARD_WARPS = int(os.environ.get("ARCHSPEC_TRITON_BACKWARD_WARPS", str(_WARPS[0])))
+# warps of `inverse_kernel` (the UT transform's latency-bound inverse): few, so that
+# several programs share an SM and hide each other's dependent steps (`prepare.py`)
+_INVERSE_WARPS = int(os.environ.get("ARCHSPEC_TRITON_INVERSE_WARPS", "4"))
 # the UT transform's inverse (`solve.py`): "substitution" (measured) or "doubling" (not yet timed)
 _SOLVE = os.environ.get("ARCHSPEC_TRITON_SOLVE", "substitution")
 if _SOLVE not in ("substitution", "doubling"):
@@ -178,11 +181,17 @@ class ChunkRecurrence(torch.autograd.Function):
             P = torch.empty(p.B, TN, p.H, p.K, device=dev, dtype=p.op)
             X = torch.empty(p.B, TN, p.H, p.V, device=dev, dtype=p.op)
             Y = torch.empty_like(X)
+            inverse_kernel[(p.n_chunks, p.H)](
+                k, w, dummy if e is None else e, dummy if beta is None else beta, dummy if G is None else G,
+                Tinv, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=p.BK, BKI=min(p.BK, 32), BT=p.BT, TC=p.TC, NH=p.n_h, SC=p.SC,
+                MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, ACC=p.tl_acc, OP=p.tl_op, PREC=p.prec,
+                INV_PREC="ieee" if p.acc == torch.float64 else "tf32x3", DOUBLING=_SOLVE == "doubling",
+                num_warps=_INVERSE_WARPS, num_stages=_STAGES,
+            )
             prepare_kernel[(p.n_chunks, p.H)](
-                k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
-                Tinv, P, X, cu_seqlens, table, p.T, p.NT, SC=p.SC, MODE=p.mode, GATE=p.gate,
-                HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=p.warps, num_stages=_STAGES,
-                INV_PREC="ieee" if p.acc == torch.float64 else "tf32x3", DOUBLING=_SOLVE == "doubling", **_common(p),
+                k, w, dummy if beta is None else beta, v, dummy if G is None else G,
+                Tinv, P, X, cu_seqlens, table, p.T, p.NT, BKP=p.BK if p.gate == 2 else min(p.BK, 64), SC=p.SC, MODE=p.mode, GATE=p.gate,
+                HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=p.warps, num_stages=_STAGES, **_common(p),
             )
         h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=dev, dtype=p.op)
         final = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if output_final_state else None

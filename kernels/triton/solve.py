@@ -1,37 +1,40 @@
 """`(I + A)^{-1}` for a strictly lower-triangular `A`: the UT transform's triangular solve.
 
-Two methods, chosen by the `DOUBLING` flag (`ARCHSPEC_TRITON_SOLVE`, read by
-`recurrence.py`; the default stays the one measured on the GPU until the other is):
+The result is written to `out` (the chunk's `BT x BT` float32 slot of `Tinv`), which the
+default method also uses as its scratch area: Triton cannot slice a register tensor into
+blocks, so blocks pass through memory (L1/L2-resident). Two methods, chosen by the
+`DOUBLING` flag (`ARCHSPEC_TRITON_SOLVE`, read by `recurrence.py`):
 
-**Substitution** (measured on the H200). The chunk's `BT x BT` matrix is cut into
-`SUB x SUB` diagonal blocks (`SUB` = 16):
+**Block substitution** (default). The matrix is cut into `SUB x SUB` blocks (`SUB` = 16,
+`NB = BT / SUB` per side):
 
 1. each diagonal block is inverted by forward substitution (row `i` of the inverse is
-   `e_i - sum_{j<i} A[i, j] inv[j]`), all blocks at once as a `[BT/SUB, SUB, SUB]`
-   tensor: 16 short steps of element-wise work instead of `BT` steps over the whole
-   matrix;
-2. with `D` the block-diagonal inverse and `N = D A_off` (`A_off`: the blocks below the
-   diagonal), `(I + A)^{-1} = (I + N)^{-1} D = (I - N + N^2 - ...) D`, a finite series
-   because `N` is strictly block-lower (`N^{BT/SUB} = 0`): `BT/SUB` tensor-core products.
+   `e_i - sum_{j<i} A[i, j] inv[j]`), all blocks at once as a `[NB, SUB, SUB]` tensor,
+   row `i` of `A` read from memory at each step, so a step is one reduction;
+2. the blocks below the diagonal by block forward substitution, one block row after the
+   other: `X_ij = -D_i sum_{j <= k < i} A_ik X_kj` (`D_i` the inverted diagonal block),
+   `NB (NB - 1) (NB + 4) / 6` products of `SUB x SUB` tiles (16 for `NB = 4`), each
+   block written in place over `A_ij` once the row's earlier blocks no longer need it.
 
-Triton cannot slice a register tensor into blocks, so `A` and `D` pass once through a
-`BT x BT` float32 scratch area in global memory (L1/L2-resident; the caller's own slot
-for the result). On the H200 this took most of `prepare_kernel`'s 1.16 ms (DeltaNet,
-B=4 T=4096 H=16): its machine code has 154 barriers and 600 shared-memory stores per
-program, from the layout changes of the dependent steps, at one program per SM.
+Its live tiles are `SUB x SUB` (two registers per thread at four warps), so the kernel
+stays small and several programs share an SM. The earlier merge formed the same result
+as the finite series `(I - N + N^2 - ...) D` on whole `BT x BT` tiles (`N = D A_off`):
+four float32 `[64, 64]` tiles alive at once, about 215 registers per thread at four warps.
+On the H200 the old one-kernel `prepare` (this merge inside) took 1.16 ms for DeltaNet
+(B=4 T=4096 H=16): 154 barriers per program at one program per SM.
 
-**Doubling** (compiled for sm_90 and exact on the interpreter; not yet timed). Let `X_s`
-be the inverse of the block-diagonal part of `I + A` with blocks of size `s` (`X_1 = I`).
-A block of size `2s` is `[[L11, 0], [L21, L22]]`, its inverse `[[X11, 0], [-X22 L21 X11,
-X22]]`, so `X_2s = X_s - X_s M_s X_s` with `M_s` the part of `A` in rows of each
-2s-block's second half and columns of its first half: `log2(BT)` levels of two `BT x BT`
-products (`X_2 = I - M_1` needs none), no dependent element-wise steps, no scratch (21
-barriers; but 10 products instead of 4 and 60% more instructions). Each entry is formed as
-in blocked substitution, from bounded inverse blocks and entries of `A`, never from
-powers of `A`: the Neumann series `sum (-A)^m` is exact in exact arithmetic but sums terms
-of order `2^m` to an inverse of order 1 when beta nears 2 (every factor a reflection).
-In float32 both methods are equally accurate (relative error 1e-6 at beta near 2 and
-key correlation 0.999, measured on the interpreter against float64).
+**Doubling** (timed on the H200: `prepare` 1.16 -> 1.06 ms for DeltaNet, but 1.81 ->
+2.60 ms for KDA, `benchmarks/results/variants/`). Let `X_s` be the inverse of the
+block-diagonal part of `I + A` with blocks of size `s` (`X_1 = I`). A block of size `2s`
+is `[[L11, 0], [L21, L22]]`, its inverse `[[X11, 0], [-X22 L21 X11, X22]]`, so
+`X_2s = X_s - X_s M_s X_s` with `M_s` the part of `A` in rows of each 2s-block's second
+half and columns of its first half: `log2(BT)` levels of two `BT x BT` products, no
+dependent element-wise steps. Each entry is formed as in blocked substitution, from
+bounded inverse blocks and entries of `A`, never from powers of `A`: the Neumann series
+`sum (-A)^m` is exact in exact arithmetic but sums terms of order `2^m` to an inverse of
+order 1 when beta nears 2 (every factor a reflection). In float32 both methods are
+equally accurate (relative error 1e-6 at beta near 2 and key correlation 0.999, measured
+on the interpreter against float64).
 
 Products run at `PREC` ("tf32x3" on GPUs: float32-accurate; the inverse's entries grow
 when beta nears 2 and its errors feed every later product).
@@ -44,14 +47,16 @@ import triton.language as tl
 
 
 @triton.jit
-def unit_lower_inverse(a, scratch, BT: tl.constexpr, SUB: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+def unit_lower_inverse(a, out, BT: tl.constexpr, SUB: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
                        DOUBLING: tl.constexpr):
-    """`(I + a)^{-1}` for `a` `[BT, BT]` strictly lower triangular; `scratch` (BT*BT floats)
-    is used by substitution only."""
+    """Write `(I + a)^{-1}` for `a` `[BT, BT]` strictly lower triangular to `out` (BT*BT
+    floats, row-major)."""
+    rows = tl.arange(0, BT)
     if DOUBLING:
-        return inverse_by_doubling(a, BT, ACC, PREC)
+        x = inverse_by_doubling(a, BT, ACC, PREC)
+        tl.store(out + rows[:, None] * BT + rows[None, :], x.to(out.dtype.element_ty))
     else:
-        return inverse_by_substitution(a, scratch, BT, SUB, ACC, PREC)
+        inverse_by_substitution(a, out, BT, SUB, ACC, PREC)
 
 
 @triton.jit
@@ -72,34 +77,36 @@ def inverse_by_doubling(a, BT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constex
 
 
 @triton.jit
-def inverse_by_substitution(a, scratch, BT: tl.constexpr, SUB: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
-    """`(I + a)^{-1}`, `a` `[BT, BT]` strictly lower triangular; `scratch` holds BT*BT floats."""
+def inverse_by_substitution(a, out, BT: tl.constexpr, SUB: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+    """Write `(I + a)^{-1}` to `out` by block forward substitution (module docstring)."""
     NB: tl.constexpr = BT // SUB
     rows = tl.arange(0, BT)
-    tl.store(scratch + rows[:, None] * BT + rows[None, :], a.to(scratch.dtype.element_ty))
+    tl.store(out + rows[:, None] * BT + rows[None, :], a.to(out.dtype.element_ty))  # upper blocks: 0, final
     tl.debug_barrier()
     # 1. the diagonal blocks, [NB, SUB, SUB], by forward substitution
     blk = tl.arange(0, NB)[:, None, None]
     ri = tl.arange(0, SUB)[None, :, None]
     cj = tl.arange(0, SUB)[None, None, :]
-    diag = tl.load(scratch + (blk * SUB + ri) * BT + blk * SUB + cj).to(ACC)
+    p_diag = out + (blk * SUB) * BT + blk * SUB  # [NB, 1, 1]: each diagonal block's corner
     inv = tl.zeros([NB, SUB, SUB], dtype=ACC)
-    for i in tl.static_range(SUB):
-        a_i = tl.sum(tl.where(ri == i, diag, 0.0), 1)  # row i of each block, [NB, SUB]
-        row = tl.where(cj == i, 1.0, 0.0).to(ACC) - tl.sum(a_i[:, :, None] * inv, 1)[:, None, :]
+    for i in range(SUB):  # a loop, not unrolled: unrolled, all 16 row loads were hoisted (more registers)
+        a_i = tl.load(p_diag + i * BT + ri).to(ACC)  # row i of each block, along axis 1: [NB, SUB, 1]
+        row = tl.where(cj == i, 1.0, 0.0).to(ACC) - tl.sum(a_i * inv, 1)[:, None, :]
         inv = tl.where(ri == i, row, inv)
-    if NB == 1:
-        return tl.reshape(inv, [BT, BT])
-    tl.debug_barrier()
-    tl.store(scratch + (blk * SUB + ri) * BT + blk * SUB + cj, inv.to(scratch.dtype.element_ty))
-    tl.debug_barrier()
-    same = (rows[:, None] // SUB) == (rows[None, :] // SUB)
-    d = tl.load(scratch + rows[:, None] * BT + rows[None, :], mask=same, other=0.0).to(ACC)
-    # 2. merge: (I - N + N^2 - ...) D with N = D A_off
-    n = tl.dot(d, tl.where(same, 0.0, a), input_precision=PREC, out_dtype=ACC)
-    term = d
-    out = d
-    for m in tl.static_range(1, NB):
-        term = -tl.dot(n, term, input_precision=PREC, out_dtype=ACC)
-        out += term
-    return out
+    tl.debug_barrier()  # every read of A's diagonal blocks is done
+    tl.store(p_diag + ri * BT + cj, inv.to(out.dtype.element_ty))
+    # 2. the blocks below the diagonal, block row by block row, in place over A
+    r = tl.arange(0, SUB)[:, None]
+    c = tl.arange(0, SUB)[None, :]
+    for i in tl.static_range(1, NB):
+        tl.debug_barrier()  # block rows before i are final
+        d_i = tl.load(out + (i * SUB + r) * BT + i * SUB + c).to(ACC)
+        for j in tl.static_range(0, i):
+            acc = tl.zeros([SUB, SUB], dtype=ACC)
+            for kb in tl.static_range(j, i):
+                a_ik = tl.load(out + (i * SUB + r) * BT + kb * SUB + c).to(ACC)
+                x_kj = tl.load(out + (kb * SUB + r) * BT + j * SUB + c).to(ACC)
+                acc += tl.dot(a_ik, x_kj, input_precision=PREC, out_dtype=ACC)
+            x_ij = -tl.dot(d_i, acc, input_precision=PREC, out_dtype=ACC)
+            tl.debug_barrier()  # no thread still reads A_ij (this row's later blocks need only A_ik, k > j)
+            tl.store(out + (i * SUB + r) * BT + j * SUB + c, x_ij.to(out.dtype.element_ty))

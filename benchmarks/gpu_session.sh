@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh 3   # DeltaProduct S4 and A5 (issue 4), the four runs side by side     ~5 min
 #   bash benchmarks/gpu_session.sh 4   # 3 beside a recheck of the float32 n_h >= 4 paths, then the timings left  ~9 min
 #   bash benchmarks/gpu_session.sh 5   # our kernels under several launch settings (benchmarks/variants.py)  ~9 min
+#   bash benchmarks/gpu_session.sh 6   # the correctness check of CHECK's plans under the defaults, then call 5  ~8 min
 #
 # Every result lands flat in $OUT (at most 8 files come back, no deeper than $OUT/a/b).
 # BUDGET_S overrides the call's budget in seconds (the whole command, installs included);
@@ -19,7 +20,7 @@ call=${1:?usage: gpu_session.sh 1|2|3}
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-case $call in 1) budget=${BUDGET_S:-510} ;; 2) budget=${BUDGET_S:-480} ;; 3) budget=${BUDGET_S:-300} ;; 4) budget=${BUDGET_S:-540} ;; 5) budget=${BUDGET_S:-500} ;; *) echo "no call $call"; exit 2 ;; esac
+case $call in 1) budget=${BUDGET_S:-510} ;; 2) budget=${BUDGET_S:-480} ;; 3) budget=${BUDGET_S:-300} ;; 4) budget=${BUDGET_S:-540} ;; 5) budget=${BUDGET_S:-500} ;; 6) budget=${BUDGET_S:-500} ;; *) echo "no call $call"; exit 2 ;; esac
 left() { echo $((budget - SECONDS)); }
 say() { echo "[gpu_session $call, ${SECONDS}s] $*"; }
 
@@ -104,7 +105,13 @@ case $call in
   bench >/dev/null
   tail -60 "$OUT/bench.log"; rm -f "$OUT/bench.log" "$OUT/kernels.md"
   ;;
-5)
+6|5)
+  if [ "$call" = 6 ]; then  # a kernel change is timed only after it is right on the GPU
+    say "correctness check under the defaults: ${CHECK:?CHECK=plans}"
+    timeout 250 python3 benchmarks/triton_gpu_check.py --plans "$CHECK" --out "$OUT" --budget-s 230 $smoke 2>&1 |
+      tee "$OUT/check.log" | tail -25
+    unset CHECK
+  fi
   s=$(($(left) - 20))
   say "launch settings, budget ${s}s: ${VARIANTS:-default}"
   timeout $((s + 15)) python3 benchmarks/variants.py --out "$OUT" --budget-s "$s" $smoke ${PLANS:+--plans "$PLANS"} \

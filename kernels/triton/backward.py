@@ -22,13 +22,23 @@ Gate gradients use one identity: a term `x_a^T diag(exp(G_a - G_b)) y_b` contrib
 plus the chunk-end terms, and `dg_t` is the reverse cumulative sum over the chunk's tokens.
 
 Registers are the limit (a `[64, 128]` float32 block is 32 KB of the 256 KB register file),
-so the kernel runs in four phases, each with few blocks alive, re-reading the chunk's
-`S_0`/`dS_L` V-blocks (L2-resident) instead of holding every accumulator at once:
+so the work runs in phases, each with few blocks alive, re-reading the chunk's
+`S_0`/`dS_L` V-blocks (L2-resident) instead of holding every accumulator at once. The
+phases fall into two groups by what they sum over:
 
-    A  over V: dM_E, dM_W, dT's Z-part, dS_kw, dP; writes dv and beta's Z/U part
-    B  the UT transform's backward: dk (complete), partial de/dw  -> written, re-read in D
-    C  over V: dO S_0^T -> dq (complete)
+  pair_grads (the `C x C` matrices; needs the whole of K, done `BKS` columns at a time)
+    K  over K slices: dP K~^T (dP = -dY S_0^T, over V), the score S_ke / S_kw
+    A  over V: dM_E, dM_W, dT's Z-part, dS_kw; writes dv
+       then dA = -strictly_lower(Tinv^T dT Tinv^T) and dbeta
+  channel_grads (per channel: any slice of K on its own, given the pair matrices)
+    B  the UT transform's backward: dk, partial de/dw  -> written, re-read in D
+    C  over V: dO S_0^T -> dq
     D  over V: Y dS_L^T, U dS_L^T -> de, dw complete; the gate's gradient
+
+`chunk_backward_kernel` runs both groups in one program over the whole of K (no gate or
+a scalar gate, whose `dg` sums over K). A channel gate's slices are independent, so
+`backward_channel.py` runs the groups as two kernels with the pair matrices passed
+through a scratch buffer: see there why.
 """
 
 from __future__ import annotations
@@ -51,60 +61,121 @@ def chunk_backward_kernel(
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, TIED: tl.constexpr,
     IS_VARLEN: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
 ):
+    """Every input gradient of one chunk and head, the whole of K in one program."""
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
     _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
     tok0 = bos + c * TC
     n_tok = tl.minimum(TC, seq_len - c * TC)
+    dm_e, dm_w, da, ds_kw = pair_grads(k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dbeta,
+                                       i_chunk, i_h, tok0, n_tok, H, K, V, BK, BV, BT, BQ, NH, SC,
+                                       MODE, GATE, HAS_BETA, ACC, OP, PREC)
+    channel_grads(q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dw, de, dg,
+                  dm_e, dm_w, da, ds_kw, i_chunk, i_h, tok0, n_tok, scale, 0,
+                  H, K, V, BK, BV, BT, BQ, NH, SC, MODE, GATE, HAS_BETA, TIED, ACC, OP, PREC)
+
+
+@triton.jit
+def times_state(p_x, rows, ok, stride_x, p_s, offs_k, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr):
+    """`X S^T` for rows of a `[*, V]` array `X` and a chunk's `[K, V]` state `S` (columns
+    `offs_k` of the result), over V blocks: `[R, len(offs_k)]`."""
+    out = tl.zeros([rows.shape[0], offs_k.shape[0]], dtype=ACC)
+    for i_v in range(tl.cdiv(V, BV)):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        x = load_rows(p_x, rows, ok, stride_x, offs_v, V, ACC)
+        s = tl.load(p_s + offs_k[:, None] * V + offs_v[None, :],
+                    mask=(offs_k[:, None] < K) & (offs_v[None, :] < V), other=0.0)
+        out += mm(x, tl.trans(s), OP, PREC, ACC)
+    return out
+
+
+@triton.jit
+def k_sums(
+    k, w, G, h_all, dY, i_chunk, i_h, tok0, n_tok,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr, GATE: tl.constexpr,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+):
+    """Phase K, the `C x C` sums over K, `BKS` columns at a time: `(dP K~^T, S_kw)` with
+    `dP = -dY S_0^T` and `S_kw` the strictly causal decayed scores of `k` against the write
+    key `w` (householder: the erase direction, i.e. `S_ke`)."""
+    n_sub = n_tok * NH
+    i_sub = tl.arange(0, BT)
+    valid = i_sub < n_sub
+    row_k = tok0 * NH * H * K + i_h * K
+    stride_g = H * K if GATE == 2 else H
+    p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
+    p_w = w + row_k
+    x_k = tl.zeros([BT, BT], dtype=ACC)
+    s_kw = tl.zeros([BT, BT], dtype=ACC)
+    for i_k in range(tl.cdiv(K, BKS)):
+        offs_k = i_k * BKS + tl.arange(0, BKS)
+        gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
+        kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
+        dp = -times_state(dY + tok0 * NH * H * V + i_h * V, i_sub, valid, H * V, h_all + (i_chunk * H + i_h) * K * V,
+                          offs_k, K, V, BV, ACC, OP, PREC)
+        x_k += mm(dp, tl.trans(decay_rows(kk, gk, GATE)), OP, PREC, ACC)
+        ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
+        s_kw += scores(kk, gk, i_sub, valid, ww, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
+                       True, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, i_k * BKS)
+    return x_k, s_kw
+
+
+@triton.jit
+def pair_grads(
+    k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dbeta,
+    i_chunk, i_h, tok0, n_tok,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
+    MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+):
+    """Phases K and A: writes dv and dbeta, returns `(dM_E, dM_W, dA, dS_kw)`, each zero
+    outside its causal mask; `dA` is already scaled by `c` (the UT transform's row factor),
+    so that `channel_grads` needs no beta. Paths without a term return zeros for it.
+
+    K is read `BKS` columns at a time (the scores and `dP K~^T` are sums over K), so no
+    `[BT, K]` block is ever alive whole when `BKS < K`.
+    """
     n_sub = n_tok * NH
     i_sub = tl.arange(0, BT)
     i_q = tl.arange(0, BQ)
     valid = i_sub < n_sub
     valid_q = i_q < n_tok
     pos_q = i_q * NH + NH - 1
-    offs_k = tl.arange(0, BK)
-    row_k = tok0 * NH * H * K + i_h * K
     row_v = tok0 * NH * H * V + i_h * V
-    row_q = tok0 * H * K + i_h * K
     row_o = tok0 * H * V + i_h * V
-    stride_g = H * K if GATE == 2 else H
-    p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
     p_beta = beta + tok0 * NH * H + i_sub * H + i_h
-    p_e = (w if MODE == 1 else e) + row_k  # the erase direction (householder: the write key)
-    p_w = w + row_k
-    o_state = (i_chunk * H + i_h) * K * V
     strict = causal_mask(i_sub, valid, i_sub, valid, True)
     qmask = causal_mask(pos_q, valid_q, i_sub, valid, False)
-    gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
     if MODE != 0:
         tinv = tl.load(Tinv + (i_chunk * H + i_h) * BT * BT + i_sub[:, None] * BT + i_sub[None, :]).to(ACC)
     if MODE == 1:
         cb = tl.load(p_beta, mask=valid, other=0.0).to(ACC)
-    if MODE == 2:
-        kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
-        ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
-        s_kw = scores(kk, gk, i_sub, valid, ww, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
-                      True, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
-        if HAS_BETA:
-            bb = tl.load(p_beta, mask=valid, other=0.0).to(ACC)
+    if MODE == 2 and HAS_BETA:
+        bb = tl.load(p_beta, mask=valid, other=0.0).to(ACC)
 
-    # ---- phase A: contractions over V that feed the C x C algebra
+    # ---- phase K (rwkv7: before A, which needs S_kw)
+    x_k = tl.zeros([BT, BT], dtype=ACC)  # dP K~^T
+    s_kx = tl.zeros([BT, BT], dtype=ACC)  # householder: S_ke (for dbeta); rwkv7: S_kw
+    if MODE == 2:
+        x_k, s_kx = k_sums(k, w, G, h_all, dY, i_chunk, i_h, tok0, n_tok, H, K, V, BKS, BV, BT, NH, SC,
+                           GATE, ACC, OP, PREC)
+
+    # ---- phase A: contractions over V
     dm_e = tl.zeros([BQ, BT], dtype=ACC)  # dO Y^T
     dm_w = tl.zeros([BQ, BT], dtype=ACC)  # dO U^T
     dt = tl.zeros([BT, BT], dtype=ACC)  # dY Z^T (rwkv7: dY U^T, times -S_kw^T below)
     ds_kw = tl.zeros([BT, BT], dtype=ACC)
-    dp = tl.zeros([BT, BK], dtype=ACC)  # -dY S_0^T
     dc_v = tl.zeros([BT], dtype=ACC)  # beta's gradient through Z (householder) or U (rwkv7)
     for i_v in range(tl.cdiv(V, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
         d_o = load_rows(do + row_o, i_q, valid_q, H * V, offs_v, V, ACC)
         vv = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)
         if MODE != 0:
-            h = tl.load(h_all + o_state + offs_k[:, None] * V + offs_v[None, :],
-                        mask=(offs_k[:, None] < K) & (offs_v[None, :] < V), other=0.0)
             y = load_rows(Y + row_v, i_sub, valid, H * V, offs_v, V, ACC)
             dy = load_rows(dY + row_v, i_sub, valid, H * V, offs_v, V, ACC)
             dm_e += mm(d_o, tl.trans(y), OP, PREC, ACC)
-            dp -= mm(dy, tl.trans(h), OP, PREC, ACC)
             dz = mm(tl.trans(tinv), dy, OP, PREC, ACC)
             if MODE == 1:
                 dt += mm(dy, tl.trans(vv * cb[:, None]), OP, PREC, ACC)
@@ -119,7 +190,7 @@ def chunk_backward_kernel(
             if MODE == 2:
                 dt += mm(dy, tl.trans(u), OP, PREC, ACC)
                 ds_kw -= mm(dz, tl.trans(u), OP, PREC, ACC)
-                du -= mm(tl.trans(s_kw), dz, OP, PREC, ACC)
+                du -= mm(tl.trans(s_kx), dz, OP, PREC, ACC)
                 if HAS_BETA:
                     dc_v += tl.sum(du * vv, 1)
                     du = du * bb[:, None]
@@ -127,68 +198,105 @@ def chunk_backward_kernel(
     dm_e = tl.where(qmask, dm_e, 0.0)
     dm_w = tl.where(qmask, dm_w, 0.0)
 
-    # ---- phase B: the UT transform, Y = X - P S_0, X = Tinv Z, P = Tinv diag(c) K~
-    dkk = tl.zeros([BT, BK], dtype=ACC)
+    # ---- the UT transform's C x C part: Y = X - P S_0, X = Tinv Z, P = Tinv diag(c) K~
+    da = tl.zeros([BT, BT], dtype=ACC)
+    if MODE == 1:  # phase K after A: fewer blocks alive during A
+        x_k, s_kx = k_sums(k, w, G, h_all, dY, i_chunk, i_h, tok0, n_tok, H, K, V, BKS, BV, BT, NH, SC,
+                           GATE, ACC, OP, PREC)
     if MODE != 0:
         if MODE == 1:
-            kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
-        kt = decay_rows(kk, gk, GATE)
-        ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
-        if MODE == 1:
-            dt += mm(dp, tl.trans(kt * cb[:, None]), OP, PREC, ACC)
+            dt += x_k * cb[None, :]
         else:
-            dt = mm(dp, tl.trans(kt), OP, PREC, ACC) - mm(dt, tl.trans(s_kw), OP, PREC, ACC)
-        tdp = mm(tl.trans(tinv), dp, OP, PREC, ACC)
+            dt = x_k - mm(dt, tl.trans(s_kx), OP, PREC, ACC)
         da = -mm(mm(tl.trans(tinv), dt, OP, PREC, ACC), tl.trans(tinv), OP, PREC, ACC)
         da = tl.where(strict, da, 0.0)
         if MODE == 1:
-            s_ke = scores(kk, gk, i_sub, valid, ee, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
-                          True, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+            # through P: sum_k K~ * (Tinv^T dP) = column sums of Tinv * (dP K~^T)
             tl.store(dbeta + tok0 * NH * H + i_sub * H + i_h,
-                     (tl.sum(kt * tdp, 1) + tl.sum(da * s_ke, 1) + dc_v).to(dbeta.dtype.element_ty), mask=valid)
-            dkk += decay_rows(tdp * cb[:, None], gk, GATE)
+                     (tl.sum(tinv * x_k, 0) + tl.sum(da * s_kx, 1) + dc_v).to(dbeta.dtype.element_ty), mask=valid)
             da = da * cb[:, None]
-        else:
-            dkk += decay_rows(tdp, gk, GATE)
-        dkk += apply_left(da, ee, gk, i_sub, valid, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
-                          GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
-        dee = apply_right(da, kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
-                          n_sub, n_sub, 1, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
-        store_rows((dw if MODE == 1 else de) + row_k, dee, i_sub, valid, H * K, offs_k, K)  # partial, see D
     if MODE == 2:
         ds_kw = tl.where(strict, ds_kw, 0.0)
+        if HAS_BETA:
+            tl.store(dbeta + tok0 * NH * H + i_sub * H + i_h, dc_v.to(dbeta.dtype.element_ty), mask=valid)
+    return dm_e, dm_w, da, ds_kw
+
+
+@triton.jit
+def channel_grads(
+    q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dw, de, dg,
+    dm_e, dm_w, da, ds_kw, i_chunk, i_h, tok0, n_tok, scale, k0,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
+    MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, TIED: tl.constexpr,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+):
+    """Phases B, C, D for the `BKS` columns of K from `k0`, given `pair_grads`' matrices:
+    writes dq, dk, dw, de, dg there. A scalar gate's `dg` sums over K, so with `GATE == 1`
+    the slice must be the whole of K (`k0 = 0`, `BKS >= K`)."""
+    n_sub = n_tok * NH
+    i_sub = tl.arange(0, BT)
+    i_q = tl.arange(0, BQ)
+    valid = i_sub < n_sub
+    valid_q = i_q < n_tok
+    pos_q = i_q * NH + NH - 1
+    offs_k = k0 + tl.arange(0, BKS)
+    row_k = tok0 * NH * H * K + i_h * K
+    row_v = tok0 * NH * H * V + i_h * V
+    row_q = tok0 * H * K + i_h * K
+    row_o = tok0 * H * V + i_h * V
+    stride_g = H * K if GATE == 2 else H
+    p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
+    p_beta = beta + tok0 * NH * H + i_sub * H + i_h
+    p_e = (w if MODE == 1 else e) + row_k  # the erase direction (householder: the write key)
+    p_w = w + row_k
+    o_state = (i_chunk * H + i_h) * K * V
+    gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
+
+    # ---- phase B: the UT transform, Y = X - P S_0, X = Tinv Z, P = Tinv diag(c) K~
+    dkk = tl.zeros([BT, BKS], dtype=ACC)
+    if MODE != 0:
+        tinv = tl.load(Tinv + (i_chunk * H + i_h) * BT * BT + i_sub[:, None] * BT + i_sub[None, :]).to(ACC)
+        tdp = -mm(tl.trans(tinv), times_state(dY + row_v, i_sub, valid, H * V, h_all + o_state, offs_k,
+                                                K, V, BV, ACC, OP, PREC), OP, PREC, ACC)  # Tinv^T dP
+        if MODE == 1:
+            tdp = tdp * tl.load(p_beta, mask=valid, other=0.0).to(ACC)[:, None]
+        dkk += decay_rows(tdp, gk, GATE)
+        kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
+        ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
+        dkk += apply_left(da, ee, gk, i_sub, valid, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
+                          GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
+        dee = apply_right(da, kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
+                          n_sub, n_sub, 1, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
+        store_rows((dw if MODE == 1 else de) + row_k, dee, i_sub, valid, H * K, offs_k, K)  # partial, see D
+    if MODE == 2:
+        ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
         dkk += apply_left(ds_kw, ww, gk, i_sub, valid, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
-                          GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+                          GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
         dww = apply_right(ds_kw, kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
-                          n_sub, n_sub, 1, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+                          n_sub, n_sub, 1, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
         store_rows(dw + row_k, dww, i_sub, valid, H * K, offs_k, K)  # partial, see D
-    if MODE == 2 and HAS_BETA:
-        tl.store(dbeta + tok0 * NH * H + i_sub * H + i_h, dc_v.to(dbeta.dtype.element_ty), mask=valid)
     store_rows(dk + row_k, dkk, i_sub, valid, H * K, offs_k, K)  # complete (a tied key adds dw in D)
 
     # ---- phase C: queries, O = Q~ S_0 + M_E Y + M_W U
     gq = load_gate(p_g, i_q, valid_q, stride_g, offs_k, GATE, K, ACC)
-    dq_state = tl.zeros([BQ, BK], dtype=ACC)
-    for i_v in range(tl.cdiv(V, BV)):
-        offs_v = i_v * BV + tl.arange(0, BV)
-        h = tl.load(h_all + o_state + offs_k[:, None] * V + offs_v[None, :],
-                    mask=(offs_k[:, None] < K) & (offs_v[None, :] < V), other=0.0)
-        d_o = load_rows(do + row_o, i_q, valid_q, H * V, offs_v, V, ACC)
-        dq_state += mm(d_o, tl.trans(h), OP, PREC, ACC)
+    dq_state = times_state(do + row_o, i_q, valid_q, H * V, h_all + o_state, offs_k, K, V, BV, ACC, OP, PREC)
     dqq = decay_rows(dq_state, gq, GATE) * scale
     if MODE != 0:
         dqq += scale * apply_left(dm_e, load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC), gq, pos_q, valid_q, gk,
-                                  i_sub, valid, p_e, H * K, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+                                  i_sub, valid, p_e, H * K, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP,
+                                  PREC, k0)
     if MODE != 1:
         dqq += scale * apply_left(dm_w, load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC), gq, pos_q, valid_q, gk,
-                                  i_sub, valid, p_w, H * K, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+                                  i_sub, valid, p_w, H * K, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP,
+                                  PREC, k0)
     store_rows(dq + row_q, dqq, i_q, valid_q, H * K, offs_k, K)
 
     # ---- phase D: the chunk end, S_L = exp(G_L) [S_0 + E~^T Y + W~^T U]
     g_last, to_end = end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE, NH, K, ACC)
-    end_e = tl.zeros([BT, BK], dtype=ACC)  # Y dS_L^T
-    end_w = tl.zeros([BT, BK], dtype=ACC)  # U dS_L^T
-    dlast_state = tl.zeros([BK], dtype=ACC)  # sum_v S_0 * dS_L
+    end_e = tl.zeros([BT, BKS], dtype=ACC)  # Y dS_L^T
+    end_w = tl.zeros([BT, BKS], dtype=ACC)  # U dS_L^T
+    dlast_state = tl.zeros([BKS], dtype=ACC)  # sum_v S_0 * dS_L
     for i_v in range(tl.cdiv(V, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
         state_offs = o_state + offs_k[:, None] * V + offs_v[None, :]
@@ -206,18 +314,18 @@ def chunk_backward_kernel(
                 u = u * tl.load(p_beta, mask=valid, other=0.0).to(ACC)[:, None]
             end_w += mm(u, tl.trans(dh), OP, PREC, ACC)
     qq = load_rows(q + row_q, i_q, valid_q, H * K, offs_k, K, ACC)
-    dlast = tl.zeros([BK], dtype=ACC)  # d G_L (channel; a scalar gate keeps its total in slot 0)
+    dlast = tl.zeros([BKS], dtype=ACC)  # d G_L (channel; a scalar gate keeps its total in slot 0)
     if GATE == 2:
         dlast += tl.exp(g_last) * dlast_state
     elif GATE == 1:
         dlast += tl.where(offs_k == 0, tl.exp(g_last) * tl.sum(dlast_state, 0), 0.0)
-    dgam = tl.zeros([BT, BK], dtype=ACC)  # dG per sub-step, before the token sums
+    dgam = tl.zeros([BT, BKS], dtype=ACC)  # dG per sub-step, before the token sums
     if MODE != 0:
         ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
         end_e = decay_rows(end_e, to_end, GATE)
         dee = load_rows((dw if MODE == 1 else de) + row_k, i_sub, valid, H * K, offs_k, K, ACC) + end_e
         dee += scale * apply_right(dm_e, qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
-                                   n_sub, n_tok, NH, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+                                   n_sub, n_tok, NH, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
         dlast += _sum_rows(ee * end_e, GATE)
         dgam -= ee * dee
     if MODE != 1:
@@ -227,7 +335,7 @@ def chunk_backward_kernel(
         if MODE == 2:
             dww += load_rows(dw + row_k, i_sub, valid, H * K, offs_k, K, ACC)
         dww += scale * apply_right(dm_w, qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
-                                   n_sub, n_tok, NH, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
+                                   n_sub, n_tok, NH, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
         dlast += _sum_rows(ww * end_w, GATE)
         dgam -= ww * dww
     if GATE != 0:

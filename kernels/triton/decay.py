@@ -32,6 +32,11 @@ Gathers: the element-wise part needs row `b` of `xb` (or row `a` of `xa`) beside
 (`p_*` point at row 0 of the chunk for this head, `stride_*` is the row stride); they
 are inputs, cached in L1/L2. `p_g` points at the chunk's first token of the cumulative
 gate (one row per token: sub-step `b` reads token `b // NH`).
+
+Column blocks: the decay is per channel, so every product is a sum (scores) or a
+concatenation (apply_left / apply_right) over columns. The `[R, K]` operands may hold only
+the `BK` columns from `k0` (default: all of them from 0); the gathers then read those
+columns only, and a kernel can work on a slice of K at a time (`backward_channel.py`).
 """
 
 from __future__ import annotations
@@ -104,9 +109,10 @@ def scores(
     xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b,
     p_xb, stride_xb, p_g, stride_g, n_sub,
     STRICT: tl.constexpr, GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
-    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0=0,
 ):
-    """`S[a, b] = xa_a^T diag(exp(Ga_a - Gb_b)) xb_b` on the causal pairs, 0 elsewhere."""
+    """`S[a, b] = xa_a^T diag(exp(Ga_a - Gb_b)) xb_b` on the causal pairs, 0 elsewhere
+    (the part of the sum over columns `k0 .. k0 + BK` when `xa`, `xb` hold those only)."""
     mask = causal_mask(pos_a, valid_a, pos_b, valid_b, STRICT)
     if GATE == 0:
         return tl.where(mask, mm(xa, tl.trans(xb), OP, PREC, ACC), 0.0)
@@ -114,7 +120,7 @@ def scores(
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(xa, tl.trans(xb), OP, PREC, ACC) * decay
     else:
-        offs_k = tl.arange(0, BK)
+        offs_k = k0 + tl.arange(0, BK)
         cols = tl.arange(0, BT)
         out = tl.zeros([xa.shape[0], BT], dtype=ACC)
         # pairs in different sub-chunks: factorize around the later sub-chunk's start
@@ -144,7 +150,7 @@ def apply_left(
     m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b,
     p_xb, stride_xb, p_g, stride_g, n_sub,
     GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
-    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0=0,
 ):
     """`out[a] = sum_b m[a, b] exp(Ga_a - Gb_b) * xb[b]` (`m` zero outside the causal pairs)."""
     if GATE == 0:
@@ -154,7 +160,7 @@ def apply_left(
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(m * decay, xb, OP, PREC, ACC)
     else:
-        offs_k = tl.arange(0, BK)
+        offs_k = k0 + tl.arange(0, BK)
         cols = tl.arange(0, BT)
         out = tl.zeros([m.shape[0], BK], dtype=ACC)
         for s in tl.static_range(1, BT // SC):
@@ -180,7 +186,7 @@ def apply_right(
     m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b,
     p_xa, stride_xa, p_g, stride_g, n_sub, n_a,
     A_STEP: tl.constexpr, GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
-    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0=0,
 ):
     """`out[b] = sum_a m[a, b] exp(Ga_a - Gb_b) * xa[a]` (`m` zero outside the causal pairs).
 
@@ -194,7 +200,7 @@ def apply_right(
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(tl.trans(m * decay), xa, OP, PREC, ACC)
     else:
-        offs_k = tl.arange(0, BK)
+        offs_k = k0 + tl.arange(0, BK)
         rows_a = tl.arange(0, m.shape[0])
         out = tl.zeros([BT, BK], dtype=ACC)
         for s in tl.static_range(1, BT // SC):

@@ -13,7 +13,7 @@ beta-free code:
 
 Forward: [gate cumsum] -> inverse, prepare (UT transform, delta rules only) -> state pass -> output.
 Backward: local output gradients -> reverse state pass -> one chunk-parallel kernel for
-every input gradient (`backward.py`). See `docs/kernel.md` for the algorithm and numbers.
+every input gradient (`backward.py`; a channel gate: two, `backward_channel.py`). See `docs/kernel.md` for the algorithm and numbers.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .backward import chunk_backward_kernel
+from .backward_channel import chunk_channels_kernel, chunk_pairs_kernel
 from .chunks import chunk_tables
 from .gate import gate_cumsum_kernel
 from .output import output_backward_kernel, output_kernel
@@ -47,6 +48,10 @@ _WARPS = tuple(int(x) for x in os.environ.get("ARCHSPEC_TRITON_WARPS", "8,4").sp
 # its channel-gate specializations spill 4.9 KB per thread with 8 warps and 2.9 KB with 16,
 # while `prepare_kernel` spills more with 16 (`compile_report.py`); not yet timed
 _BACKWARD_WARPS = int(os.environ.get("ARCHSPEC_TRITON_BACKWARD_WARPS", str(_WARPS[0])))
+# channel gates: the backward in two kernels over slices of this many K columns
+# (`backward_channel.py`); ARCHSPEC_TRITON_CHANNEL_SPLIT=0 runs the one-kernel backward instead
+_CHANNEL_BK = int(os.environ.get("ARCHSPEC_TRITON_CHANNEL_BK", "64"))
+_CHANNEL_SPLIT = os.environ.get("ARCHSPEC_TRITON_CHANNEL_SPLIT", "1") != "0"
 # warps of `inverse_kernel` (the UT transform's latency-bound inverse): few, so that
 # several programs share an SM and hide each other's dependent steps (`prepare.py`)
 _INVERSE_WARPS = int(os.environ.get("ARCHSPEC_TRITON_INVERSE_WARPS", "4"))
@@ -252,14 +257,18 @@ class ChunkRecurrence(torch.autograd.Function):
         de = None if e is None else grad(e)
         dbeta = None if beta is None else grad(beta)
         dg = None if G is None else grad(G)
-        chunk_backward_kernel[(p.n_chunks, p.H)](
-            q, k, w, e_, beta_, v, G_, dummy if Tinv is None else Tinv, h_all, dh_all,
-            dummy if Y is None else Y, dummy if dY is None else dY, dummy if dU is None else dU, do,
-            dq, dk, dw, dummy if de is None else de, dv,
-            dummy if dbeta is None else dbeta, dummy if dg is None else dg,
-            cu_seqlens, table, p.T, p.NT, scale, BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate,
-            HAS_BETA=p.has_beta, TIED=ctx.tied, IS_VARLEN=varlen, num_warps=_BACKWARD_WARPS, num_stages=_STAGES, **_common(p),
-        )
+        args = (q, k, w, e_, beta_, v, G_, dummy if Tinv is None else Tinv, h_all, dh_all,
+                dummy if Y is None else Y, dummy if dY is None else dY, dummy if dU is None else dU, do)
+        flags = {"BQ": p.BQ, "SC": p.SC, "MODE": p.mode, "GATE": p.gate, "HAS_BETA": p.has_beta, "IS_VARLEN": varlen,
+                 "num_warps": _BACKWARD_WARPS, "num_stages": _STAGES, **_common(p)}
+        if p.gate == 2 and _CHANNEL_SPLIT:
+            _channel_backward(p, args, (dq, dk, dw, de, dv, dbeta, dg), cu_seqlens, table, scale, ctx.tied, flags)
+        else:
+            chunk_backward_kernel[(p.n_chunks, p.H)](
+                *args, dq, dk, dw, dummy if de is None else de, dv,
+                dummy if dbeta is None else dbeta, dummy if dg is None else dg,
+                cu_seqlens, table, p.T, p.NT, scale, TIED=ctx.tied, **flags,
+            )
         cast = lambda x, dt: None if x is None else x.to(dt)  # noqa: E731
         tq, tk, tv, tg, tb, tw, te, th = ctx.dtypes
         return (cast(dq, tq), cast(dk, tk), cast(dv, tv), cast(dg, tg), cast(dbeta, tb), None if ctx.tied else cast(dw, tw),
@@ -277,6 +286,28 @@ def linear_recurrence_triton(
     erase: Tensor | None = None,
     n_h: int = 1,
     scale: float | None = None,
+def _channel_backward(p: Plan, args: tuple, grads: tuple, cu_seqlens, table, scale: float, tied: bool,
+                      flags: dict) -> None:
+    """A channel gate's last backward step: `chunk_pairs_kernel`, then `chunk_channels_kernel`
+    on slices of `BKS` columns of K, the `C x C` matrices passed in float32 scratch."""
+    q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, dU, do = args
+    dq, dk, dw, de, dv, dbeta, dg = grads
+    BKS = min(_CHANNEL_BK, p.BK)
+    flags = {**{name: val for name, val in flags.items() if name != "BK"}, "BKS": BKS}
+    scratch = lambda rows, used: (torch.empty(p.n_chunks, p.H, rows, p.BT, device=q.device, dtype=p.acc)  # noqa: E731
+                                  if used else q)
+    s_a, s_kw, s_me, s_mw = scratch(p.BT, p.mode != 0), scratch(p.BT, p.mode == 2), scratch(p.BQ, p.mode != 0), scratch(p.BQ, p.mode != 1)
+    dummy = k
+    chunk_pairs_kernel[(p.n_chunks, p.H)](
+        k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dummy if dbeta is None else dbeta,
+        s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, **flags,
+    )
+    chunk_channels_kernel[(triton.cdiv(p.K, BKS), p.n_chunks, p.H)](
+        q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dw, dummy if de is None else de, dg,
+        s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, scale, TIED=tied, **flags,
+    )
+
+
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,

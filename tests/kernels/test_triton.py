@@ -109,6 +109,38 @@ def test_channel_gate_across_sub_chunks(case: Case) -> None:
     _assert_close(_triton(inputs, chunk_size=32), _naive(inputs), tol=1e-9)
 
 
+CHANNEL_PATHS = [
+    Case(gate="channel", transition="diagonal", write_key="untied", initial_state=True),  # GLA
+    Case(gate="channel", transition="householder", beta_scale=2.0),  # KDA
+    Case(gate="channel", transition="householder", n_h=2, write_key="preconditioned"),
+    Case(gate="channel", transition="rwkv7", write_key="untied", initial_state=True),  # RWKV-7
+]
+
+
+@pytest.mark.parametrize("K,slice_k,paths", [(48, 16, CHANNEL_PATHS), (40, 16, CHANNEL_PATHS[1::2]), (24, 64, CHANNEL_PATHS[::3])],
+                         ids=["K48-3slices", "K40-ragged", "K24-one-slice"])
+def test_channel_backward_in_k_slices(monkeypatch, K: int, slice_k: int, paths: list[Case]) -> None:
+    """The channel-gate backward (`backward_channel.py`) over slices of K: several slices,
+    a last slice that reaches past K (its columns masked), and a K below the slice width."""
+    from archspec.kernels.triton import recurrence
+
+    monkeypatch.setattr(recurrence, "_CHANNEL_BK", slice_k)
+    for case in paths:
+        inputs = make_inputs(case, B=1, T=20, H=2, K=K, V=16, device=DEVICE, seed=8)
+        _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
+
+
+def test_channel_backward_in_one_kernel(monkeypatch) -> None:
+    """`ARCHSPEC_TRITON_CHANNEL_SPLIT=0`: the channel-gate backward in `chunk_backward_kernel`
+    (the whole of K in one program), kept for comparison on the GPU."""
+    from archspec.kernels.triton import recurrence
+
+    monkeypatch.setattr(recurrence, "_CHANNEL_SPLIT", False)
+    for case in CHANNEL_PATHS:
+        inputs = make_inputs(case, B=1, T=20, H=2, K=16, V=16, device=DEVICE, seed=9)
+        _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
+
+
 def test_default_chunk_and_deep_products() -> None:
     """The production chunk (64 sub-steps) with n_h = 8 (8 tokens per chunk) and n_h = 5."""
     for n_h in (8, 5):

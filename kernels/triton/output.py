@@ -60,9 +60,12 @@ def output_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, BVO: tl.constexpr,
 ):
-    i_chunk, i_h = tl.program_id(0), tl.program_id(1)
+    """`O` of one chunk's `BVO` value columns (program axis 2): the scores are formed once
+    per program, so a cheap score (no channel gate) is formed again by each column group
+    in exchange for more, smaller programs (`recurrence.py` chooses `BVO`)."""
+    i_chunk, i_h, i_vo = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
     tok0 = bos + c * TC
     n_tok = tl.minimum(TC, seq_len - c * TC)
@@ -75,8 +78,8 @@ def output_kernel(
     row_v = tok0 * NH * H * V + i_h * V
     if MODE != 1 and HAS_BETA:
         bb = tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)
-    for i_v in range(tl.cdiv(V, BV)):
-        offs_v = i_v * BV + tl.arange(0, BV)
+    for i_v in range(tl.cdiv(BVO, BV)):
+        offs_v = i_vo * BVO + i_v * BV + tl.arange(0, BV)
         h = tl.load(h_all + (i_chunk * H + i_h) * K * V + offs_k[:, None] * V + offs_v[None, :],
                     mask=(offs_k[:, None] < K) & (offs_v[None, :] < V), other=0.0).to(ACC)
         out = mm(qt, h, OP, PREC, ACC)

@@ -275,17 +275,6 @@ class ChunkRecurrence(torch.autograd.Function):
                 cast(de, te), cast(dh0, th), None, None, None, None, None)
 
 
-def linear_recurrence_triton(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    g: Tensor | None = None,
-    beta: Tensor | None = None,
-    write_key: Tensor | None = None,
-    erase: Tensor | None = None,
-    n_h: int = 1,
-    scale: float | None = None,
 def _channel_backward(p: Plan, args: tuple, grads: tuple, cu_seqlens, table, scale: float, tied: bool,
                       flags: dict) -> None:
     """A channel gate's last backward step: `chunk_pairs_kernel`, then `chunk_channels_kernel`
@@ -308,6 +297,17 @@ def _channel_backward(p: Plan, args: tuple, grads: tuple, cu_seqlens, table, sca
     )
 
 
+def linear_recurrence_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    g: Tensor | None = None,
+    beta: Tensor | None = None,
+    write_key: Tensor | None = None,
+    erase: Tensor | None = None,
+    n_h: int = 1,
+    scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,

@@ -53,8 +53,16 @@ _BACKWARD_WARPS = int(os.environ.get("ARCHSPEC_TRITON_BACKWARD_WARPS", str(_WARP
 _CHANNEL_BK = int(os.environ.get("ARCHSPEC_TRITON_CHANNEL_BK", "64"))
 _CHANNEL_SPLIT = os.environ.get("ARCHSPEC_TRITON_CHANNEL_SPLIT", "1") != "0"
 # warps of `inverse_kernel` (the UT transform's latency-bound inverse): few, so that
-# several programs share an SM and hide each other's dependent steps (`prepare.py`)
-_INVERSE_WARPS = int(os.environ.get("ARCHSPEC_TRITON_INVERSE_WARPS", "4"))
+# several programs share an SM and hide each other's dependent steps (`prepare.py`).
+# Measured on the H200 (B=4 T=4096 H=16 K=V=128 bf16, benchmarks/results/variants/):
+# DeltaNet 0.12 ms with 2 warps, 0.17 with 4, 0.28 with 8; KDA (channel gate, whose
+# scores need whole [64, K] rows) 2.06 ms with 2 (spills), 0.69 with 4.
+# ARCHSPEC_TRITON_INVERSE_WARPS overrides both.
+_INVERSE_WARPS = os.environ.get("ARCHSPEC_TRITON_INVERSE_WARPS")
+
+
+def _inverse_warps(gate: int) -> int:
+    return int(_INVERSE_WARPS) if _INVERSE_WARPS else 4 if gate == 2 else 2
 # the UT transform's inverse (`solve.py`): "substitution" (measured) or "doubling" (not yet timed)
 _SOLVE = os.environ.get("ARCHSPEC_TRITON_SOLVE", "substitution")
 if _SOLVE not in ("substitution", "doubling"):
@@ -191,7 +199,7 @@ class ChunkRecurrence(torch.autograd.Function):
                 Tinv, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=p.BK, BKI=min(p.BK, 32), BT=p.BT, TC=p.TC, NH=p.n_h, SC=p.SC,
                 MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, ACC=p.tl_acc, OP=p.tl_op, PREC=p.prec,
                 INV_PREC="ieee" if p.acc == torch.float64 else "tf32x3", DOUBLING=_SOLVE == "doubling",
-                num_warps=_INVERSE_WARPS, num_stages=_STAGES,
+                num_warps=_inverse_warps(p.gate), num_stages=_STAGES,
             )
             prepare_kernel[(p.n_chunks, p.H)](
                 k, w, dummy if beta is None else beta, v, dummy if G is None else G,
@@ -209,11 +217,14 @@ class ChunkRecurrence(torch.autograd.Function):
             **_common(p, state=True),
         )
         o = torch.empty(p.B, p.T, p.H, p.V, device=dev, dtype=v.dtype)
-        output_kernel[(p.n_chunks, p.H)](
+        # value columns per program: one V block without a channel gate (its scores are one
+        # cheap product, formed again by each program); all of V with one (scores are costly)
+        bvo = p.BV if p.gate != 2 else triton.cdiv(p.V, p.BV) * p.BV
+        output_kernel[(p.n_chunks, p.H, triton.cdiv(p.V, bvo))](
             q, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
             dummy if Y is None else Y, h_all, o, cu_seqlens, table, p.T, p.NT, scale,
-            BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=p.warps, num_stages=_STAGES,
-            **_common(p),
+            BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, BVO=bvo,
+            num_warps=p.warps, num_stages=_STAGES, **_common(p),
         )
         ctx.save_for_backward(q, k, v, beta, w, e, G, Tinv, P, Y, h_all, cu_seqlens, table, offsets)
         ctx.plan, ctx.scale, ctx.tied = p, scale, write_key is None

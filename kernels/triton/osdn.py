@@ -53,29 +53,160 @@ def _step_terms(d, kk, b_i, eps, eta, BETA_AWARE: tl.constexpr):
     return s, sq, n, c, b, tl.sum(d * s, 0)
 
 
-PREFETCH = tl.constexpr(3)  # with AHEAD: steps whose loads are in flight ahead of the one computed
 # Two launch choices, opt-in until timed and checked on the GPU (`benchmarks/variants.py`,
 # e.g. the variant `8,4:osdn_ahead=1:osdn_warps=1`): AHEAD issues every step's loads
 # PREFETCH steps before the step (they do not depend on `d`), so that a memory latency per
 # step leaves the scan's critical path (the H200 spent about 0.7 us per step, one load
-# latency, with loads at their use); one warp per program reduces a step's two dot
+# latency, with loads at their use), and forms each step's terms that do not depend on `d`
+# off the critical path (`_ahead_terms`); one warp per program reduces a step's dot
 # products by shuffles alone, with no barrier between warps. Both are exact on the
 # interpreter and compile for sm_90 without spills.
 AHEAD = os.environ.get("ARCHSPEC_TRITON_OSDN_AHEAD", "0") == "1"
 SCAN_WARPS = int(os.environ.get("ARCHSPEC_TRITON_OSDN_WARPS", "4"))
+# With AHEAD: the steps whose loads are in flight ahead of the one computed (the queue's
+# length). The loop is unrolled by as many steps, so that each queue slot is one set of
+# registers: a step reads its slot, and the loads PREFETCH steps on land in it after that
+# last read, to be read a whole unrolled iteration later. (Shifted once per step, without
+# the unrolling, the queue costs one load latency per step after all: the shift reads the
+# load issued in the same step. Likewise a value widened, or a 16-bit value unpacked, at
+# its load is read there: hence `_load_ahead`'s raw and packed words.) Offline (sm_90
+# SASS) no loaded value is read in the iteration that loads it at PREFETCH 8; each step
+# then waits only on its dot product (`docs/kernel.md`, "OSDN phase 1").
+PREFETCH = int(os.environ.get("ARCHSPEC_TRITON_OSDN_PREFETCH", "8"))
 
 
 @triton.jit
-def _load_step(k, beta, retain, bos, j, L, i_h, offs, mk, H: tl.constexpr, K: tl.constexpr, NH: tl.constexpr,
-               BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, ACC: tl.constexpr):
+def _load_ahead(k, beta, retain, bos, j, L, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                NH: tl.constexpr, BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, PACKED: tl.constexpr):
     """Sub-step `j`'s key, beta (0 when unused) and retain gate (1 except at a token's first
-    sub-step with APF); outside the sequence (`j < 0` or `j >= L`) nothing is read."""
+    sub-step with APF) for the queue of AHEAD; outside the sequence (`j < 0` or `j >= L`)
+    nothing is read. The values as stored, widened only at their use
+    (`_widen`), and a 16-bit key as 32-bit words of two halves (`PACKED`), since a value
+    is only carried in its own register from its load to its use if nothing reads it in
+    between, and 16-bit halves are split into registers of their own at the load."""
     ok = (j >= 0) & (j < L)
     i = bos * NH + j
-    kk = tl.load(k + (i * H + i_h) * K + offs, mask=mk & ok, other=0.0).to(ACC)
-    b_i = tl.load(beta + i * H + i_h, mask=ok & BETA_AWARE, other=0.0).to(ACC)
-    rho = tl.load(retain + (bos + j // NH) * H + i_h, mask=ok & HAS_RETAIN & (j % NH == 0), other=1.0).to(ACC)
+    if PACKED:
+        o = tl.arange(0, BK // 2)
+        kk = tl.load(k + (i * H + i_h) * (K // 2) + o, mask=(o < K // 2) & ok, other=0)
+    else:
+        o = tl.arange(0, BK)
+        kk = tl.load(k + (i * H + i_h) * K + o, mask=(o < K) & ok, other=0.0)
+    b_i = tl.load(beta + i * H + i_h, mask=ok & BETA_AWARE, other=0.0)
+    rho = tl.load(retain + (bos + j // NH) * H + i_h, mask=ok & HAS_RETAIN & (j % NH == 0), other=1.0)
     return kk, b_i, rho
+
+
+@triton.jit
+def _load_ahead_trajectory(traj, dw, bos, j, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                           NH: tl.constexpr, HAS_DW: tl.constexpr, PACKED_DW: tl.constexpr):
+    """The backward's other loads of sub-step `j` for the queue of AHEAD, as `_load_ahead`:
+    `d` before the step and the write key's gradient (0 without one); nothing is read for
+    `j < 0`."""
+    i = bos * NH + j
+    o = tl.arange(0, BK)
+    d = tl.load(traj + (i * H + i_h) * K + o, mask=(o < K) & (j >= 0), other=0.0)
+    if PACKED_DW:
+        o2 = tl.arange(0, BK // 2)
+        w_bar = tl.load(dw + (i * H + i_h) * (K // 2) + o2, mask=(o2 < K // 2) & (j >= 0) & HAS_DW, other=0)
+    else:
+        w_bar = tl.load(dw + (i * H + i_h) * K + o, mask=(o < K) & (j >= 0) & HAS_DW, other=0.0)
+    return d, w_bar
+
+
+@triton.jit
+def _widen(x, BK: tl.constexpr, PACKED: tl.constexpr, ACC: tl.constexpr):
+    """A row of `_load_ahead` in `ACC`: `PACKED` 1 (bfloat16) or 2 (float16) unpacks the
+    32-bit words, low half first."""
+    if PACKED == 1:
+        lo = (x << 16).to(tl.float32, bitcast=True)
+        hi = (x & -65536).to(tl.float32, bitcast=True)
+        return tl.reshape(tl.join(lo, hi), [BK]).to(ACC)
+    elif PACKED == 2:
+        lo = x.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return tl.reshape(tl.join(lo, hi), [BK]).to(ACC)
+    else:
+        return x.to(ACC)
+
+
+@triton.jit
+def _ahead_terms(kk, b_i, eps, eta, BETA_AWARE: tl.constexpr):
+    """What a step takes from its loads alone (none of it waits on `d`): `s`, `|k|^2`,
+    `1/n`, `eta/n`, `c` and `c b`. The forward then forms `p = (rho d + c s) - (c b s) <d, s>`,
+    one fma after the dot product; the backward forms the same `p` from the same terms."""
+    s = kk * kk
+    sq = tl.sum(s, 0)
+    rn = 1.0 / tl.maximum(sq, eps)
+    en = eta * rn
+    if BETA_AWARE:
+        c = en * b_i
+        cb = c * b_i
+    else:
+        c = en
+        cb = en
+    return s, sq, rn, en, c, cb
+
+
+@triton.jit
+def _forward_step(d, kk, b_i, rho, i, i_h, w, traj, offs, mk, eps, eta, d_min, d_max, H: tl.constexpr, K: tl.constexpr,
+                  BK: tl.constexpr, BETA_AWARE: tl.constexpr, PACKED: tl.constexpr, ACC: tl.constexpr):
+    """One step of AHEAD from its loads (`_load_ahead`) at row `i`; returns the next `d`."""
+    kk, b_i, rho = _widen(kk, BK, PACKED, ACC), b_i.to(ACC), rho.to(ACC)
+    s, _sq, _rn, _en, c, cb = _ahead_terms(kk, b_i, eps, eta, BETA_AWARE)
+    tl.store(w + (i * H + i_h) * K + offs, (d * kk).to(w.dtype.element_ty), mask=mk)
+    tl.store(traj + (i * H + i_h) * K + offs, d.to(traj.dtype.element_ty), mask=mk)
+    # the step's critical path: <d, s>, one fma, the clip
+    p = (rho * d + c * s) - (cb * s) * tl.sum(d * s, 0)
+    return tl.minimum(tl.maximum(p, d_min), d_max)
+
+
+@triton.jit
+def _backward_step(dd, kk, b_i, rho, d, w_bar, eps, eta, d_min, d_max, mk, BK: tl.constexpr, BETA_AWARE: tl.constexpr,
+                   HAS_RETAIN: tl.constexpr, HAS_DW: tl.constexpr, PACKED: tl.constexpr, PACKED_DW: tl.constexpr,
+                   ACC: tl.constexpr):
+    """One reverse step of AHEAD from its loads: `dbar` before it and the step's
+    gradients of `k`, `beta` and the retain gate (stored by `_backward_store`)."""
+    kk, b_i, rho, d = _widen(kk, BK, PACKED, ACC), b_i.to(ACC), rho.to(ACC), d.to(ACC)
+    w_bar = _widen(w_bar, BK, PACKED_DW, ACC)
+    # from the loads alone (d is the forward's trajectory): the forward's p, bit for bit
+    s, sq, rn, en, c, cb = _ahead_terms(kk, b_i, eps, eta, BETA_AWARE)
+    align = tl.sum(d * s, 0)
+    cbs = cb * s
+    p = (rho * d + c * s) - cbs * align
+    m = (p >= d_min) & (p <= d_max) & mk
+    ms = tl.where(m, s, 0.0)
+    if BETA_AWARE:
+        g = 1 - b_i * align
+    else:
+        g = 1 - align
+    e = tl.where(sq >= eps, -(c * rn) * g, 0.0)  # the eps clamp passes no gradient
+    # the step's critical path: <dbar', m s>, one fma
+    ps = tl.sum(dd * ms, 0)
+    pbar = tl.where(m, dd, 0.0)
+    base = rho * pbar
+    if HAS_DW:
+        base += w_bar * kk
+    dd = base - cbs * ps
+    dkk = (kk + kk) * (((c * g) * pbar + e * ps) - (cb * ps) * d)
+    if HAS_DW:
+        dkk += w_bar * d
+    dbeta_i = ps * (g * en - c * align)
+    dretain_i = 0.0
+    if HAS_RETAIN:
+        dretain_i = tl.sum(pbar * d, 0)
+    return dd, dkk, dbeta_i, dretain_i
+
+
+@triton.jit
+def _backward_store(dkk, dbeta_i, dretain_i, bos, j, i_h, dk, dbeta, dretain, offs, mk, H: tl.constexpr,
+                    K: tl.constexpr, NH: tl.constexpr, BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr):
+    i = bos * NH + j
+    tl.store(dk + (i * H + i_h) * K + offs, dkk.to(dk.dtype.element_ty), mask=mk)
+    if BETA_AWARE:
+        tl.store(dbeta + i * H + i_h, dbeta_i.to(dbeta.dtype.element_ty))
+    if HAS_RETAIN:
+        tl.store(dretain + (bos + j // NH) * H + i_h, dretain_i.to(dretain.dtype.element_ty), mask=j % NH == 0)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -83,7 +214,7 @@ def osdn_forward_kernel(
     k, beta, retain, d0, w, traj, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NH: tl.constexpr,
     BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, D0_MODE: tl.constexpr,
-    IS_VARLEN: tl.constexpr, ACC: tl.constexpr, AHEAD: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ACC: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -97,18 +228,20 @@ def osdn_forward_kernel(
     else:  # per sequence [N, H, K]
         d = tl.load(d0 + i_nh * K + offs, mask=mk, other=0.0).to(ACC)
     L = seq_len * NH
-    if AHEAD:  # a register queue of the next steps' loads, carried through the loop
-        k1, b1, r1 = _load_step(k, beta, retain, bos, 0, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
-        k2, b2, r2 = _load_step(k, beta, retain, bos, 1, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
-        k3, b3, r3 = _load_step(k, beta, retain, bos, 2, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
-    for j in range(L):
-        i = bos * NH + j
-        if AHEAD:
-            kk, b_i, rho = k1, b1, r1
-            k1, b1, r1 = k2, b2, r2
-            k2, b2, r2 = k3, b3, r3
-            k3, b3, r3 = _load_step(k, beta, retain, bos, j + PREFETCH, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
-        else:  # each load at its use (the form checked on the H200)
+    if AHEAD:
+        # a queue of the next PREFETCH steps' loads, in a loop unrolled by PREFETCH (see PREFETCH)
+        q = ()
+        for u in tl.static_range(PREFETCH):
+            q = q + (_load_ahead(k, beta, retain, bos, u, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED),)
+        for j in tl.range(L, loop_unroll_factor=PREFETCH):
+            kk, b_i, rho = q[0]
+            d = _forward_step(d, kk, b_i, rho, bos * NH + j, i_h, w, traj, offs, mk, eps, eta, d_min, d_max,
+                              H, K, BK, BETA_AWARE, PACKED, ACC)
+            # the slot just read takes the loads of PREFETCH steps on, after its last use
+            q = q[1:] + (_load_ahead(k, beta, retain, bos, j + PREFETCH, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED),)
+    else:  # each load at its use (the form checked on the H200)
+        for j in range(L):
+            i = bos * NH + j
             kk = tl.load(k + (i * H + i_h) * K + offs, mask=mk, other=0.0).to(ACC)
             b_i = 0.0
             if BETA_AWARE:
@@ -116,22 +249,12 @@ def osdn_forward_kernel(
             rho = 1.0
             if HAS_RETAIN:  # APF: the retain gate acts once per token, at its first sub-step
                 rho = tl.load(retain + (bos + j // NH) * H + i_h, mask=j % NH == 0, other=1.0).to(ACC)
-        tl.store(w + (i * H + i_h) * K + offs, (d * kk).to(w.dtype.element_ty), mask=mk)
-        tl.store(traj + (i * H + i_h) * K + offs, d.to(traj.dtype.element_ty), mask=mk)
-        s, sq, n, c, b, align = _step_terms(d, kk, b_i, eps, eta, BETA_AWARE)
-        p = rho * d + c * (1 - b * align) * s
-        d = tl.minimum(tl.maximum(p, d_min), d_max)
+            tl.store(w + (i * H + i_h) * K + offs, (d * kk).to(w.dtype.element_ty), mask=mk)
+            tl.store(traj + (i * H + i_h) * K + offs, d.to(traj.dtype.element_ty), mask=mk)
+            s, sq, n, c, b, align = _step_terms(d, kk, b_i, eps, eta, BETA_AWARE)
+            p = rho * d + c * (1 - b * align) * s
+            d = tl.minimum(tl.maximum(p, d_min), d_max)
     tl.store(d_final + i_nh * K + offs, d.to(d_final.dtype.element_ty), mask=mk)
-
-
-@triton.jit
-def _load_trajectory(traj, dw, bos, j, i_h, offs, mk, H: tl.constexpr, K: tl.constexpr, NH: tl.constexpr,
-                     HAS_DW: tl.constexpr, ACC: tl.constexpr):
-    """The backward's other loads of sub-step `j`: `d` before the step and the write
-    key's gradient (0 without one); nothing is read for `j < 0`."""
-    row = ((bos * NH + j) * H + i_h) * K + offs
-    ok = mk & (j >= 0)
-    return tl.load(traj + row, mask=ok, other=0.0).to(ACC), tl.load(dw + row, mask=ok & HAS_DW, other=0.0).to(ACC)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -139,7 +262,8 @@ def osdn_backward_kernel(
     k, beta, retain, traj, dw, dd_final, dk, dbeta, dretain, dd0, cu_seqlens, T, eta, d_min, d_max, eps,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NH: tl.constexpr,
     BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, HAS_DW: tl.constexpr, HAS_DD: tl.constexpr,
-    IS_VARLEN: tl.constexpr, ACC: tl.constexpr, AHEAD: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ACC: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
+    PACKED_DW: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -151,23 +275,26 @@ def osdn_backward_kernel(
         dd += tl.load(dd_final + i_nh * K + offs, mask=mk, other=0.0).to(ACC)
     L = seq_len * NH
     if AHEAD:  # as in the forward, with the steps in reverse
-        k1, b1, r1 = _load_step(k, beta, retain, bos, L - 1, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
-        k2, b2, r2 = _load_step(k, beta, retain, bos, L - 2, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
-        k3, b3, r3 = _load_step(k, beta, retain, bos, L - 3, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
-        d1, w1 = _load_trajectory(traj, dw, bos, L - 1, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
-        d2, w2 = _load_trajectory(traj, dw, bos, L - 2, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
-        d3, w3 = _load_trajectory(traj, dw, bos, L - 3, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
-    for jj in range(L):
-        j = L - 1 - jj
-        i = bos * NH + j
-        o_row = (i * H + i_h) * K + offs
-        if AHEAD:
-            kk, b_i, rho, d, w_bar = k1, b1, r1, d1, w1
-            k1, b1, r1, d1, w1 = k2, b2, r2, d2, w2
-            k2, b2, r2, d2, w2 = k3, b3, r3, d3, w3
-            k3, b3, r3 = _load_step(k, beta, retain, bos, j - PREFETCH, L, i_h, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN, ACC)
-            d3, w3 = _load_trajectory(traj, dw, bos, j - PREFETCH, i_h, offs, mk, H, K, NH, HAS_DW, ACC)
-        else:  # each load at its use (the form checked on the H200)
+        q = ()
+        for u in tl.static_range(PREFETCH):
+            q = q + (_load_ahead(k, beta, retain, bos, L - 1 - u, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED)
+                     + _load_ahead_trajectory(traj, dw, bos, L - 1 - u, i_h, H, K, BK, NH, HAS_DW, PACKED_DW),)
+        for jj in tl.range(L, loop_unroll_factor=PREFETCH):
+            j = L - 1 - jj
+            kk, b_i, rho, d, w_bar = q[0]
+            dd, dkk, dbeta_i, dretain_i = _backward_step(dd, kk, b_i, rho, d, w_bar, eps, eta, d_min, d_max, mk, BK,
+                                                         BETA_AWARE, HAS_RETAIN, HAS_DW, PACKED, PACKED_DW, ACC)
+            # the slot just read takes the loads of PREFETCH steps on: after its last use
+            # (else a copy at the loop's end waits for them), before the step's stores
+            # (which a load cannot pass)
+            q = q[1:] + (_load_ahead(k, beta, retain, bos, j - PREFETCH, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED)
+                         + _load_ahead_trajectory(traj, dw, bos, j - PREFETCH, i_h, H, K, BK, NH, HAS_DW, PACKED_DW),)
+            _backward_store(dkk, dbeta_i, dretain_i, bos, j, i_h, dk, dbeta, dretain, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN)
+    else:  # each load at its use (the form checked on the H200)
+        for jj in range(L):
+            j = L - 1 - jj
+            i = bos * NH + j
+            o_row = (i * H + i_h) * K + offs
             kk = tl.load(k + o_row, mask=mk, other=0.0).to(ACC)
             d = tl.load(traj + o_row, mask=mk, other=0.0).to(ACC)
             b_i = 0.0
@@ -179,23 +306,32 @@ def osdn_backward_kernel(
             w_bar = 0.0
             if HAS_DW:
                 w_bar = tl.load(dw + o_row, mask=mk, other=0.0).to(ACC)
-        s, sq, n, c, b, align = _step_terms(d, kk, b_i, eps, eta, BETA_AWARE)
-        p = rho * d + c * (1 - b * align) * s
-        pbar = tl.where((p >= d_min) & (p <= d_max) & mk, dd, 0.0)
-        ps = tl.sum(pbar * s, 0)
-        dd = rho * pbar - c * b * ps * s
-        dkk = 2 * kk * (c * (1 - b * align) * pbar - c * b * ps * d)
-        cbar = ps * (1 - b * align)
-        dkk += tl.where(sq >= eps, 2 * kk * (-cbar * c / n), 0.0)  # the eps clamp passes no gradient
-        if HAS_DW:
-            dd += w_bar * kk
-            dkk += w_bar * d
-        tl.store(dk + o_row, dkk.to(dk.dtype.element_ty), mask=mk)
-        if BETA_AWARE:
-            tl.store(dbeta + i * H + i_h, (cbar * eta / n - c * align * ps).to(dbeta.dtype.element_ty))
-        if HAS_RETAIN:
-            tl.store(dretain + (bos + j // NH) * H + i_h, tl.sum(pbar * d, 0).to(dretain.dtype.element_ty), mask=j % NH == 0)
+            s, sq, n, c, b, align = _step_terms(d, kk, b_i, eps, eta, BETA_AWARE)
+            p = rho * d + c * (1 - b * align) * s
+            pbar = tl.where((p >= d_min) & (p <= d_max) & mk, dd, 0.0)
+            ps = tl.sum(pbar * s, 0)
+            dd = rho * pbar - c * b * ps * s
+            dkk = 2 * kk * (c * (1 - b * align) * pbar - c * b * ps * d)
+            cbar = ps * (1 - b * align)
+            dkk += tl.where(sq >= eps, 2 * kk * (-cbar * c / n), 0.0)  # the eps clamp passes no gradient
+            if HAS_DW:
+                dd += w_bar * kk
+                dkk += w_bar * d
+            tl.store(dk + o_row, dkk.to(dk.dtype.element_ty), mask=mk)
+            if BETA_AWARE:
+                tl.store(dbeta + i * H + i_h, (cbar * eta / n - c * align * ps).to(dbeta.dtype.element_ty))
+            if HAS_RETAIN:
+                tl.store(dretain + (bos + j // NH) * H + i_h, tl.sum(pbar * d, 0).to(dretain.dtype.element_ty), mask=j % NH == 0)
     tl.store(dd0 + i_nh * K + offs, dd.to(dd0.dtype.element_ty), mask=mk)
+
+
+def _packed(x: Tensor | None) -> tuple[Tensor | None, int]:
+    """With AHEAD, a contiguous 16-bit `[..., K]` tensor (K even) as 32-bit words of two
+    values (`_load_ahead`) and its `PACKED` code; otherwise the tensor itself and 0."""
+    code = {torch.bfloat16: 1, torch.float16: 2}.get(getattr(x, "dtype", None), 0)
+    if not AHEAD or not code or x.shape[-1] % 2 or x.storage_offset() % 2 or not x.is_contiguous():
+        return x, 0
+    return x.view(torch.int32), code
 
 
 class OsdnScan(torch.autograd.Function):
@@ -216,9 +352,11 @@ class OsdnScan(torch.autograd.Function):
         d_final = torch.empty(n_seq, H, K, device=k.device, dtype=acc)
         meta = dict(H=H, K=K, BK=max(16, triton.next_power_of_2(K)), NH=n_h, BETA_AWARE=beta_aware,
                     HAS_RETAIN=retain is not None, IS_VARLEN=cu_seqlens is not None,
-                    ACC=tl.float64 if acc == torch.float64 else tl.float32, AHEAD=AHEAD)
+                    ACC=tl.float64 if acc == torch.float64 else tl.float32, AHEAD=AHEAD,
+                    PREFETCH=PREFETCH)
+        k_words, meta["PACKED"] = _packed(k)
         osdn_forward_kernel[(n_seq * H,)](
-            k, beta_, retain_, d0_, w, traj, d_final, cu_seqlens, T, eta, d_min, d_max, eps, D0_MODE=d0_mode,
+            k_words, beta_, retain_, d0_, w, traj, d_final, cu_seqlens, T, eta, d_min, d_max, eps, D0_MODE=d0_mode,
             num_warps=SCAN_WARPS, **meta,
         )
         ctx.save_for_backward(k, beta, retain, traj, cu_seqlens)
@@ -237,11 +375,13 @@ class OsdnScan(torch.autograd.Function):
         dbeta = None if beta is None else torch.zeros(beta.shape, device=k.device, dtype=acc)
         dretain = None if retain is None else torch.zeros(retain.shape, device=k.device, dtype=acc)
         dd0 = torch.empty(n_seq, H, K, device=k.device, dtype=acc)
+        dw_words, packed_dw = _packed(None if dw is None else dw.contiguous())
         osdn_backward_kernel[(n_seq * H,)](
-            k, k if beta is None else beta, k if retain is None else retain, traj,
-            k if dw is None else dw.contiguous(), k if dd_final is None else dd_final.contiguous(),
+            _packed(k)[0], k if beta is None else beta, k if retain is None else retain, traj,
+            k if dw is None else dw_words, k if dd_final is None else dd_final.contiguous(),
             dk, k if dbeta is None else dbeta, k if dretain is None else dretain, dd0, cu_seqlens,
-            T, eta, d_min, d_max, eps, HAS_DW=dw is not None, HAS_DD=dd_final is not None, num_warps=SCAN_WARPS, **meta,
+            T, eta, d_min, d_max, eps, HAS_DW=dw is not None, HAS_DD=dd_final is not None, PACKED_DW=packed_dw,
+            num_warps=SCAN_WARPS, **meta,
         )
         dd0_out = None
         if d0_mode == 1:

@@ -107,3 +107,25 @@ def test_osdn_loads_ahead_match_naive(monkeypatch) -> None:
         names = ["write_key", "d_final"] + ["d_" + n for n in inputs]
         options = dict(eta=0.3, beta_aware=aware)
         _compare(_run(inputs, "triton", **options), _run(inputs, "naive", **options), names, tol=1e-10)
+
+
+@pytest.mark.parametrize("prefetch", [1, 3, 8])
+def test_osdn_loads_ahead_queue_lengths(monkeypatch, prefetch: int) -> None:
+    """AHEAD with queues shorter and longer than the sequences (unrolled loops with and
+    without a remainder), and 16-bit keys as packed 32-bit words (`osdn._packed`)."""
+    from archspec.kernels.triton import osdn
+
+    monkeypatch.setattr(osdn, "AHEAD", True)
+    monkeypatch.setattr(osdn, "PREFETCH", prefetch)
+    inputs = _inputs(1, 13, 2, 16, 2, retain=True, d0="none", seed=5)
+    cu = torch.tensor([0, 5, 5, 6, 13], dtype=torch.int32, device=DEVICE)
+    names = ["write_key", "d_final"] + ["d_" + n for n in inputs]
+    options = {"eta": 0.3, "cu_seqlens": cu}
+    _compare(_run(inputs, "triton", **options), _run(inputs, "naive", **options), names, tol=1e-10)
+    inputs = _inputs(1, 11, 2, 16, 1, retain=True, d0="none", seed=12)
+    for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 5e-3)):
+        low = {k: v.detach().to(dtype).requires_grad_() for k, v in inputs.items()}
+        assert osdn._packed(low["k"].detach())[1] == (1 if dtype == torch.bfloat16 else 2)
+        want = _run({k: v.detach().double().requires_grad_() for k, v in low.items()}, "naive", eta=0.3)
+        got = _run(low, "triton", eta=0.3)
+        _compare(got, want, ["write_key", "d_final", "d_k", "d_beta", "d_retain"], tol=tol)

@@ -665,6 +665,9 @@ def markdown(results: dict) -> str:
     lines = [
         f"Kernel timings on {m.get('device', 'cpu')} (torch {m['torch']}, triton {m.get('triton')}, fla {m.get('fla')}, {m['date']}); "
         f"B={results['shape']['B']} T={results['shape']['T']} H={results['shape']['H']} K={results['shape']['K']} V={results['shape']['V']} {results['dtype']}, median ms.",
+        *([f"fla and torch rows from an earlier run on {results['peers_from'].get('device', 'cpu')} "
+           f"(torch {results['peers_from']['torch']}, triton {results['peers_from'].get('triton')}, "
+           f"fla {results['peers_from'].get('fla')}, {results['peers_from']['date']}): `--peers`."] if results.get("peers_from") else []),
         "",
         "| plan | floor fwd | ours fwd | fla fwd | ours/fla | floor f+b | ours f+b | fla f+b | ours/fla | torch f+b |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -718,6 +721,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--resume", default="", help="an earlier kernels.json: keep its plans, measure the others")
     parser.add_argument("--no-torch", action="store_true", help="skip our torch backend")
     parser.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention")
+    parser.add_argument("--peers", default="", help="an earlier kernels.json of the same machine and shape: the rows of "
+                        "the implementations skipped here (fla, torch) are taken from it, and its machine is recorded")
     parser.add_argument("--shape", default="4,4096,16,128,128", help="B,T,H,K,V")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--budget-s", type=float, default=1e9, help="wall-clock budget of the whole run (from its start)")
@@ -755,6 +760,12 @@ def main(argv: list[str] | None = None) -> dict:
             whole = {n: e for n, e in earlier["plans"].items() if not any(cut_short(r["error"]) for r in e["rows"])}
             results["plans"], results["resumed_from"] = whole, earlier["machine"]
             clock.log(f"resumed: {', '.join(whole) or 'nothing'} already measured")
+    peers = {}
+    if args.peers:
+        earlier = json.loads(Path(args.peers).read_text())
+        if earlier["shape"] != shape or earlier["dtype"] != args.dtype:
+            parser.error(f"--peers {args.peers}: shape {earlier['shape']} {earlier['dtype']} differs from this run's")
+        peers, results["peers_from"] = earlier["plans"], earlier["machine"]
     todo = [plan_named(n) for n in names if n not in results["plans"]]
     clock.log(f"{len(todo)} plans, impls {impls}, budget {args.budget_s:.0f}s, {args.workers if cuda else 0} warm-up workers")
     if cuda:
@@ -775,6 +786,9 @@ def main(argv: list[str] | None = None) -> dict:
                 traceback.print_exc()
                 continue
             entry["seconds"] = round(time.monotonic() - t0, 1)
+            if peers:  # fla and the torch backend do not change with our kernels: their earlier rows stand
+                entry["rows"] += [dict(r, from_earlier_run=True) for r in peers.get(plan.name, {}).get("rows", [])
+                                  if r["impl"] not in impls]
             results["plans"][plan.name] = entry
             fl = entry["floors"]
             clock.log(f"{plan.name}: done in {entry['seconds']}s; floors fwd {fl['floor_fwd_ms']:.3f} ms "

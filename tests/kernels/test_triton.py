@@ -188,6 +188,24 @@ def test_strong_channel_decay_stays_exact() -> None:
     _assert_close(_triton(inputs32, chunk_size=32), _naive(inputs), tol=1e-5, tols={"d_g": 3e-4})
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_channel_decay_paths_mix_in_one_launch() -> None:
+    """Chunks whose sub-chunks decay by less than `decay.py`'s bound factorize their inner
+    pairs too; the others take the exact element-by-element loop. One launch with both:
+    sequence 0 with gates of about -0.35 per token (every sub-chunk factorized), sequence
+    1 at -21 per token (e^-340 per sub-chunk of 16: only the exact loop stays finite), and
+    sequence 1's last 12 tokens mild again, so one of its chunks mixes the two. Both
+    paths were seen to be taken: breaking either one fails this test."""
+    case = Case(gate="channel", transition="householder", initial_state=True)  # KDA
+    inputs = make_inputs(case, B=2, T=40, H=1, K=16, V=16, device=DEVICE, seed=6)
+    g = inputs["g"].detach().clone()
+    g[1, :28] *= 60.0
+    inputs["g"] = g.requires_grad_()
+    inputs32 = {k: (v.detach().float().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    _assert_close(_triton(inputs32, chunk_size=32), _naive(inputs), tol=1e-5, tols={"d_g": 3e-4})
+    _assert_close(_triton(inputs, chunk_size=32), _naive(inputs), tol=1e-9)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 def test_low_precision_inputs(dtype: torch.dtype, tol: float) -> None:
     """float32 / bfloat16 / float16 inputs, float32 accumulation, against float64."""

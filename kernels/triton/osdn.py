@@ -73,6 +73,11 @@ SCAN_WARPS = int(os.environ.get("ARCHSPEC_TRITON_OSDN_WARPS", "4"))
 # SASS) no loaded value is read in the iteration that loads it at PREFETCH 8; each step
 # then waits only on its dot product (`docs/kernel.md`, "OSDN phase 1").
 PREFETCH = int(os.environ.get("ARCHSPEC_TRITON_OSDN_PREFETCH", "8"))
+# With AHEAD, opt-in until timed: the forward also stores each step's `|k|^2` and `<d, s>`
+# (two floats; they do not depend on the step's result), so that the backward reads them
+# instead of reducing them again: two of its four dot products per step, the second of
+# which (`<d, s>`) the mask of the step's critical path waits on.
+STATS = os.environ.get("ARCHSPEC_TRITON_OSDN_STATS", "0") == "1"
 
 
 @triton.jit
@@ -98,11 +103,11 @@ def _load_ahead(k, beta, retain, bos, j, L, i_h, H: tl.constexpr, K: tl.constexp
 
 
 @triton.jit
-def _load_ahead_trajectory(traj, dw, bos, j, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                           NH: tl.constexpr, HAS_DW: tl.constexpr, PACKED_DW: tl.constexpr):
+def _load_ahead_trajectory(traj, dw, stats, bos, j, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                           NH: tl.constexpr, HAS_DW: tl.constexpr, PACKED_DW: tl.constexpr, STATS: tl.constexpr):
     """The backward's other loads of sub-step `j` for the queue of AHEAD, as `_load_ahead`:
-    `d` before the step and the write key's gradient (0 without one); nothing is read for
-    `j < 0`."""
+    `d` before the step, the write key's gradient (0 without one), and with STATS the
+    forward's `|k|^2` and `<d, s>`; nothing is read for `j < 0`."""
     i = bos * NH + j
     o = tl.arange(0, BK)
     d = tl.load(traj + (i * H + i_h) * K + o, mask=(o < K) & (j >= 0), other=0.0)
@@ -111,7 +116,9 @@ def _load_ahead_trajectory(traj, dw, bos, j, i_h, H: tl.constexpr, K: tl.constex
         w_bar = tl.load(dw + (i * H + i_h) * (K // 2) + o2, mask=(o2 < K // 2) & (j >= 0) & HAS_DW, other=0)
     else:
         w_bar = tl.load(dw + (i * H + i_h) * K + o, mask=(o < K) & (j >= 0) & HAS_DW, other=0.0)
-    return d, w_bar
+    sq = tl.load(stats + (i * H + i_h) * 2, mask=(j >= 0) & STATS, other=0.0)
+    align = tl.load(stats + (i * H + i_h) * 2 + 1, mask=(j >= 0) & STATS, other=0.0)
+    return d, w_bar, sq, align
 
 
 @triton.jit
@@ -137,6 +144,13 @@ def _ahead_terms(kk, b_i, eps, eta, BETA_AWARE: tl.constexpr):
     one fma after the dot product; the backward forms the same `p` from the same terms."""
     s = kk * kk
     sq = tl.sum(s, 0)
+    rn, en, c, cb = _ahead_coefficients(sq, b_i, eps, eta, BETA_AWARE)
+    return s, sq, rn, en, c, cb
+
+
+@triton.jit
+def _ahead_coefficients(sq, b_i, eps, eta, BETA_AWARE: tl.constexpr):
+    """`1/n`, `eta/n`, `c` and `c b` from `|k|^2`."""
     rn = 1.0 / tl.maximum(sq, eps)
     en = eta * rn
     if BETA_AWARE:
@@ -145,33 +159,46 @@ def _ahead_terms(kk, b_i, eps, eta, BETA_AWARE: tl.constexpr):
     else:
         c = en
         cb = en
-    return s, sq, rn, en, c, cb
+    return rn, en, c, cb
 
 
 @triton.jit
-def _forward_step(d, kk, b_i, rho, i, i_h, w, traj, offs, mk, eps, eta, d_min, d_max, H: tl.constexpr, K: tl.constexpr,
-                  BK: tl.constexpr, BETA_AWARE: tl.constexpr, PACKED: tl.constexpr, ACC: tl.constexpr):
-    """One step of AHEAD from its loads (`_load_ahead`) at row `i`; returns the next `d`."""
+def _forward_step(d, kk, b_i, rho, i, i_h, w, traj, stats, offs, mk, eps, eta, d_min, d_max, H: tl.constexpr,
+                  K: tl.constexpr, BK: tl.constexpr, BETA_AWARE: tl.constexpr, PACKED: tl.constexpr, ACC: tl.constexpr,
+                  STATS: tl.constexpr):
+    """One step of AHEAD from its loads (`_load_ahead`) at row `i`; returns the next `d`.
+    With STATS it also stores the step's `|k|^2` and `<d, s>` for the backward."""
     kk, b_i, rho = _widen(kk, BK, PACKED, ACC), b_i.to(ACC), rho.to(ACC)
-    s, _sq, _rn, _en, c, cb = _ahead_terms(kk, b_i, eps, eta, BETA_AWARE)
+    s, sq, _rn, _en, c, cb = _ahead_terms(kk, b_i, eps, eta, BETA_AWARE)
     tl.store(w + (i * H + i_h) * K + offs, (d * kk).to(w.dtype.element_ty), mask=mk)
     tl.store(traj + (i * H + i_h) * K + offs, d.to(traj.dtype.element_ty), mask=mk)
     # the step's critical path: <d, s>, one fma, the clip
-    p = (rho * d + c * s) - (cb * s) * tl.sum(d * s, 0)
+    align = tl.sum(d * s, 0)
+    p = (rho * d + c * s) - (cb * s) * align
+    if STATS:
+        tl.store(stats + (i * H + i_h) * 2, sq.to(stats.dtype.element_ty))
+        tl.store(stats + (i * H + i_h) * 2 + 1, align.to(stats.dtype.element_ty))
     return tl.minimum(tl.maximum(p, d_min), d_max)
 
 
 @triton.jit
-def _backward_step(dd, kk, b_i, rho, d, w_bar, eps, eta, d_min, d_max, mk, BK: tl.constexpr, BETA_AWARE: tl.constexpr,
-                   HAS_RETAIN: tl.constexpr, HAS_DW: tl.constexpr, PACKED: tl.constexpr, PACKED_DW: tl.constexpr,
-                   ACC: tl.constexpr):
+def _backward_step(dd, kk, b_i, rho, d, w_bar, sq, align, eps, eta, d_min, d_max, mk, BK: tl.constexpr,
+                   BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, HAS_DW: tl.constexpr, PACKED: tl.constexpr,
+                   PACKED_DW: tl.constexpr, ACC: tl.constexpr, STATS: tl.constexpr):
     """One reverse step of AHEAD from its loads: `dbar` before it and the step's
-    gradients of `k`, `beta` and the retain gate (stored by `_backward_store`)."""
+    gradients of `k`, `beta` and the retain gate (stored by `_backward_store`). With
+    STATS, `|k|^2` and `<d, s>` are the forward's (`sq`, `align`) rather than reduced again."""
     kk, b_i, rho, d = _widen(kk, BK, PACKED, ACC), b_i.to(ACC), rho.to(ACC), d.to(ACC)
     w_bar = _widen(w_bar, BK, PACKED_DW, ACC)
     # from the loads alone (d is the forward's trajectory): the forward's p, bit for bit
-    s, sq, rn, en, c, cb = _ahead_terms(kk, b_i, eps, eta, BETA_AWARE)
-    align = tl.sum(d * s, 0)
+    if STATS:
+        s = kk * kk
+        sq = sq.to(ACC)
+        align = align.to(ACC)
+        rn, en, c, cb = _ahead_coefficients(sq, b_i, eps, eta, BETA_AWARE)
+    else:
+        s, sq, rn, en, c, cb = _ahead_terms(kk, b_i, eps, eta, BETA_AWARE)
+        align = tl.sum(d * s, 0)
     cbs = cb * s
     p = (rho * d + c * s) - cbs * align
     m = (p >= d_min) & (p <= d_max) & mk
@@ -211,10 +238,11 @@ def _backward_store(dkk, dbeta_i, dretain_i, bos, j, i_h, dk, dbeta, dretain, of
 
 @triton.jit(do_not_specialize=["T"])
 def osdn_forward_kernel(
-    k, beta, retain, d0, w, traj, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
+    k, beta, retain, d0, w, traj, stats, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NH: tl.constexpr,
     BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, D0_MODE: tl.constexpr,
     IS_VARLEN: tl.constexpr, ACC: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
+    STATS: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -235,8 +263,8 @@ def osdn_forward_kernel(
             q = q + (_load_ahead(k, beta, retain, bos, u, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED),)
         for j in tl.range(L, loop_unroll_factor=PREFETCH):
             kk, b_i, rho = q[0]
-            d = _forward_step(d, kk, b_i, rho, bos * NH + j, i_h, w, traj, offs, mk, eps, eta, d_min, d_max,
-                              H, K, BK, BETA_AWARE, PACKED, ACC)
+            d = _forward_step(d, kk, b_i, rho, bos * NH + j, i_h, w, traj, stats, offs, mk, eps, eta, d_min, d_max,
+                              H, K, BK, BETA_AWARE, PACKED, ACC, STATS)
             # the slot just read takes the loads of PREFETCH steps on, after its last use
             q = q[1:] + (_load_ahead(k, beta, retain, bos, j + PREFETCH, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED),)
     else:  # each load at its use (the form checked on the H200)
@@ -259,11 +287,11 @@ def osdn_forward_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def osdn_backward_kernel(
-    k, beta, retain, traj, dw, dd_final, dk, dbeta, dretain, dd0, cu_seqlens, T, eta, d_min, d_max, eps,
+    k, beta, retain, traj, stats, dw, dd_final, dk, dbeta, dretain, dd0, cu_seqlens, T, eta, d_min, d_max, eps,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NH: tl.constexpr,
     BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, HAS_DW: tl.constexpr, HAS_DD: tl.constexpr,
     IS_VARLEN: tl.constexpr, ACC: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
-    PACKED_DW: tl.constexpr,
+    PACKED_DW: tl.constexpr, STATS: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -278,17 +306,18 @@ def osdn_backward_kernel(
         q = ()
         for u in tl.static_range(PREFETCH):
             q = q + (_load_ahead(k, beta, retain, bos, L - 1 - u, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED)
-                     + _load_ahead_trajectory(traj, dw, bos, L - 1 - u, i_h, H, K, BK, NH, HAS_DW, PACKED_DW),)
+                     + _load_ahead_trajectory(traj, dw, stats, bos, L - 1 - u, i_h, H, K, BK, NH, HAS_DW, PACKED_DW, STATS),)
         for jj in tl.range(L, loop_unroll_factor=PREFETCH):
             j = L - 1 - jj
-            kk, b_i, rho, d, w_bar = q[0]
-            dd, dkk, dbeta_i, dretain_i = _backward_step(dd, kk, b_i, rho, d, w_bar, eps, eta, d_min, d_max, mk, BK,
-                                                         BETA_AWARE, HAS_RETAIN, HAS_DW, PACKED, PACKED_DW, ACC)
+            kk, b_i, rho, d, w_bar, sq, align = q[0]
+            dd, dkk, dbeta_i, dretain_i = _backward_step(dd, kk, b_i, rho, d, w_bar, sq, align, eps, eta, d_min, d_max,
+                                                         mk, BK, BETA_AWARE, HAS_RETAIN, HAS_DW, PACKED, PACKED_DW,
+                                                         ACC, STATS)
             # the slot just read takes the loads of PREFETCH steps on: after its last use
             # (else a copy at the loop's end waits for them), before the step's stores
             # (which a load cannot pass)
             q = q[1:] + (_load_ahead(k, beta, retain, bos, j - PREFETCH, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED)
-                         + _load_ahead_trajectory(traj, dw, bos, j - PREFETCH, i_h, H, K, BK, NH, HAS_DW, PACKED_DW),)
+                         + _load_ahead_trajectory(traj, dw, stats, bos, j - PREFETCH, i_h, H, K, BK, NH, HAS_DW, PACKED_DW, STATS),)
             _backward_store(dkk, dbeta_i, dretain_i, bos, j, i_h, dk, dbeta, dretain, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN)
     else:  # each load at its use (the form checked on the H200)
         for jj in range(L):
@@ -355,18 +384,20 @@ class OsdnScan(torch.autograd.Function):
                     ACC=tl.float64 if acc == torch.float64 else tl.float32, AHEAD=AHEAD,
                     PREFETCH=PREFETCH)
         k_words, meta["PACKED"] = _packed(k)
+        meta["STATS"] = AHEAD and STATS
+        stats = torch.empty(B, TN, H, 2, device=k.device, dtype=acc) if meta["STATS"] else traj
         osdn_forward_kernel[(n_seq * H,)](
-            k_words, beta_, retain_, d0_, w, traj, d_final, cu_seqlens, T, eta, d_min, d_max, eps, D0_MODE=d0_mode,
+            k_words, beta_, retain_, d0_, w, traj, stats, d_final, cu_seqlens, T, eta, d_min, d_max, eps, D0_MODE=d0_mode,
             num_warps=SCAN_WARPS, **meta,
         )
-        ctx.save_for_backward(k, beta, retain, traj, cu_seqlens)
+        ctx.save_for_backward(k, beta, retain, traj, stats, cu_seqlens)
         ctx.meta, ctx.args = meta, (T, eta, d_min, d_max, eps, n_seq, d0_mode)
         ctx.d0_dtype = None if d0 is None else d0.dtype
         return w, d_final
 
     @staticmethod
     def backward(ctx, dw, dd_final):
-        k, beta, retain, traj, cu_seqlens = ctx.saved_tensors
+        k, beta, retain, traj, stats, cu_seqlens = ctx.saved_tensors
         T, eta, d_min, d_max, eps, n_seq, d0_mode = ctx.args
         meta = ctx.meta
         B, TN, H, K = k.shape
@@ -377,7 +408,7 @@ class OsdnScan(torch.autograd.Function):
         dd0 = torch.empty(n_seq, H, K, device=k.device, dtype=acc)
         dw_words, packed_dw = _packed(None if dw is None else dw.contiguous())
         osdn_backward_kernel[(n_seq * H,)](
-            _packed(k)[0], k if beta is None else beta, k if retain is None else retain, traj,
+            _packed(k)[0], k if beta is None else beta, k if retain is None else retain, traj, stats,
             k if dw is None else dw_words, k if dd_final is None else dd_final.contiguous(),
             dk, k if dbeta is None else dbeta, k if dretain is None else dretain, dd0, cu_seqlens,
             T, eta, d_min, d_max, eps, HAS_DW=dw is not None, HAS_DD=dd_final is not None, PACKED_DW=packed_dw,

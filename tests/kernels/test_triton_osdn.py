@@ -109,14 +109,16 @@ def test_osdn_loads_ahead_match_naive(monkeypatch) -> None:
         _compare(_run(inputs, "triton", **options), _run(inputs, "naive", **options), names, tol=1e-10)
 
 
-@pytest.mark.parametrize("prefetch", [1, 3, 8])
-def test_osdn_loads_ahead_queue_lengths(monkeypatch, prefetch: int) -> None:
+@pytest.mark.parametrize("prefetch,stats", [(1, False), (3, True), (8, False), (8, True)])
+def test_osdn_loads_ahead_queue_lengths(monkeypatch, prefetch: int, stats: bool) -> None:
     """AHEAD with queues shorter and longer than the sequences (unrolled loops with and
-    without a remainder), and 16-bit keys as packed 32-bit words (`osdn._packed`)."""
+    without a remainder), 16-bit keys as packed 32-bit words (`osdn._packed`), and with
+    the forward's `|k|^2` and `<d, s>` read by the backward (`osdn.STATS`)."""
     from archspec.kernels.triton import osdn
 
     monkeypatch.setattr(osdn, "AHEAD", True)
     monkeypatch.setattr(osdn, "PREFETCH", prefetch)
+    monkeypatch.setattr(osdn, "STATS", stats)
     inputs = _inputs(1, 13, 2, 16, 2, retain=True, d0="none", seed=5)
     cu = torch.tensor([0, 5, 5, 6, 13], dtype=torch.int32, device=DEVICE)
     names = ["write_key", "d_final"] + ["d_" + n for n in inputs]

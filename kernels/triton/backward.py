@@ -56,22 +56,29 @@ def chunk_backward_kernel(
     q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, dU, do,
     dq, dk, dw, de, dv, dbeta, dg,
     cu_seqlens, chunk_table, T, NT, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, TIED: tl.constexpr,
     IS_VARLEN: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Every input gradient of one chunk and head, the whole of K in one program."""
+    """Every input gradient of one chunk and head in one program, K in slices of `BKS`
+    columns (fewer blocks alive than with the whole of K: a `[64, 128]` float32 block is
+    32 KB, an eighth of the register file)."""
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
     _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
     tok0 = bos + c * TC
     n_tok = tl.minimum(TC, seq_len - c * TC)
     dm_e, dm_w, da, ds_kw = pair_grads(k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dbeta,
-                                       i_chunk, i_h, tok0, n_tok, H, K, V, BK, BV, BT, BQ, NH, SC,
+                                       i_chunk, i_h, tok0, n_tok, H, K, V, BKS, BV, BT, BQ, NH, SC,
                                        MODE, GATE, HAS_BETA, ACC, OP, PREC)
-    channel_grads(q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dw, de, dg,
-                  dm_e, dm_w, da, ds_kw, i_chunk, i_h, tok0, n_tok, scale, 0,
-                  H, K, V, BK, BV, BT, BQ, NH, SC, MODE, GATE, HAS_BETA, TIED, ACC, OP, PREC)
+    dg_tok = tl.zeros([BQ], dtype=ACC)  # a scalar gate's dg, summed over the slices
+    for i_k in range(tl.cdiv(K, BKS)):
+        dg_tok += channel_grads(q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dw, de, dg,
+                                dm_e, dm_w, da, ds_kw, i_chunk, i_h, tok0, n_tok, scale, i_k * BKS,
+                                H, K, V, BKS, BV, BT, BQ, NH, SC, MODE, GATE, HAS_BETA, TIED, ACC, OP, PREC)
+    if GATE == 1:
+        i_q = tl.arange(0, BQ)
+        tl.store(dg + (tok0 + i_q) * H + i_h, dg_tok.to(dg.dtype.element_ty), mask=i_q < n_tok)
 
 
 @triton.jit
@@ -232,8 +239,8 @@ def channel_grads(
     ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
 ):
     """Phases B, C, D for the `BKS` columns of K from `k0`, given `pair_grads`' matrices:
-    writes dq, dk, dw, de, dg there. A scalar gate's `dg` sums over K, so with `GATE == 1`
-    the slice must be the whole of K (`k0 = 0`, `BKS >= K`)."""
+    writes dq, dk, dw, de and a channel gate's dg there. A scalar gate's `dg` sums over K:
+    returns this slice's part of it (`[BQ]`; zeros for other gates)."""
     n_sub = n_tok * NH
     i_sub = tl.arange(0, BT)
     i_q = tl.arange(0, BQ)
@@ -297,6 +304,7 @@ def channel_grads(
     end_e = tl.zeros([BT, BKS], dtype=ACC)  # Y dS_L^T
     end_w = tl.zeros([BT, BKS], dtype=ACC)  # U dS_L^T
     dlast_state = tl.zeros([BKS], dtype=ACC)  # sum_v S_0 * dS_L
+    dg_tok = tl.zeros([BQ], dtype=ACC)  # scalar gate: this slice's part of dg
     for i_v in range(tl.cdiv(V, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
         state_offs = o_state + offs_k[:, None] * V + offs_v[None, :]
@@ -318,7 +326,7 @@ def channel_grads(
     if GATE == 2:
         dlast += tl.exp(g_last) * dlast_state
     elif GATE == 1:
-        dlast += tl.where(offs_k == 0, tl.exp(g_last) * tl.sum(dlast_state, 0), 0.0)
+        dlast += tl.where(tl.arange(0, BKS) == 0, tl.exp(g_last) * tl.sum(dlast_state, 0), 0.0)
     dgam = tl.zeros([BT, BKS], dtype=ACC)  # dG per sub-step, before the token sums
     if MODE != 0:
         ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
@@ -353,9 +361,8 @@ def channel_grads(
         else:
             dgam_s = tl.sum(dgam, 1)
             dgq_s = tl.sum(dgq, 1)
-            dgt = tl.sum(tl.where(after_tok, dgam_s[None, :], 0.0), 1) + tl.sum(tl.where(after_q, dgq_s[None, :], 0.0), 1)
-            dgt += tl.sum(dlast, 0)
-            tl.store(dg + (tok0 + i_q) * H + i_h, dgt.to(dg.dtype.element_ty), mask=valid_q)
+            dg_tok += tl.sum(tl.where(after_tok, dgam_s[None, :], 0.0), 1) + tl.sum(tl.where(after_q, dgq_s[None, :], 0.0), 1)
+            dg_tok += tl.sum(dlast, 0)
 
     # ---- complete de / dw (a tied write key's gradient joins k's)
     if MODE == 1:
@@ -370,6 +377,7 @@ def channel_grads(
             store_rows(dk + row_k, dkk + dww, i_sub, valid, H * K, offs_k, K)
         else:
             store_rows(dw + row_k, dww, i_sub, valid, H * K, offs_k, K)
+    return dg_tok
 
 
 @triton.jit

@@ -48,9 +48,10 @@ _WARPS = tuple(int(x) for x in os.environ.get("ARCHSPEC_TRITON_WARPS", "8,4").sp
 # its channel-gate specializations spill 4.9 KB per thread with 8 warps and 2.9 KB with 16,
 # while `prepare_kernel` spills more with 16 (`compile_report.py`); not yet timed
 _BACKWARD_WARPS = int(os.environ.get("ARCHSPEC_TRITON_BACKWARD_WARPS", str(_WARPS[0])))
-# channel gates: the backward in two kernels over slices of this many K columns
-# (`backward_channel.py`); ARCHSPEC_TRITON_CHANNEL_SPLIT=0 runs the one-kernel backward instead
-_CHANNEL_BK = int(os.environ.get("ARCHSPEC_TRITON_CHANNEL_BK", "64"))
+# the backward's per-channel phases work on slices of this many K columns (registers);
+# a channel gate's backward runs as two kernels, the second one program per slice
+# (`backward_channel.py`); ARCHSPEC_TRITON_CHANNEL_SPLIT=0 runs it in the one kernel instead
+_BACKWARD_BK = int(os.environ.get("ARCHSPEC_TRITON_BACKWARD_BK", "32"))
 _CHANNEL_SPLIT = os.environ.get("ARCHSPEC_TRITON_CHANNEL_SPLIT", "1") != "0"
 # warps of `inverse_kernel` (the UT transform's latency-bound inverse): few, so that
 # several programs share an SM and hide each other's dependent steps (`prepare.py`).
@@ -270,8 +271,9 @@ class ChunkRecurrence(torch.autograd.Function):
         dg = None if G is None else grad(G)
         args = (q, k, w, e_, beta_, v, G_, dummy if Tinv is None else Tinv, h_all, dh_all,
                 dummy if Y is None else Y, dummy if dY is None else dY, dummy if dU is None else dU, do)
-        flags = {"BQ": p.BQ, "SC": p.SC, "MODE": p.mode, "GATE": p.gate, "HAS_BETA": p.has_beta, "IS_VARLEN": varlen,
-                 "num_warps": _BACKWARD_WARPS, "num_stages": _STAGES, **_common(p)}
+        flags = {**{name: val for name, val in _common(p).items() if name != "BK"}, "BKS": min(_BACKWARD_BK, p.BK),
+                 "BQ": p.BQ, "SC": p.SC, "MODE": p.mode, "GATE": p.gate, "HAS_BETA": p.has_beta, "IS_VARLEN": varlen,
+                 "num_warps": _BACKWARD_WARPS, "num_stages": _STAGES}
         if p.gate == 2 and _CHANNEL_SPLIT:
             _channel_backward(p, args, (dq, dk, dw, de, dv, dbeta, dg), cu_seqlens, table, scale, ctx.tied, flags)
         else:
@@ -292,8 +294,6 @@ def _channel_backward(p: Plan, args: tuple, grads: tuple, cu_seqlens, table, sca
     on slices of `BKS` columns of K, the `C x C` matrices passed in float32 scratch."""
     q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, dU, do = args
     dq, dk, dw, de, dv, dbeta, dg = grads
-    BKS = min(_CHANNEL_BK, p.BK)
-    flags = {**{name: val for name, val in flags.items() if name != "BK"}, "BKS": BKS}
     scratch = lambda rows, used: (torch.empty(p.n_chunks, p.H, rows, p.BT, device=q.device, dtype=p.acc)  # noqa: E731
                                   if used else q)
     s_a, s_kw, s_me, s_mw = scratch(p.BT, p.mode != 0), scratch(p.BT, p.mode == 2), scratch(p.BQ, p.mode != 0), scratch(p.BQ, p.mode != 1)
@@ -302,7 +302,7 @@ def _channel_backward(p: Plan, args: tuple, grads: tuple, cu_seqlens, table, sca
         k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dummy if dbeta is None else dbeta,
         s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, **flags,
     )
-    chunk_channels_kernel[(triton.cdiv(p.K, BKS), p.n_chunks, p.H)](
+    chunk_channels_kernel[(triton.cdiv(p.K, flags["BKS"]), p.n_chunks, p.H)](
         q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dw, dummy if de is None else de, dg,
         s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, scale, TIED=tied, **flags,
     )

@@ -117,14 +117,27 @@ CHANNEL_PATHS = [
 ]
 
 
-@pytest.mark.parametrize("K,slice_k,paths", [(48, 16, CHANNEL_PATHS), (40, 16, CHANNEL_PATHS[1::2]), (24, 64, CHANNEL_PATHS[::3])],
-                         ids=["K48-3slices", "K40-ragged", "K24-one-slice"])
-def test_channel_backward_in_k_slices(monkeypatch, K: int, slice_k: int, paths: list[Case]) -> None:
-    """The channel-gate backward (`backward_channel.py`) over slices of K: several slices,
-    a last slice that reaches past K (its columns masked), and a K below the slice width."""
+# without a channel gate the slices run inside one program; a scalar gate's dg sums them
+SCALAR_PATHS = [
+    Case(gate="none", transition="householder"),  # DeltaNet
+    Case(gate="scalar", transition="householder", n_h=2, beta_scale=2.0, initial_state=True),
+    Case(gate="scalar", transition="rwkv7", write_key="untied"),
+    Case(gate="scalar", transition="diagonal", write_key="untied"),
+]
+
+
+@pytest.mark.parametrize(
+    "K,slice_k,paths",
+    [(48, 16, CHANNEL_PATHS), (40, 16, CHANNEL_PATHS[1::2]), (24, 64, CHANNEL_PATHS[::3]), (48, 16, SCALAR_PATHS)],
+    ids=["K48-3slices", "K40-ragged", "K24-one-slice", "K48-scalar-or-no-gate"],
+)
+def test_backward_in_k_slices(monkeypatch, K: int, slice_k: int, paths: list[Case]) -> None:
+    """The backward's per-channel phases over slices of K (`ARCHSPEC_TRITON_BACKWARD_BK`):
+    several slices, a last slice that reaches past K (its columns masked), a K below the
+    slice width; with a channel gate one program per slice (`backward_channel.py`)."""
     from archspec.kernels.triton import recurrence
 
-    monkeypatch.setattr(recurrence, "_CHANNEL_BK", slice_k)
+    monkeypatch.setattr(recurrence, "_BACKWARD_BK", slice_k)
     for case in paths:
         inputs = make_inputs(case, B=1, T=20, H=2, K=K, V=16, device=DEVICE, seed=8)
         _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)

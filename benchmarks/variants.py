@@ -13,7 +13,8 @@ which setting is faster; `--check PLANS` runs the GPU correctness check of those
 under each setting first (half its time, at least 90 s), since a setting is adopted only if it is right too. Writes `DIR/variants.json` and `DIR/variants.md`: forward and
 forward+backward ms per plan and setting, and each setting's per-kernel times.
 A variant is written as `WARPS[/STAGES[/STATE_BV]][:name=value...]`, e.g. `8,8`, `8,4/2` or
-`8,4:solve=doubling:osdn_ahead=1` (a name sets `ARCHSPEC_TRITON_<NAME>`: `solve` the UT
+`8,4:solve=doubling:osdn_ahead=1`, and `@plan,plan` after it times that setting on those
+plans only (a name sets `ARCHSPEC_TRITON_<NAME>`: `solve` the UT
 inverse of `solve.py`, `osdn_ahead` and `osdn_warps` the OSDN scan of `osdn.py`,
 `backward_warps` the last backward kernel's warps).
 """
@@ -123,7 +124,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if share < 30:
             results.append({"variant": variant, "error": "out of budget"})
             continue
-        results.append(run_variant(variant, args.plans, Path(args.work), share - 10, args.smoke, args.check))
+        setting, _, only = variant.partition("@")  # "8,4:osdn_stats=1@osdn-deltanet": that setting on those plans
+        results.append(run_variant(setting, only or args.plans, Path(args.work), share - 10, args.smoke, args.check))
+        results[-1]["variant"] = variant
         print(f"[{time.monotonic() - start:6.1f}s] {variant}: " + ", ".join(
             f"{p} {r.get('fwd_ms')}/{r.get('fwdbwd_ms')}" for p, r in results[-1].get("plans", {}).items()), flush=True)
         (out / "variants.json").write_text(json.dumps(results, indent=1))

@@ -53,16 +53,18 @@ def _step_terms(d, kk, b_i, eps, eta, BETA_AWARE: tl.constexpr):
     return s, sq, n, c, b, tl.sum(d * s, 0)
 
 
-# Two launch choices, opt-in until timed and checked on the GPU (`benchmarks/variants.py`,
-# e.g. the variant `8,4:osdn_ahead=1:osdn_warps=1`): AHEAD issues every step's loads
+# Two launch choices, the defaults since the H200 timed their first form (forward 2.77 ->
+# 1.63 ms, backward 4.26 -> 2.90 ms, B=4 T=4096 H=16 K=128 bf16,
+# benchmarks/results/variants/); ARCHSPEC_TRITON_OSDN_AHEAD=0 ARCHSPEC_TRITON_OSDN_WARPS=4
+# restore the scan with loads at their use. AHEAD issues every step's loads
 # PREFETCH steps before the step (they do not depend on `d`), so that a memory latency per
 # step leaves the scan's critical path (the H200 spent about 0.7 us per step, one load
 # latency, with loads at their use), and forms each step's terms that do not depend on `d`
 # off the critical path (`_ahead_terms`); one warp per program reduces a step's dot
 # products by shuffles alone, with no barrier between warps. Both are exact on the
 # interpreter and compile for sm_90 without spills.
-AHEAD = os.environ.get("ARCHSPEC_TRITON_OSDN_AHEAD", "0") == "1"
-SCAN_WARPS = int(os.environ.get("ARCHSPEC_TRITON_OSDN_WARPS", "4"))
+AHEAD = os.environ.get("ARCHSPEC_TRITON_OSDN_AHEAD", "1") == "1"
+SCAN_WARPS = int(os.environ.get("ARCHSPEC_TRITON_OSDN_WARPS", "1"))
 # With AHEAD: the steps whose loads are in flight ahead of the one computed (the queue's
 # length). The loop is unrolled by as many steps, so that each queue slot is one set of
 # registers: a step reads its slot, and the loads PREFETCH steps on land in it after that

@@ -90,13 +90,14 @@ def test_osdn_float32_and_bfloat16_keys() -> None:
         _compare(got, want, ["write_key", "d_final", "d_k", "d_beta", "d_retain"], tol=tol)
 
 
-def test_osdn_loads_ahead_match_naive(monkeypatch) -> None:
-    """The opt-in scan with every step's loads issued three steps ahead (`osdn.AHEAD`), on
-    packed sequences of 0, 1 and several tokens (fewer steps than the queue included),
-    with beta, the APF retain gate and n_h = 2."""
+@pytest.mark.parametrize("ahead", [True, False])
+def test_osdn_loads_ahead_match_naive(monkeypatch, ahead: bool) -> None:
+    """Both scans, every step's loads issued ahead (`osdn.AHEAD`, the default) and at their
+    use (`ARCHSPEC_TRITON_OSDN_AHEAD=0`), on packed sequences of 0, 1 and several tokens
+    (fewer steps than the queue included), with beta, the APF retain gate and n_h = 2."""
     from archspec.kernels.triton import osdn
 
-    monkeypatch.setattr(osdn, "AHEAD", True)
+    monkeypatch.setattr(osdn, "AHEAD", ahead)
     inputs = _inputs(1, 20, 2, 16, 2, retain=True, d0="none", seed=9)
     cu = torch.tensor([0, 7, 7, 8, 20], dtype=torch.int32, device=DEVICE)
     options = dict(eta=0.3, cu_seqlens=cu)

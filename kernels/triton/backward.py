@@ -31,7 +31,7 @@ phases fall into two groups by what they sum over:
     A  over V: dM_E, dM_W, dT's Z-part, dS_kw; writes dv
        then dA = -strictly_lower(Tinv^T dT Tinv^T) and dbeta
   channel_grads (per channel: any slice of K on its own, given the pair matrices)
-    B  the UT transform's backward: dk, partial de/dw  -> written, re-read in D
+    B  the UT transform's backward: dk, de/dw's in-chunk part  (kept for D)
     C  over V: dO S_0^T -> dq
     D  over V: Y dS_L^T, U dS_L^T -> de, dw complete; the gate's gradient
 
@@ -261,7 +261,10 @@ def channel_grads(
     gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
 
     # ---- phase B: the UT transform, Y = X - P S_0, X = Tinv Z, P = Tinv diag(c) K~
+    # (every gradient is stored once, from registers: the buffers may be in the inputs' dtype)
     dkk = tl.zeros([BT, BKS], dtype=ACC)
+    dee = tl.zeros([BT, BKS], dtype=ACC)  # d erase direction (householder: d write key)
+    dww = tl.zeros([BT, BKS], dtype=ACC)  # d write key (plain writes)
     if MODE != 0:
         tinv = tl.load(Tinv + (i_chunk * H + i_h) * BT * BT + i_sub[:, None] * BT + i_sub[None, :]).to(ACC)
         tdp = -mm(tl.trans(tinv), times_state(dY + row_v, i_sub, valid, H * V, h_all + o_state, offs_k,
@@ -275,15 +278,14 @@ def channel_grads(
                           GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
         dee = apply_right(da, kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
                           n_sub, n_sub, 1, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
-        store_rows((dw if MODE == 1 else de) + row_k, dee, i_sub, valid, H * K, offs_k, K)  # partial, see D
     if MODE == 2:
         ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
         dkk += apply_left(ds_kw, ww, gk, i_sub, valid, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
                           GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
         dww = apply_right(ds_kw, kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
                           n_sub, n_sub, 1, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
-        store_rows(dw + row_k, dww, i_sub, valid, H * K, offs_k, K)  # partial, see D
-    store_rows(dk + row_k, dkk, i_sub, valid, H * K, offs_k, K)  # complete (a tied key adds dw in D)
+    if not TIED:  # complete (a tied key adds dw at the end)
+        store_rows(dk + row_k, dkk, i_sub, valid, H * K, offs_k, K)
 
     # ---- phase C: queries, O = Q~ S_0 + M_E Y + M_W U
     gq = load_gate(p_g, i_q, valid_q, stride_g, offs_k, GATE, K, ACC)
@@ -331,7 +333,7 @@ def channel_grads(
     if MODE != 0:
         ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
         end_e = decay_rows(end_e, to_end, GATE)
-        dee = load_rows((dw if MODE == 1 else de) + row_k, i_sub, valid, H * K, offs_k, K, ACC) + end_e
+        dee += end_e
         dee += scale * apply_right(dm_e, qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
                                    n_sub, n_tok, NH, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
         dlast += _sum_rows(ee * end_e, GATE)
@@ -339,9 +341,7 @@ def channel_grads(
     if MODE != 1:
         ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
         end_w = decay_rows(end_w, to_end, GATE)
-        dww = end_w
-        if MODE == 2:
-            dww += load_rows(dw + row_k, i_sub, valid, H * K, offs_k, K, ACC)
+        dww += end_w
         dww += scale * apply_right(dm_w, qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
                                    n_sub, n_tok, NH, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
         dlast += _sum_rows(ww * end_w, GATE)
@@ -352,7 +352,7 @@ def channel_grads(
         # dg_t: the sum over the chunk's rows at or after token t, plus the chunk end
         after_tok = ((i_sub[None, :] // NH) >= i_q[:, None]) & valid[None, :] & valid_q[:, None]
         after_q = (i_q[None, :] >= i_q[:, None]) & valid_q[None, :] & valid_q[:, None]
-        dgq = qq * load_rows(dq + row_q, i_q, valid_q, H * K, offs_k, K, ACC)
+        dgq = qq * dqq
         if GATE == 2:
             dgt = tl.dot(tl.where(after_tok, 1.0, 0.0).to(ACC), dgam, input_precision="ieee", out_dtype=ACC)
             dgt += tl.dot(tl.where(after_q, 1.0, 0.0).to(ACC), dgq, input_precision="ieee", out_dtype=ACC)

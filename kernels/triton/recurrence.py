@@ -265,12 +265,15 @@ class ChunkRecurrence(torch.autograd.Function):
             USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, num_warps=p.state_warps, num_stages=_STAGES,
             **_common(p, state=True),
         )
-        grad = lambda x: torch.empty(x.shape, device=dev, dtype=p.acc)  # noqa: E731
-        dq, dk, dv = grad(q), grad(k), grad(v)
-        dw = grad(w)  # with a tied key: scratch for the partial write-key gradient (added to dk)
-        de = None if e is None else grad(e)
-        dbeta = None if beta is None else grad(beta)
-        dg = None if G is None else grad(G)
+        # every input gradient is stored once by the last kernels, from float32 registers, so
+        # its buffer takes the input's dtype (no cast kernels after them)
+        tq, tk, tv, tg, tb, tw, te, th = ctx.dtypes
+        grad = lambda x, dt: torch.empty(x.shape, device=dev, dtype=dt)  # noqa: E731
+        dq, dk, dv = grad(q, tq), grad(k, tk), grad(v, tv)
+        dw = None if ctx.tied else grad(w, tw)  # a tied key's gradient joins dk's in the kernel
+        de = None if e is None else grad(e, te)
+        dbeta = None if beta is None else grad(beta, tb)
+        dg = None if G is None else grad(G, tg)
         args = (q, k, w, e_, beta_, v, G_, dummy if Tinv is None else Tinv, h_all, dh_all,
                 dummy if Y is None else Y, dummy if dY is None else dY, dummy if dU is None else dU, do)
         flags = {**{name: val for name, val in _common(p).items() if name != "BK"}, "BKS": min(_BACKWARD_BK, p.BK),
@@ -280,14 +283,11 @@ class ChunkRecurrence(torch.autograd.Function):
             _channel_backward(p, args, (dq, dk, dw, de, dv, dbeta, dg), cu_seqlens, table, scale, ctx.tied, flags)
         else:
             chunk_backward_kernel[(p.n_chunks, p.H)](
-                *args, dq, dk, dw, dummy if de is None else de, dv,
+                *args, dq, dk, dummy if dw is None else dw, dummy if de is None else de, dv,
                 dummy if dbeta is None else dbeta, dummy if dg is None else dg,
                 cu_seqlens, table, p.T, p.NT, scale, TIED=ctx.tied, **flags,
             )
-        cast = lambda x, dt: None if x is None else x.to(dt)  # noqa: E731
-        tq, tk, tv, tg, tb, tw, te, th = ctx.dtypes
-        return (cast(dq, tq), cast(dk, tk), cast(dv, tv), cast(dg, tg), cast(dbeta, tb), None if ctx.tied else cast(dw, tw),
-                cast(de, te), cast(dh0, th), None, None, None, None, None)
+        return (dq, dk, dv, dg, dbeta, dw, de, None if dh0 is None else dh0.to(th), None, None, None, None, None)
 
 
 def _channel_backward(p: Plan, args: tuple, grads: tuple, cu_seqlens, table, scale: float, tied: bool,
@@ -305,7 +305,7 @@ def _channel_backward(p: Plan, args: tuple, grads: tuple, cu_seqlens, table, sca
         s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, **flags,
     )
     chunk_channels_kernel[(triton.cdiv(p.K, flags["BKS"]), p.n_chunks, p.H)](
-        q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dw, dummy if de is None else de, dg,
+        q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dummy if dw is None else dw, dummy if de is None else de, dg,
         s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, scale, TIED=tied, **flags,
     )
 

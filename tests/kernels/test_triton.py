@@ -230,6 +230,19 @@ def test_low_precision_inputs(dtype: torch.dtype, tol: float) -> None:
     _assert_close(got, _naive(inputs), tol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_low_precision_channel_gates(dtype: torch.dtype, tol: float) -> None:
+    """The channel-gate backward stores every gradient straight in the inputs' dtype
+    (dk, dw, de, dq, dg from registers, no float32 buffer and cast): KDA and RWKV-7 with an
+    untied write key, against float64."""
+    for case in (Case(gate="channel", transition="householder", write_key="untied", initial_state=True),
+                 Case(gate="channel", transition="rwkv7", write_key="untied")):
+        inputs = make_inputs(case, B=1, T=24, H=2, K=16, V=16, dtype=dtype, device=DEVICE, seed=10)
+        got = _triton(inputs)
+        assert all(got["d_" + n].dtype == t.dtype for n, t in tensor_args(inputs).items())
+        _assert_close(got, _naive(inputs), tol=tol)
+
+
 def _packed(case: Case, lengths: list[int], seed: int) -> tuple[dict, torch.Tensor]:
     """One packed batch (B = 1) of sequences with the given token lengths."""
     inputs = make_inputs(case, B=1, T=sum(lengths), H=2, K=16, V=16, device=DEVICE, seed=seed)

@@ -230,6 +230,17 @@ def pair_grads(
 
 
 @triton.jit
+def pair_tile(x, R: tl.constexpr, BT: tl.constexpr, ACC: tl.constexpr):
+    """A `[R, BT]` matrix of `pair_grads`: `x` itself, or loaded from the scratch tile that
+    `x` points at (`backward_channel.py`), at the point of use, so that it is not held in
+    registers between its uses."""
+    if x.dtype.is_ptr():
+        return tl.load(x + tl.arange(0, R)[:, None] * BT + tl.arange(0, BT)[None, :]).to(ACC)
+    else:
+        return x
+
+
+@triton.jit
 def channel_grads(
     q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dw, de, dg,
     dm_e, dm_w, da, ds_kw, i_chunk, i_h, tok0, n_tok, scale, k0,
@@ -274,15 +285,15 @@ def channel_grads(
         dkk += decay_rows(tdp, gk, GATE)
         kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
         ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
-        dkk += apply_left(da, ee, gk, i_sub, valid, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
+        dkk += apply_left(pair_tile(da, BT, BT, ACC), ee, gk, i_sub, valid, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
                           GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
-        dee = apply_right(da, kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
+        dee = apply_right(pair_tile(da, BT, BT, ACC), kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
                           n_sub, n_sub, 1, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
     if MODE == 2:
         ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
-        dkk += apply_left(ds_kw, ww, gk, i_sub, valid, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
+        dkk += apply_left(pair_tile(ds_kw, BT, BT, ACC), ww, gk, i_sub, valid, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
                           GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
-        dww = apply_right(ds_kw, kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
+        dww = apply_right(pair_tile(ds_kw, BT, BT, ACC), kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
                           n_sub, n_sub, 1, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
     if not TIED:  # complete (a tied key adds dw at the end)
         store_rows(dk + row_k, dkk, i_sub, valid, H * K, offs_k, K)
@@ -292,11 +303,11 @@ def channel_grads(
     dq_state = times_state(do + row_o, i_q, valid_q, H * V, h_all + o_state, offs_k, K, V, BV, ACC, OP, PREC)
     dqq = decay_rows(dq_state, gq, GATE) * scale
     if MODE != 0:
-        dqq += scale * apply_left(dm_e, load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC), gq, pos_q, valid_q, gk,
+        dqq += scale * apply_left(pair_tile(dm_e, BQ, BT, ACC), load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC), gq, pos_q, valid_q, gk,
                                   i_sub, valid, p_e, H * K, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP,
                                   PREC, k0)
     if MODE != 1:
-        dqq += scale * apply_left(dm_w, load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC), gq, pos_q, valid_q, gk,
+        dqq += scale * apply_left(pair_tile(dm_w, BQ, BT, ACC), load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC), gq, pos_q, valid_q, gk,
                                   i_sub, valid, p_w, H * K, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP,
                                   PREC, k0)
     store_rows(dq + row_q, dqq, i_q, valid_q, H * K, offs_k, K)
@@ -334,7 +345,7 @@ def channel_grads(
         ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
         end_e = decay_rows(end_e, to_end, GATE)
         dee += end_e
-        dee += scale * apply_right(dm_e, qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
+        dee += scale * apply_right(pair_tile(dm_e, BQ, BT, ACC), qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
                                    n_sub, n_tok, NH, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
         dlast += _sum_rows(ee * end_e, GATE)
         dgam -= ee * dee
@@ -342,7 +353,7 @@ def channel_grads(
         ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
         end_w = decay_rows(end_w, to_end, GATE)
         dww += end_w
-        dww += scale * apply_right(dm_w, qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
+        dww += scale * apply_right(pair_tile(dm_w, BQ, BT, ACC), qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
                                    n_sub, n_tok, NH, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
         dlast += _sum_rows(ww * end_w, GATE)
         dgam -= ww * dww

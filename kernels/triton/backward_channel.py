@@ -13,14 +13,17 @@ alive: `chunk_backward_kernel`'s KDA specialization compiled (sm_90, 8 warps) to
 registers and 4.9 KB of stack per thread. But a channel gate's decay is per channel, so
 everything except the `C x C` algebra (which sums over K) splits over column slices of K:
 the pairs kernel reads K a slice at a time, and each channels program owns one slice, so
-no `[64, K]` float32 block is ever alive whole. A scalar gate cannot split like this (its
-`dg` sums over K), and a plain DeltaNet needs no split, so they keep the one kernel.
+no `[64, K]` float32 block is ever alive whole. Without a channel gate the same helpers run
+the slices in a loop inside one program (`chunk_backward_kernel`): a scalar gate's `dg`
+sums over K, and a plain DeltaNet gains nothing from a second launch.
 
 What passes between the two: `dA` (already times `c`, masked), `dS_kw` (rwkv7),
 `dM_E`, `dM_W` (`[BQ, BT]`), in the accumulation dtype (float32; exact as before), one
-`[rows, BT]` tile each per (chunk, head): 32 KB per program for KDA and GLA-channel
-(16 KB), 64 KB for RWKV-7, written once and read by each of the `K / BKS` slice programs
-(neighbours in the grid, so the second read is likely an L2 hit).
+`[rows, BT]` tile each per (chunk, head): 32 KB per program for KDA, 16 KB for GLA-channel,
+64 KB for RWKV-7, written once and read by each of the `K / BKS` slice programs
+(neighbours in the grid, so that the later reads are likely L2 hits). The channels kernel
+passes `channel_grads` pointers to the tiles, not the tiles: each is loaded where it is
+used (`pair_tile`) rather than held in registers across phases.
 """
 
 from __future__ import annotations
@@ -81,17 +84,8 @@ def chunk_channels_kernel(
     _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
     tok0 = bos + c * TC
     n_tok = tl.minimum(TC, seq_len - c * TC)
-    da = tl.zeros([BT, BT], dtype=ACC)
-    ds_kw = tl.zeros([BT, BT], dtype=ACC)
-    dm_e = tl.zeros([BQ, BT], dtype=ACC)
-    dm_w = tl.zeros([BQ, BT], dtype=ACC)
-    if MODE != 0:
-        da = tl.load(_tile(s_a, i_chunk, i_h, H, BT, BT)).to(ACC)
-        dm_e = tl.load(_tile(s_me, i_chunk, i_h, H, BQ, BT)).to(ACC)
-    if MODE == 2:
-        ds_kw = tl.load(_tile(s_kw, i_chunk, i_h, H, BT, BT)).to(ACC)
-    if MODE != 1:
-        dm_w = tl.load(_tile(s_mw, i_chunk, i_h, H, BQ, BT)).to(ACC)
+    o_tile = (i_chunk * H + i_h) * BT  # the matrices are loaded where channel_grads uses them
+    da, ds_kw, dm_e, dm_w = s_a + o_tile * BT, s_kw + o_tile * BT, s_me + o_tile * BQ, s_mw + o_tile * BQ
     channel_grads(q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dw, de, dg,
                   dm_e, dm_w, da, ds_kw, i_chunk, i_h, tok0, n_tok, scale, i_k * BKS,
                   H, K, V, BKS, BV, BT, BQ, NH, SC, MODE, GATE, HAS_BETA, TIED, ACC, OP, PREC)

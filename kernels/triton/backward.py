@@ -31,12 +31,14 @@ phases fall into two groups by what they sum over:
     A  over V: dM_E, dM_W, dT's Z-part, dS_kw; writes dv
        then dA = -strictly_lower(Tinv^T dT Tinv^T) and dbeta
   channel_grads (per channel: any slice of K on its own, given the pair matrices)
-    B  the UT transform's backward: dk, de/dw's in-chunk part  (kept for D)
+    B  the UT transform's backward: dk, de/dw's in-chunk part  (kept in registers for D)
     C  over V: dO S_0^T -> dq
-    D  over V: Y dS_L^T, U dS_L^T -> de, dw complete; the gate's gradient
+    D  over V: Y dS_L^T, U dS_L^T -> dk, de, dw complete; the gate's gradient
 
-`chunk_backward_kernel` runs both groups in one program over the whole of K (no gate or
-a scalar gate, whose `dg` sums over K). A channel gate's slices are independent, so
+Every gradient is stored once, from registers (none is written in part and read back),
+so the gradient buffers may be in the inputs' dtype. `chunk_backward_kernel` runs both
+groups in one program, `channel_grads` in a loop over the slices (no gate or a scalar
+gate, whose `dg` sums over K). A channel gate's slices are independent, so
 `backward_channel.py` runs the groups as two kernels with the pair matrices passed
 through a scratch buffer: see there why.
 """
@@ -249,9 +251,10 @@ def channel_grads(
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, TIED: tl.constexpr,
     ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Phases B, C, D for the `BKS` columns of K from `k0`, given `pair_grads`' matrices:
-    writes dq, dk, dw, de and a channel gate's dg there. A scalar gate's `dg` sums over K:
-    returns this slice's part of it (`[BQ]`; zeros for other gates)."""
+    """Phases B, C, D for the `BKS` columns of K from `k0`, given `pair_grads`' matrices
+    (values, or pointers to their scratch tiles: `pair_tile`): writes dq, dk, dw, de and a
+    channel gate's dg there. A scalar gate's `dg` sums over K: returns this slice's part
+    of it (`[BQ]`; zeros for other gates)."""
     n_sub = n_tok * NH
     i_sub = tl.arange(0, BT)
     i_q = tl.arange(0, BQ)

@@ -51,7 +51,14 @@ _BACKWARD_WARPS = int(os.environ.get("ARCHSPEC_TRITON_BACKWARD_WARPS", str(_WARP
 # the backward's per-channel phases work on slices of this many K columns (registers);
 # a channel gate's backward runs as two kernels, the second one program per slice
 # (`backward_channel.py`); ARCHSPEC_TRITON_CHANNEL_SPLIT=0 runs it in the one kernel instead
-_BACKWARD_BK = int(os.environ.get("ARCHSPEC_TRITON_BACKWARD_BK", "32"))
+# Default: all of K in one slice without a channel gate (on the H200 DeltaNet's one-kernel
+# backward took 0.97 ms with it, 1.63 ms with slices of 32, each slice repeating the loops
+# over V), slices of 32 with one (its per-channel work dominates, spills fall 4x offline).
+_BACKWARD_BK = os.environ.get("ARCHSPEC_TRITON_BACKWARD_BK")
+
+
+def _backward_bk(p: Plan) -> int:
+    return min(int(_BACKWARD_BK), p.BK) if _BACKWARD_BK else min(32, p.BK) if p.gate == 2 else p.BK
 _CHANNEL_SPLIT = os.environ.get("ARCHSPEC_TRITON_CHANNEL_SPLIT", "1") != "0"
 # warps of `inverse_kernel` (the UT transform's latency-bound inverse): few, so that
 # several programs share an SM and hide each other's dependent steps (`prepare.py`).
@@ -276,7 +283,7 @@ class ChunkRecurrence(torch.autograd.Function):
         dg = None if G is None else grad(G, tg)
         args = (q, k, w, e_, beta_, v, G_, dummy if Tinv is None else Tinv, h_all, dh_all,
                 dummy if Y is None else Y, dummy if dY is None else dY, dummy if dU is None else dU, do)
-        flags = {**{name: val for name, val in _common(p).items() if name != "BK"}, "BKS": min(_BACKWARD_BK, p.BK),
+        flags = {**{name: val for name, val in _common(p).items() if name != "BK"}, "BKS": _backward_bk(p),
                  "BQ": p.BQ, "SC": p.SC, "MODE": p.mode, "GATE": p.gate, "HAS_BETA": p.has_beta, "IS_VARLEN": varlen,
                  "num_warps": _BACKWARD_WARPS, "num_stages": _STAGES}
         if p.gate == 2 and _CHANNEL_SPLIT:

@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session.sh 4   # 3 beside a recheck of the float32 n_h >= 4 paths, then the timings left  ~9 min
 #   bash benchmarks/gpu_session.sh 5   # our kernels under several launch settings (benchmarks/variants.py)  ~9 min
 #   bash benchmarks/gpu_session.sh 6   # the correctness check of CHECK's plans under the defaults, then call 5  ~8 min
+#   bash benchmarks/gpu_session.sh 7   # check as 6, then every plan timed (ours; fla and torch rows --peers), then VARIANTS  ~8 min
 #
 # Every result lands flat in $OUT (at most 8 files come back, no deeper than $OUT/a/b).
 # BUDGET_S overrides the call's budget in seconds (the whole command, installs included);
@@ -20,7 +21,7 @@ call=${1:?usage: gpu_session.sh 1|2|3}
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-case $call in 1) budget=${BUDGET_S:-510} ;; 2) budget=${BUDGET_S:-480} ;; 3) budget=${BUDGET_S:-300} ;; 4) budget=${BUDGET_S:-540} ;; 5) budget=${BUDGET_S:-500} ;; 6) budget=${BUDGET_S:-500} ;; *) echo "no call $call"; exit 2 ;; esac
+case $call in 1) budget=${BUDGET_S:-510} ;; 2) budget=${BUDGET_S:-480} ;; 3) budget=${BUDGET_S:-300} ;; 4) budget=${BUDGET_S:-540} ;; 5) budget=${BUDGET_S:-500} ;; 6) budget=${BUDGET_S:-500} ;; 7) budget=${BUDGET_S:-480} ;; *) echo "no call $call"; exit 2 ;; esac
 left() { echo $((budget - SECONDS)); }
 say() { echo "[gpu_session $call, ${SECONDS}s] $*"; }
 
@@ -104,6 +105,19 @@ case $call in
   rm -f "$OUT/pip.log"
   bench >/dev/null
   tail -60 "$OUT/bench.log"; rm -f "$OUT/bench.log" "$OUT/kernels.md"
+  ;;
+7)
+  say "correctness check under the defaults: ${CHECK:?CHECK=plans}"
+  timeout 200 python3 benchmarks/triton_gpu_check.py --plans "$CHECK" --out "$OUT" --budget-s 180 $smoke 2>&1 |
+    tee "$OUT/check.log" | tail -22
+  s=$(($(left) - ${VARIANTS_S:-100} - 20))
+  say "every plan, ours only (fla and torch from benchmarks/results/kernels.json), budget ${s}s"
+  timeout $((s + 10)) python3 benchmarks/kernels.py --out "$OUT" --budget-s "$s" $smoke --no-fla --no-torch \
+    --peers "${PEERS:-benchmarks/results/kernels.json}" --min-plan-s 15 2>&1 | tail -45
+  s=$(($(left) - 15))
+  rm -f "$OUT/pip.log"
+  [ -z "${VARIANTS:-}" ] || [ "$s" -lt 40 ] || timeout $((s + 10)) python3 benchmarks/variants.py --out "$OUT" --budget-s "$s" $smoke \
+    --variants "$VARIANTS" 2>&1 | tail -12
   ;;
 6|5)
   if [ "$call" = 6 ]; then  # a kernel change is timed only after it is right on the GPU

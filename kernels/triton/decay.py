@@ -54,8 +54,14 @@ columns only, and a kernel can work on a slice of K at a time (`backward_channel
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# The factorization bound of the inner sub-chunk pairs (module docstring), bfloat16 / float32
+# operands; ARCHSPEC_TRITON_DECAY_BOUND=-1 turns the factorized path off (the exact loop only).
+DECAY_BOUND = tl.constexpr(float(os.environ.get("ARCHSPEC_TRITON_DECAY_BOUND", "40")))
 
 
 @triton.jit
@@ -124,7 +130,7 @@ def factorizable(p_g, gb, pos_b, valid_b, stride_g, offs_k, SC: tl.constexpr, NH
     docstring): `G_first(s) - G_b <= bound` for every valid row `b` of sub-chunk `s`."""
     ref_rows = load_rows(p_g, ((pos_b // SC) * SC) // NH, valid_b, stride_g, offs_k, K, ACC)
     spread = tl.max(tl.max(tl.where(valid_b[:, None], ref_rows - gb, 0.0), 1), 0)
-    return spread <= (8.0 if OP == tl.float16 else 40.0)
+    return spread <= (min(8.0, DECAY_BOUND) if OP == tl.float16 else DECAY_BOUND)
 
 
 @triton.jit

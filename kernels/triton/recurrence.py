@@ -51,15 +51,26 @@ _BACKWARD_WARPS = int(os.environ.get("ARCHSPEC_TRITON_BACKWARD_WARPS", str(_WARP
 # the backward's per-channel phases work on slices of this many K columns (registers);
 # a channel gate's backward runs as two kernels, the second one program per slice
 # (`backward_channel.py`); ARCHSPEC_TRITON_CHANNEL_SPLIT=0 runs it in the one kernel instead
-# Default: all of K in one slice without a channel gate (on the H200 DeltaNet's one-kernel
-# backward took 0.97 ms with it, 1.63 ms with slices of 32, each slice repeating the loops
-# over V), slices of 32 with one (its per-channel work dominates, spills fall 4x offline).
+_CHANNEL_SPLIT = os.environ.get("ARCHSPEC_TRITON_CHANNEL_SPLIT", "1") != "0"
+# Slice width, default: all of K in one slice without a channel gate (on the H200 DeltaNet's
+# one-kernel
+# backward took 2.50 ms forward+backward with it, 3.11 with slices of 32, each slice
+# repeating the loops over V); with one, slices of 64 for the delta rules and 32 for GLA.
+# Why 64: with 32-wide slices Triton 3.6 on the H200 gave d_k = inf for KDA and RWKV-7 in
+# bfloat16 (float32 and GLA were right; the same kind of fault as the state pass's 32-wide
+# V blocks below), whether split in two kernels or not, and with the factorized decay off;
+# with 64 KDA checked right in bfloat16 and float32 (benchmarks/results/variants/README.md).
+# A channel gate's backward with all of K in one slice needs more shared memory than the
+# H200 has in float32.
 _BACKWARD_BK = os.environ.get("ARCHSPEC_TRITON_BACKWARD_BK")
 
 
 def _backward_bk(p: Plan) -> int:
-    return min(int(_BACKWARD_BK), p.BK) if _BACKWARD_BK else min(32, p.BK) if p.gate == 2 else p.BK
-_CHANNEL_SPLIT = os.environ.get("ARCHSPEC_TRITON_CHANNEL_SPLIT", "1") != "0"
+    if _BACKWARD_BK:
+        return min(int(_BACKWARD_BK), p.BK)
+    return p.BK if p.gate != 2 else min(64 if p.mode != 0 else 32, p.BK)
+
+
 # warps of `inverse_kernel` (the UT transform's latency-bound inverse): few, so that
 # several programs share an SM and hide each other's dependent steps (`prepare.py`).
 # Measured on the H200 (B=4 T=4096 H=16 K=V=128 bf16, benchmarks/results/variants/):

@@ -52,10 +52,9 @@ _BACKWARD_WARPS = int(os.environ.get("ARCHSPEC_TRITON_BACKWARD_WARPS", str(_WARP
 # a channel gate's backward runs as two kernels, the second one program per slice
 # (`backward_channel.py`); ARCHSPEC_TRITON_CHANNEL_SPLIT=0 runs it in the one kernel instead
 _CHANNEL_SPLIT = os.environ.get("ARCHSPEC_TRITON_CHANNEL_SPLIT", "1") != "0"
-# Slice width, default: all of K in one slice without a channel gate (on the H200 DeltaNet's
-# one-kernel
-# backward took 2.50 ms forward+backward with it, 3.11 with slices of 32, each slice
-# repeating the loops over V); with one, slices of 64 for the delta rules and 32 for GLA.
+# Slice width, default: all of K in one slice without a channel gate (on the H200 DeltaNet
+# took 2.50 ms forward+backward with it, 3.11 with slices of 32, each slice repeating the
+# one-kernel backward's loops over V); with one, slices of 64 for the delta rules and 32 for GLA.
 # Why 64: with 32-wide slices Triton 3.6 on the H200 gave d_k = inf for KDA and RWKV-7 in
 # bfloat16 (float32 and GLA were right; the same kind of fault as the state pass's 32-wide
 # V blocks below), whether split in two kernels or not, and with the factorized decay off;

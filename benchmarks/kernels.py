@@ -668,6 +668,7 @@ def markdown(results: dict) -> str:
         *([f"fla and torch rows from an earlier run on {results['peers_from'].get('device', 'cpu')} "
            f"(torch {results['peers_from']['torch']}, triton {results['peers_from'].get('triton')}, "
            f"fla {results['peers_from'].get('fla')}, {results['peers_from']['date']}): `--peers`."] if results.get("peers_from") else []),
+        *([results["note"]] if results.get("note") else []),
         "",
         "| plan | floor fwd | ours fwd | fla fwd | ours/fla | floor f+b | ours f+b | fla f+b | ours/fla | torch f+b |",
         "|---|---|---|---|---|---|---|---|---|---|",

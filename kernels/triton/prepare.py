@@ -30,6 +30,18 @@ from .decay import causal_mask, decay_rows, load_gate, load_rows, mm, scores, st
 from .solve import unit_lower_inverse
 
 
+@triton.jit
+def _chunk_rows(i_chunk, i_h, G, cu_seqlens, chunk_table, T, NT, H: tl.constexpr, K: tl.constexpr,
+                TC: tl.constexpr, NH: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """`(tok0, n_sub, row_k, stride_g, p_g)` of a chunk and head: its first token, its valid
+    sub-steps, the offset of its sub-step 0 in `[*, H, K]` rows, and its cumulative gate."""
+    _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
+    tok0 = bos + c * TC
+    stride_g = H * K if GATE == 2 else H
+    p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
+    return tok0, tl.minimum(TC, seq_len - c * TC) * NH, tok0 * NH * H * K + i_h * K, stride_g, p_g
+
+
 @triton.jit(do_not_specialize=["T", "NT"])
 def inverse_kernel(
     k, w, e, beta, G, Tinv, cu_seqlens, chunk_table, T, NT,
@@ -39,15 +51,11 @@ def inverse_kernel(
 ):
     """`Tinv = (I + A)^{-1}` of one chunk, `A = diag(c) strictly_lower(K~ E~^T)`."""
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
-    _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
-    tok0 = bos + c * TC
-    n_sub = tl.minimum(TC, seq_len - c * TC) * NH
+    tok0, n_sub, row_k, stride_g, p_g = _chunk_rows(i_chunk, i_h, G, cu_seqlens, chunk_table, T, NT,
+                                                    H, K, TC, NH, GATE, IS_VARLEN)
     i_sub = tl.arange(0, BT)
     valid = i_sub < n_sub
     offs_k = tl.arange(0, BK)
-    row_k = tok0 * NH * H * K + i_h * K  # sub-step 0 of the chunk, this head
-    stride_g = H * K if GATE == 2 else H
-    p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
     p_e = w + row_k if MODE == 1 else e + row_k
     if GATE == 2:  # the channel products need whole rows (`decay.py`)
         kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
@@ -82,15 +90,11 @@ def prepare_kernel(
 ):
     """`P = Tinv diag(c) K~` and `X = Tinv Z` of one chunk, from `inverse_kernel`'s `Tinv`."""
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
-    _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
-    tok0 = bos + c * TC
-    n_sub = tl.minimum(TC, seq_len - c * TC) * NH
+    tok0, n_sub, row_k, stride_g, p_g = _chunk_rows(i_chunk, i_h, G, cu_seqlens, chunk_table, T, NT,
+                                                    H, K, TC, NH, GATE, IS_VARLEN)
     i_sub = tl.arange(0, BT)
     valid = i_sub < n_sub
     offs_k = tl.arange(0, BK)
-    row_k = tok0 * NH * H * K + i_h * K  # sub-step 0 of the chunk, this head
-    stride_g = H * K if GATE == 2 else H
-    p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
 
     tinv = tl.load(Tinv + (i_chunk * H + i_h) * BT * BT + i_sub[:, None] * BT + i_sub[None, :]).to(ACC)
     if MODE == 1:

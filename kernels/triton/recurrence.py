@@ -44,9 +44,9 @@ _STAGES = int(os.environ.get("ARCHSPEC_TRITON_STAGES", "1"))  # software pipelin
 # chunk kernels (compute-sanitizer: invalid shared-memory read in a wgmma); 64 ran clean.
 _STATE_BV = int(os.environ.get("ARCHSPEC_TRITON_STATE_BV", "64"))
 _WARPS = tuple(int(x) for x in os.environ.get("ARCHSPEC_TRITON_WARPS", "8,4").split(","))
-# warps of the last backward kernel alone (default: the chunk-parallel kernels'): offline,
-# its channel-gate specializations spill 4.9 KB per thread with 8 warps and 2.9 KB with 16,
-# while `prepare_kernel` spills more with 16 (`compile_report.py`); not yet timed
+# warps of the last backward kernels alone (default: the chunk-parallel kernels'); 16 with
+# session 2's one-kernel backward: KDA 25.2 -> 24.1 ms forward+backward, DeltaNet 3.55 -> 4.05
+# on the H200 (benchmarks/results/variants/variants-1-launch.md); not timed since the split
 _BACKWARD_WARPS = int(os.environ.get("ARCHSPEC_TRITON_BACKWARD_WARPS", str(_WARPS[0])))
 # the backward's per-channel phases work on slices of this many K columns (registers);
 # a channel gate's backward runs as two kernels, the second one program per slice
@@ -81,7 +81,8 @@ _INVERSE_WARPS = os.environ.get("ARCHSPEC_TRITON_INVERSE_WARPS")
 
 def _inverse_warps(gate: int) -> int:
     return int(_INVERSE_WARPS) if _INVERSE_WARPS else 4 if gate == 2 else 2
-# the UT transform's inverse (`solve.py`): "substitution" (measured) or "doubling" (not yet timed)
+# the UT transform's inverse (`solve.py`): "substitution" or "doubling" (on the H200 in the
+# one-kernel prepare: DeltaNet 1.16 -> 1.06 ms, KDA 1.81 -> 2.60; not timed since the split)
 _SOLVE = os.environ.get("ARCHSPEC_TRITON_SOLVE", "substitution")
 if _SOLVE not in ("substitution", "doubling"):
     raise ValueError(f"ARCHSPEC_TRITON_SOLVE={_SOLVE!r}: expected 'substitution' or 'doubling'")

@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import hashlib
 import json
 import math
 import multiprocessing as mp
@@ -599,6 +600,11 @@ def machine() -> dict:
                                         cwd=Path(__file__).parent).stdout.strip() or None
     except OSError:
         info["commit"] = None
+    # The lent GPU's copy of the tree can carry a stale .git (it reported session 2's commit in
+    # session 3), so the kernels' own sources are fingerprinted too: compare with
+    # `cat $(ls kernels/triton/*.py | sort) | sha1sum` at a commit.
+    sources = sorted((Path(__file__).resolve().parents[1] / "kernels" / "triton").glob("*.py"))
+    info["kernels_sha1"] = hashlib.sha1(b"".join(f.read_bytes() for f in sources)).hexdigest()[:12]
     try:
         import triton
 

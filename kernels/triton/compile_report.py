@@ -138,12 +138,13 @@ def main() -> None:
     if only and "osdn" not in only:
         return
     from .osdn import osdn_write_keys_triton
-    k = torch.randn(B, T, H, K, dtype=dtype, requires_grad=True)
-    start = len(REPORT)
-    w, d = osdn_write_keys_triton(k, torch.rand(B, T, H, dtype=dtype), retain=torch.rand(B, T, H, dtype=dtype))
-    (w.float().sum() + d.sum()).backward()
-    for row in REPORT[start:]:
-        print(f"{'osdn':10s} {row['kernel']:26s} regs {row.get('REG', '?'):>4} stack {row.get('STACK', '?'):>6}")
+    for name, retain in (("osdn", None), ("osdn-apf", torch.rand(B, T, H, dtype=dtype))):
+        k = torch.randn(B, T, H, K, dtype=dtype, requires_grad=True)
+        start = len(REPORT)
+        w, d = osdn_write_keys_triton(k, torch.rand(B, T, H, dtype=dtype), retain=retain)
+        (w.float().sum() + d.sum()).backward()
+        for row in REPORT[start:]:
+            print(f"{name:10s} {row['kernel']:26s} regs {row.get('REG', '?'):>4} stack {row.get('STACK', '?'):>6}")
 
 
 if __name__ == "__main__":

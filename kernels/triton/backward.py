@@ -49,7 +49,17 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_of_program
-from .decay import apply_left, apply_right, causal_mask, decay_rows, load_gate, load_rows, mm, scores, store_rows
+from .decay import (
+    apply_left,
+    apply_right,
+    causal_mask,
+    decay_rows,
+    load_gate,
+    load_rows,
+    mm,
+    scores,
+    store_rows,
+)
 from .state import end_decay
 
 
@@ -131,6 +141,15 @@ def k_sums(
 
 
 @triton.jit
+def _chunk_positions(n_tok, BT: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr):
+    """A chunk's sub-step rows and query rows: `(n_sub, i_sub, valid, i_q, valid_q, pos_q)`,
+    `pos_q` the sub-step after which query `i_q` reads."""
+    i_sub = tl.arange(0, BT)
+    i_q = tl.arange(0, BQ)
+    return n_tok * NH, i_sub, i_sub < n_tok * NH, i_q, i_q < n_tok, i_q * NH + NH - 1
+
+
+@triton.jit
 def pair_grads(
     k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dbeta,
     i_chunk, i_h, tok0, n_tok,
@@ -146,12 +165,7 @@ def pair_grads(
     K is read `BKS` columns at a time (the scores and `dP K~^T` are sums over K), so no
     `[BT, K]` block is ever alive whole when `BKS < K`.
     """
-    n_sub = n_tok * NH
-    i_sub = tl.arange(0, BT)
-    i_q = tl.arange(0, BQ)
-    valid = i_sub < n_sub
-    valid_q = i_q < n_tok
-    pos_q = i_q * NH + NH - 1
+    n_sub, i_sub, valid, i_q, valid_q, pos_q = _chunk_positions(n_tok, BT, BQ, NH)
     row_v = tok0 * NH * H * V + i_h * V
     row_o = tok0 * H * V + i_h * V
     p_beta = beta + tok0 * NH * H + i_sub * H + i_h
@@ -255,12 +269,7 @@ def channel_grads(
     (values, or pointers to their scratch tiles: `pair_tile`): writes dq, dk, dw, de and a
     channel gate's dg there. A scalar gate's `dg` sums over K: returns this slice's part
     of it (`[BQ]`; zeros for other gates)."""
-    n_sub = n_tok * NH
-    i_sub = tl.arange(0, BT)
-    i_q = tl.arange(0, BQ)
-    valid = i_sub < n_sub
-    valid_q = i_q < n_tok
-    pos_q = i_q * NH + NH - 1
+    n_sub, i_sub, valid, i_q, valid_q, pos_q = _chunk_positions(n_tok, BT, BQ, NH)
     offs_k = k0 + tl.arange(0, BKS)
     row_k = tok0 * NH * H * K + i_h * K
     row_v = tok0 * NH * H * V + i_h * V

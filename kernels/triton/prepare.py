@@ -32,14 +32,17 @@ from .solve import unit_lower_inverse
 
 @triton.jit
 def _chunk_rows(i_chunk, i_h, G, cu_seqlens, chunk_table, T, NT, H: tl.constexpr, K: tl.constexpr,
-                TC: tl.constexpr, NH: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """`(tok0, n_sub, row_k, stride_g, p_g)` of a chunk and head: its first token, its valid
-    sub-steps, the offset of its sub-step 0 in `[*, H, K]` rows, and its cumulative gate."""
+                BT: tl.constexpr, TC: tl.constexpr, NH: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """`(tok0, n_sub, i_sub, valid, row_k, stride_g, p_g)` of a chunk and head: its first
+    token, its valid sub-steps and their rows, the offset of its sub-step 0 in `[*, H, K]`
+    rows, and its cumulative gate."""
     _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
     tok0 = bos + c * TC
+    n_sub = tl.minimum(TC, seq_len - c * TC) * NH
+    i_sub = tl.arange(0, BT)
     stride_g = H * K if GATE == 2 else H
     p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
-    return tok0, tl.minimum(TC, seq_len - c * TC) * NH, tok0 * NH * H * K + i_h * K, stride_g, p_g
+    return tok0, n_sub, i_sub, i_sub < n_sub, tok0 * NH * H * K + i_h * K, stride_g, p_g
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -51,10 +54,8 @@ def inverse_kernel(
 ):
     """`Tinv = (I + A)^{-1}` of one chunk, `A = diag(c) strictly_lower(K~ E~^T)`."""
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
-    tok0, n_sub, row_k, stride_g, p_g = _chunk_rows(i_chunk, i_h, G, cu_seqlens, chunk_table, T, NT,
-                                                    H, K, TC, NH, GATE, IS_VARLEN)
-    i_sub = tl.arange(0, BT)
-    valid = i_sub < n_sub
+    tok0, n_sub, i_sub, valid, row_k, stride_g, p_g = _chunk_rows(i_chunk, i_h, G, cu_seqlens, chunk_table, T, NT,
+                                                                   H, K, BT, TC, NH, GATE, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     p_e = w + row_k if MODE == 1 else e + row_k
     if GATE == 2:  # the channel products need whole rows (`decay.py`)
@@ -90,10 +91,8 @@ def prepare_kernel(
 ):
     """`P = Tinv diag(c) K~` and `X = Tinv Z` of one chunk, from `inverse_kernel`'s `Tinv`."""
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
-    tok0, n_sub, row_k, stride_g, p_g = _chunk_rows(i_chunk, i_h, G, cu_seqlens, chunk_table, T, NT,
-                                                    H, K, TC, NH, GATE, IS_VARLEN)
-    i_sub = tl.arange(0, BT)
-    valid = i_sub < n_sub
+    tok0, n_sub, i_sub, valid, row_k, stride_g, p_g = _chunk_rows(i_chunk, i_h, G, cu_seqlens, chunk_table, T, NT,
+                                                                   H, K, BT, TC, NH, GATE, IS_VARLEN)
     offs_k = tl.arange(0, BK)
 
     tinv = tl.load(Tinv + (i_chunk * H + i_h) * BT * BT + i_sub[:, None] * BT + i_sub[None, :]).to(ACC)

@@ -165,7 +165,7 @@ def pair_grads(
     K is read `BKS` columns at a time (the scores and `dP K~^T` are sums over K), so no
     `[BT, K]` block is ever alive whole when `BKS < K`.
     """
-    n_sub, i_sub, valid, i_q, valid_q, pos_q = _chunk_positions(n_tok, BT, BQ, NH)
+    _, i_sub, valid, i_q, valid_q, pos_q = _chunk_positions(n_tok, BT, BQ, NH)
     row_v = tok0 * NH * H * V + i_h * V
     row_o = tok0 * H * V + i_h * V
     p_beta = beta + tok0 * NH * H + i_sub * H + i_h

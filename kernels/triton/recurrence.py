@@ -40,6 +40,9 @@ SUB_CHUNK = 16  # channel-gate sub-chunk: pairs inside it are decayed element by
 MAX_HEAD_DIM = 256
 # (chunk-parallel, state pass) warps per program; ARCHSPEC_TRITON_WARPS="8,4" overrides (tuning)
 _STAGES = int(os.environ.get("ARCHSPEC_TRITON_STAGES", "1"))  # software pipelining depth of the loops
+# the state passes' alone: their loop over a sequence's chunks reads each chunk's rows, which
+# do not depend on the carried state, so they can be loaded a chunk or more ahead
+_STATE_STAGES = int(os.environ.get("ARCHSPEC_TRITON_STATE_STAGES", str(_STAGES)))
 # 64: Triton 3.6 on an H200 miscompiled the state backward with 32-wide V blocks and 8-warp
 # chunk kernels (compute-sanitizer: invalid shared-memory read in a wgmma); 64 ran clean.
 _STATE_BV = int(os.environ.get("ARCHSPEC_TRITON_STATE_BV", "64"))
@@ -232,7 +235,7 @@ class ChunkRecurrence(torch.autograd.Function):
             dummy if P is None else P, dummy if X is None else X, dummy if Y is None else Y,
             h_all, dummy if initial_state is None else initial_state.contiguous(), dummy if final is None else final,
             cu_seqlens, offsets, p.T, p.NT, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta,
-            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen, num_warps=p.state_warps, num_stages=_STAGES,
+            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen, num_warps=p.state_warps, num_stages=_STATE_STAGES,
             **_common(p, state=True),
         )
         o = torch.empty(p.B, p.T, p.H, p.V, device=dev, dtype=v.dtype)
@@ -280,7 +283,7 @@ class ChunkRecurrence(torch.autograd.Function):
             q, w, e_, beta_, G_, dummy if P is None else P, dummy if dY is None else dY, dummy if dU is None else dU, do,
             dh_all, dummy if dfinal is None else dfinal.contiguous(), dummy if dh0 is None else dh0,
             cu_seqlens, offsets, p.T, p.NT, scale, BQ=p.BQ, MODE=p.mode, GATE=p.gate,
-            USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, num_warps=p.state_warps, num_stages=_STAGES,
+            USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, num_warps=p.state_warps, num_stages=_STATE_STAGES,
             **_common(p, state=True),
         )
         # every input gradient is stored once by the last kernels, from float32 registers, so

@@ -41,8 +41,12 @@ MAX_HEAD_DIM = 256
 # (chunk-parallel, state pass) warps per program; ARCHSPEC_TRITON_WARPS="8,4" overrides (tuning)
 _STAGES = int(os.environ.get("ARCHSPEC_TRITON_STAGES", "1"))  # software pipelining depth of the loops
 # the state passes' alone: their loop over a sequence's chunks reads each chunk's rows, which
-# do not depend on the carried state, so they can be loaded a chunk or more ahead
-_STATE_STAGES = int(os.environ.get("ARCHSPEC_TRITON_STATE_STAGES", str(_STAGES)))
+# do not depend on the carried state, so they are loaded a chunk ahead. On the H200 (B=4
+# T=4096 H=16 K=V=128 bf16, session 4's first call) 2 took DeltaNet's state_forward from
+# 0.242 to 0.173 ms and state_backward from 0.348 to 0.278 (3: 0.268 / 0.390); every chunk
+# kernel at 2 (ARCHSPEC_TRITON_STAGES) left them unchanged or slower (DeltaNet's
+# chunk_backward 0.86 -> 0.91 ms), except GLA-channel's chunk_channels_kernel (2.58 -> 2.47).
+_STATE_STAGES = int(os.environ.get("ARCHSPEC_TRITON_STATE_STAGES", "2"))
 # 64: Triton 3.6 on an H200 miscompiled the state backward with 32-wide V blocks and 8-warp
 # chunk kernels (compute-sanitizer: invalid shared-memory read in a wgmma); 64 ran clean.
 _STATE_BV = int(os.environ.get("ARCHSPEC_TRITON_STATE_BV", "64"))

@@ -377,8 +377,11 @@ def channel_grads(
         after_q = (i_q[None, :] >= i_q[:, None]) & valid_q[None, :] & valid_q[:, None]
         dgq = qq * dqq
         if GATE == 2:
-            dgt = tl.dot(tl.where(after_tok, 1.0, 0.0).to(ACC), dgam, input_precision="ieee", out_dtype=ACC)
-            dgt += tl.dot(tl.where(after_q, 1.0, 0.0).to(ACC), dgq, input_precision="ieee", out_dtype=ACC)
+            if NH == 1 and BQ == BT:  # a sub-step per token: one reverse running sum over the rows
+                dgt = tl.cumsum(dgam + dgq, axis=0, reverse=True)
+            else:  # tokens of several sub-steps: the sums as products with 0/1 masks (exact in ieee)
+                dgt = tl.dot(tl.where(after_tok, 1.0, 0.0).to(ACC), dgam, input_precision="ieee", out_dtype=ACC)
+                dgt += tl.dot(tl.where(after_q, 1.0, 0.0).to(ACC), dgq, input_precision="ieee", out_dtype=ACC)
             dgt += dlast[None, :]
             store_rows(dg + tok0 * H * K + i_h * K, dgt, i_q, valid_q, H * K, offs_k, K)
         else:

@@ -31,14 +31,22 @@ The element-by-element part is a dependent loop of `SC` gathers and `[R, K]` exp
 per product, which made the channel-gate kernels several times slower than the rest on
 the H200 (KDA's read-out 0.85 ms against DeltaNet's 0.23). So when a sub-chunk decays by
 at most a bound in every channel (`G_first - G <= bound` inside it, checked per
-call over the rows `b` at hand: `factorizable`), its inner pairs too are factorized around
-its first position, where `exp(ref - Gb) <= e^bound`: then every sub-chunk `s` is one
-product with the rows `b` up to its end, `BT / SC` tensor-core products and no loop.
+call over the rows `b` at hand: `_within_bound`), its inner pairs too are factorized
+around its first position, where `exp(ref - Gb) <= e^bound`, in three factors:
+
+    exp(Ga - Gb) = exp(Ga - ref(a)) * exp(ref(a) - ref(b)) * exp(ref(b) - Gb)
+
+The outer two are one `[R, K]` exponential each, every row decayed to the start of its own
+sub-chunk; the middle one is per channel and pair of sub-chunks, applied to the rows `b`
+as a running product over the sub-chunks (one `[K]` exponential and one multiply per
+sub-chunk), so each sub-chunk `s` costs one tensor-core product and no `[R, K]`
+exponential (the first form of this path took two per sub-chunk: 8 where there are now 2).
 `bound` is 40 (e^40 = 2.4e17, far from the float32 and bfloat16 limits of 3e38; each factor
 keeps its relative precision) and 8 for float16 operands (max 65504). Typical gates
 (`logsigmoid` of a learned value, a few hundredths to a few units per token) take this
 path; a sub-chunk whose gates decay faster than `bound / SC` per step falls back to the
-exact loop, decided per program, so neither path ever overflows.
+exact loop (pairs in earlier sub-chunks factorized around the later one's start, inner
+pairs element by element), decided per program, so neither path ever overflows.
 
 Gathers: the element-wise part needs row `b` of `xb` (or row `a` of `xa`) beside row `a`
 (or `b`); Triton cannot index a register tensor, so those rows are re-read from memory
@@ -124,13 +132,28 @@ def _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC: tl.constexpr, NH: tl.constexp
 
 
 @triton.jit
-def factorizable(p_g, gb, pos_b, valid_b, stride_g, offs_k, SC: tl.constexpr, NH: tl.constexpr,
-                 K: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr):
+def _sub_refs(p_g, pos, valid, stride_g, offs_k, SC: tl.constexpr, NH: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr):
+    """`[R, BK]`: for each row at sub-step `pos`, the cumulative gate at the first sub-step
+    of its sub-chunk (a gather, cached: the chunk's gate rows are inputs)."""
+    return load_rows(p_g, ((pos // SC) * SC) // NH, valid, stride_g, offs_k, K, ACC)
+
+
+@triton.jit
+def _within_bound(ref_b, gb, valid_b, OP: tl.constexpr):
     """Whether every sub-chunk may be factorized around its first position (module
-    docstring): `G_first(s) - G_b <= bound` for every valid row `b` of sub-chunk `s`."""
-    ref_rows = load_rows(p_g, ((pos_b // SC) * SC) // NH, valid_b, stride_g, offs_k, K, ACC)
-    spread = tl.max(tl.max(tl.where(valid_b[:, None], ref_rows - gb, 0.0), 1), 0)
+    docstring): `G_first(s) - G_b <= bound` for every valid row `b`."""
+    spread = tl.max(tl.max(tl.where(valid_b[:, None], ref_b - gb, 0.0), 1), 0)
     return spread <= (min(8.0, DECAY_BOUND) if OP == tl.float16 else DECAY_BOUND)
+
+
+@triton.jit
+def _step_decay(p_g, s_from, s_to, n_sub, stride_g, offs_k, SC: tl.constexpr, NH: tl.constexpr, K: tl.constexpr,
+                ACC: tl.constexpr):
+    """`exp(G_first(s_to) - G_first(s_from))` per channel for sub-chunks `s_from <= s_to`:
+    at most 1 (the cumulative gate never grows; an empty sub-chunk reads 0, clamped)."""
+    a = _ref_gate(p_g, s_from, n_sub, stride_g, offs_k, SC, NH, K, ACC)
+    b = _ref_gate(p_g, s_to, n_sub, stride_g, offs_k, SC, NH, K, ACC)
+    return tl.exp(tl.minimum(b - a, 0.0))
 
 
 @triton.jit
@@ -151,17 +174,31 @@ def scores(
     else:
         offs_k = k0 + tl.arange(0, BK)
         cols = tl.arange(0, BT)
-        fast = factorizable(p_g, gb, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC, OP)
+        ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
         out = tl.zeros([xa.shape[0], BT], dtype=ACC)
-        # pairs before sub-chunk s (and, when `fast`, inside it): factorize around its start
-        for s in tl.static_range(0, BT // SC):
-            ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
-            in_s = ((pos_a // SC) == s) & valid_a
-            before = (pos_b < (s + fast.to(tl.int32)) * SC) & valid_b & (s * SC < n_sub)  # an empty sub-chunk has no ref
-            xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
-            xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
-            out += mm(xa_s, tl.trans(xb_s), OP, PREC, ACC)
-        if not fast:  # pairs inside one sub-chunk: element by element, one partner column at a time
+        if _within_bound(ref_b, gb, valid_b, OP):
+            # exp(Ga - Gb) = exp(Ga - ref(a)) exp(ref(a) - ref(b)) exp(ref(b) - Gb): each row
+            # decayed once to its sub-chunk's start, and the middle factor (per sub-chunk
+            # pair and channel) applied to the rows b as a running product over sub-chunks
+            fa = xa * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, stride_g, offs_k, SC, NH, K, ACC),
+                                      float("-inf")))
+            fb = xb * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
+            carry = tl.zeros([BT, BK], dtype=ACC)  # rows b of sub-chunks <= s, decayed to s's start
+            for s in tl.static_range(0, BT // SC):
+                if s > 0:
+                    carry = carry * _step_decay(p_g, s - 1, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)[None, :]
+                carry = tl.where(((pos_b // SC) == s)[:, None], fb, carry)
+                out += tl.where(((pos_a // SC) == s)[:, None], mm(fa, tl.trans(carry), OP, PREC, ACC), 0.0)
+        else:
+            # pairs before sub-chunk s: factorized around its start; pairs inside one
+            # sub-chunk: element by element, one partner column at a time
+            for s in tl.static_range(0, BT // SC):
+                ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
+                in_s = ((pos_a // SC) == s) & valid_a
+                before = (pos_b < s * SC) & valid_b & (s * SC < n_sub)  # an empty sub-chunk has no ref
+                xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
+                xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
+                out += mm(xa_s, tl.trans(xb_s), OP, PREC, ACC)
             for jj in range(SC):
                 b_of_a = (pos_a // SC) * SC + jj
                 if STRICT:
@@ -192,17 +229,27 @@ def apply_left(
     else:
         offs_k = k0 + tl.arange(0, BK)
         cols = tl.arange(0, BT)
-        fast = factorizable(p_g, gb, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC, OP)
+        ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
         out = tl.zeros([m.shape[0], BK], dtype=ACC)
-        for s in tl.static_range(0, BT // SC):  # as in `scores`
-            ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
-            in_s = ((pos_a // SC) == s) & valid_a
-            before = (pos_b < (s + fast.to(tl.int32)) * SC) & valid_b & (s * SC < n_sub)  # an empty sub-chunk has no ref
-            m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
-            xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
-            part = mm(m_s, xb_s, OP, PREC, ACC)
-            out += part * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
-        if not fast:
+        if _within_bound(ref_b, gb, valid_b, OP):  # as in `scores`
+            fb = xb * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
+            carry = tl.zeros([BT, BK], dtype=ACC)
+            for s in tl.static_range(0, BT // SC):
+                if s > 0:
+                    carry = carry * _step_decay(p_g, s - 1, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)[None, :]
+                carry = tl.where(((pos_b // SC) == s)[:, None], fb, carry)
+                out += tl.where(((pos_a // SC) == s)[:, None], mm(m, carry, OP, PREC, ACC), 0.0)
+            out = out * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, stride_g, offs_k, SC, NH, K, ACC),
+                                        float("-inf")))
+        else:
+            for s in tl.static_range(0, BT // SC):
+                ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
+                in_s = ((pos_a // SC) == s) & valid_a
+                before = (pos_b < s * SC) & valid_b & (s * SC < n_sub)  # an empty sub-chunk has no ref
+                m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
+                xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
+                part = mm(m_s, xb_s, OP, PREC, ACC)
+                out += part * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
             for jj in range(SC):
                 b_of_a = (pos_a // SC) * SC + jj
                 ok = (b_of_a <= pos_a) & valid_a & (b_of_a < n_sub)
@@ -234,17 +281,29 @@ def apply_right(
     else:
         offs_k = k0 + tl.arange(0, BK)
         rows_a = tl.arange(0, m.shape[0])
-        fast = factorizable(p_g, gb, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC, OP)
+        ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
         out = tl.zeros([BT, BK], dtype=ACC)
-        for s in tl.static_range(0, BT // SC):  # as in `scores`
-            ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
-            in_s = ((pos_a // SC) == s) & valid_a
-            before = (pos_b < (s + fast.to(tl.int32)) * SC) & valid_b & (s * SC < n_sub)  # an empty sub-chunk has no ref
-            m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
-            xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
-            part = mm(tl.trans(m_s), xa_s, OP, PREC, ACC)
-            out += part * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
-        if not fast:  # inside a sub-chunk: for each row b, its partners a of the same sub-chunk, one at a time
+        if _within_bound(ref_b, gb, valid_b, OP):  # as in `scores`, the running product backwards in time
+            fa = xa * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, stride_g, offs_k, SC, NH, K, ACC),
+                                      float("-inf")))
+            carry = tl.zeros([m.shape[0], BK], dtype=ACC)  # rows a of sub-chunks >= t, decayed to t's start
+            for i in tl.static_range(0, BT // SC):
+                t = BT // SC - 1 - i
+                if i > 0:
+                    carry = carry * _step_decay(p_g, t, t + 1, n_sub, stride_g, offs_k, SC, NH, K, ACC)[None, :]
+                carry = tl.where(((pos_a // SC) == t)[:, None], fa, carry)
+                out += tl.where(((pos_b // SC) == t)[:, None], mm(tl.trans(m), carry, OP, PREC, ACC), 0.0)
+            out = out * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
+        else:
+            for s in tl.static_range(0, BT // SC):
+                ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
+                in_s = ((pos_a // SC) == s) & valid_a
+                before = (pos_b < s * SC) & valid_b & (s * SC < n_sub)  # an empty sub-chunk has no ref
+                m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
+                xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
+                part = mm(tl.trans(m_s), xa_s, OP, PREC, ACC)
+                out += part * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
+            # inside a sub-chunk: for each row b, its partners a of the same sub-chunk, one at a time
             for aa in range((SC + A_STEP - 1) // A_STEP):
                 a_of_b = ((pos_b // SC) * SC) // A_STEP + aa
                 pos_ab = a_of_b * A_STEP + A_STEP - 1

@@ -71,7 +71,8 @@ def run_variant(variant: str, plans: str, work: Path, seconds: float, smoke: boo
             result["check"] = {"error": f"{type(err).__name__}: {err}"}
         seconds -= time.monotonic() - t0
     cmd = [sys.executable, str(HERE / "kernels.py"), "--plans", plans, "--no-fla", "--no-torch",
-           "--out", str(folder), "--budget-s", str(int(seconds)), "--workers", str(len(plans.split(",")))]
+           "--out", str(folder), "--budget-s", str(int(seconds)), "--workers", str(len(plans.split(","))),
+           "--min-plan-s", "12"]  # its share is sized to its plans (main): time every one
     cmd += ["--smoke"] if smoke else []
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 30, check=False)
     result.update(seconds=round(time.monotonic() - t0, 1), rc=proc.returncode)
@@ -119,8 +120,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     variants, plans = args.variants.split(), args.plans.split(",")
     start, results = time.monotonic(), []
+    n_plans = [len((v.partition("@")[2] or args.plans).split(",")) for v in variants]
     for i, variant in enumerate(variants):
-        share = (args.budget_s - (time.monotonic() - start)) / (len(variants) - i)  # the time left, split evenly
+        # the time left, split in proportion to the plans each remaining variant times
+        share = (args.budget_s - (time.monotonic() - start)) * n_plans[i] / sum(n_plans[i:])
         if share < 30:
             results.append({"variant": variant, "error": "out of budget"})
             continue

@@ -58,7 +58,7 @@ class _OfflineLauncher:
         names = fn.arg_names
         values = dict(zip(names, args))
         values.update(kwargs)
-        options = {k: values.pop(k) for k in ("num_warps", "num_stages") if k in values}
+        options = {k: values.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in values}
         signature, constexprs = {}, {}
         for i, name in enumerate(names):
             val = values.get(name)

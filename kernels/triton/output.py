@@ -37,18 +37,20 @@ def query_scores(
     row_k = tok0 * NH * H * K + i_h * K
     stride_g = H * K if GATE == 2 else H
     p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
-    qq = load_rows(q + tok0 * H * K + i_h * K, i_q, valid_q, H * K, offs_k, K, ACC)
+    # rows loaded in the operand dtype (exact: the inputs' own dtype, or wider); the scores'
+    # arithmetic widens them where it needs to
+    qq = load_rows(q + tok0 * H * K + i_h * K, i_q, valid_q, H * K, offs_k, K, OP)
     gq = load_gate(p_g, i_q, valid_q, stride_g, offs_k, GATE, K, ACC)
     gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
     m_e = tl.zeros([BQ, BT], dtype=ACC)
     m_w = tl.zeros([BQ, BT], dtype=ACC)
     if MODE != 0:
         p_e = (w if MODE == 1 else e) + row_k
-        ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
+        ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, OP)
         m_e = scores(qq, gq, pos_q, valid_q, ee, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
                      False, GATE, NH, BT, SC, K, BK, ACC, OP, PREC) * scale
     if MODE != 1:
-        ww = load_rows(w + row_k, i_sub, valid, H * K, offs_k, K, ACC)
+        ww = load_rows(w + row_k, i_sub, valid, H * K, offs_k, K, OP)
         m_w = scores(qq, gq, pos_q, valid_q, ww, gk, i_sub, valid, w + row_k, H * K, p_g, stride_g, n_sub,
                      False, GATE, NH, BT, SC, K, BK, ACC, OP, PREC) * scale
     return decay_rows(qq, gq, GATE) * scale, m_e, m_w
@@ -78,13 +80,15 @@ def output_kernel(
     row_v = tok0 * NH * H * V + i_h * V
     if MODE != 1 and HAS_BETA:
         bb = tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)
+    # the dot operands rounded to OP once, here and at each load, as `mm` would at every use
+    qt, m_e, m_w = qt.to(OP), m_e.to(OP), m_w.to(OP)
     for i_v in range(tl.cdiv(BVO, BV)):
         offs_v = i_vo * BVO + i_v * BV + tl.arange(0, BV)
         h = tl.load(h_all + (i_chunk * H + i_h) * K * V + offs_k[:, None] * V + offs_v[None, :],
-                    mask=(offs_k[:, None] < K) & (offs_v[None, :] < V), other=0.0).to(ACC)
+                    mask=(offs_k[:, None] < K) & (offs_v[None, :] < V), other=0.0).to(OP)
         out = mm(qt, h, OP, PREC, ACC)
         if MODE != 0:
-            y = load_rows(Y + row_v, i_sub, valid, H * V, offs_v, V, ACC)
+            y = load_rows(Y + row_v, i_sub, valid, H * V, offs_v, V, OP)
             out += mm(m_e, y, OP, PREC, ACC)
         if MODE != 1:
             u = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)

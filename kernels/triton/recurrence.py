@@ -55,6 +55,9 @@ _WARPS = tuple(int(x) for x in os.environ.get("ARCHSPEC_TRITON_WARPS", "8,4").sp
 # session 2's one-kernel backward: KDA 25.2 -> 24.1 ms forward+backward, DeltaNet 3.55 -> 4.05
 # on the H200 (benchmarks/results/variants/variants-1-launch.md); not timed since the split
 _BACKWARD_WARPS = int(os.environ.get("ARCHSPEC_TRITON_BACKWARD_WARPS", str(_WARPS[0])))
+# a register cap for the last backward kernels (unset: none): below 255 per thread, two
+# 8-warp programs share an SM and hide each other's load latency, at the price of spills
+_BACKWARD_MAXNREG = os.environ.get("ARCHSPEC_TRITON_BACKWARD_MAXNREG")
 # the backward's per-channel phases work on slices of this many K columns (registers);
 # a channel gate's backward runs as two kernels, the second one program per slice
 # (`backward_channel.py`); ARCHSPEC_TRITON_CHANNEL_SPLIT=0 runs it in the one kernel instead
@@ -75,6 +78,12 @@ def _backward_bk(p: Plan) -> int:
     if _BACKWARD_BK:
         return min(int(_BACKWARD_BK), p.BK)
     return p.BK if p.gate != 2 else min(64 if p.mode != 0 else 32, p.BK)
+
+
+# the read-out split over value columns (1) or not (0); unset: split without a gate (below)
+_OUTPUT_SPLIT = os.environ.get("ARCHSPEC_TRITON_OUTPUT_SPLIT")
+# warps of the read-out alone (default: the chunk-parallel kernels')
+_OUTPUT_WARPS = os.environ.get("ARCHSPEC_TRITON_OUTPUT_WARPS")
 
 
 # warps of `inverse_kernel` (the UT transform's latency-bound inverse): few, so that
@@ -247,12 +256,12 @@ class ChunkRecurrence(torch.autograd.Function):
         # product, formed again by each program), all of V with one. On the H200 (B=4 T=4096
         # H=16 K=V=128 bf16) the split took DeltaNet's read-out from 0.23 to 0.19 ms but
         # Gated DeltaNet's from 0.24 to 0.30 (its decay matrix formed twice).
-        bvo = p.BV if p.gate == 0 else triton.cdiv(p.V, p.BV) * p.BV
+        bvo = p.BV if (p.gate == 0 if _OUTPUT_SPLIT is None else _OUTPUT_SPLIT == "1") else triton.cdiv(p.V, p.BV) * p.BV
         output_kernel[(p.n_chunks, p.H, triton.cdiv(p.V, bvo))](
             q, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
             dummy if Y is None else Y, h_all, o, cu_seqlens, table, p.T, p.NT, scale,
             BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, BVO=bvo,
-            num_warps=p.warps, num_stages=_STAGES, **_common(p),
+            num_warps=int(_OUTPUT_WARPS or p.warps), num_stages=_STAGES, **_common(p),
         )
         ctx.save_for_backward(q, k, v, beta, w, e, G, Tinv, P, Y, h_all, cu_seqlens, table, offsets)
         ctx.plan, ctx.scale, ctx.tied = p, scale, write_key is None
@@ -304,6 +313,8 @@ class ChunkRecurrence(torch.autograd.Function):
         flags = {**{name: val for name, val in _common(p).items() if name != "BK"}, "BKS": _backward_bk(p),
                  "BQ": p.BQ, "SC": p.SC, "MODE": p.mode, "GATE": p.gate, "HAS_BETA": p.has_beta, "IS_VARLEN": varlen,
                  "num_warps": _BACKWARD_WARPS, "num_stages": _STAGES}
+        if _BACKWARD_MAXNREG:
+            flags["maxnreg"] = int(_BACKWARD_MAXNREG)
         if p.gate == 2 and _CHANNEL_SPLIT:
             _channel_backward(p, args, (dq, dk, dw, de, dv, dbeta, dg), cu_seqlens, table, scale, ctx.tied, flags)
         else:

@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_session.sh 5   # our kernels under several launch settings (benchmarks/variants.py)  ~9 min
 #   bash benchmarks/gpu_session.sh 6   # the correctness check of CHECK's plans under the defaults, then call 5  ~8 min
 #   bash benchmarks/gpu_session.sh 7   # check as 6, then every plan timed (ours; fla and torch rows --peers), then VARIANTS  ~8 min
+#   bash benchmarks/gpu_session.sh 8   # the whole correctness check (--gaps, then the default suite or CHECK), then VARIANTS  ~9 min
 #
 # Every result lands flat in $OUT (at most 8 files come back, no deeper than $OUT/a/b).
 # BUDGET_S overrides the call's budget in seconds (the whole command, installs included);
@@ -21,7 +22,7 @@ call=${1:?usage: gpu_session.sh 1|2|3}
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-case $call in 1) budget=${BUDGET_S:-510} ;; 2) budget=${BUDGET_S:-480} ;; 3) budget=${BUDGET_S:-300} ;; 4) budget=${BUDGET_S:-540} ;; 5) budget=${BUDGET_S:-500} ;; 6) budget=${BUDGET_S:-500} ;; 7) budget=${BUDGET_S:-480} ;; *) echo "no call $call"; exit 2 ;; esac
+case $call in 8) budget=${BUDGET_S:-540} ;; 1) budget=${BUDGET_S:-510} ;; 2) budget=${BUDGET_S:-480} ;; 3) budget=${BUDGET_S:-300} ;; 4) budget=${BUDGET_S:-540} ;; 5) budget=${BUDGET_S:-500} ;; 6) budget=${BUDGET_S:-500} ;; 7) budget=${BUDGET_S:-480} ;; *) echo "no call $call"; exit 2 ;; esac
 left() { echo $((budget - SECONDS)); }
 say() { echo "[gpu_session $call, ${SECONDS}s] $*"; }
 
@@ -114,6 +115,18 @@ case $call in
   say "every plan, ours only (fla and torch from benchmarks/results/kernels.json), budget ${s}s"
   timeout $((s + 10)) python3 benchmarks/kernels.py --out "$OUT" --budget-s "$s" $smoke --no-fla --no-torch \
     --peers "${PEERS:-benchmarks/results/kernels.json}" --min-plan-s 15 2>&1 | tail -45
+  s=$(($(left) - 15))
+  rm -f "$OUT/pip.log"
+  [ -z "${VARIANTS:-}" ] || [ "$s" -lt 40 ] || timeout $((s + 10)) python3 benchmarks/variants.py --out "$OUT" --budget-s "$s" $smoke \
+    --variants "$VARIANTS" 2>&1 | tail -12
+  ;;
+8)
+  say "correctness gaps (cu_seqlens, float16, n_h 4 and 8)"
+  timeout 220 python3 benchmarks/triton_gpu_check.py --gaps --out "$OUT" --budget-s 200 $smoke 2>&1 |
+    tee "$OUT/check-gaps.log" | tail -34
+  say "correctness check: ${CHECK:-the default suite}"
+  timeout 200 python3 benchmarks/triton_gpu_check.py ${CHECK:+--plans "$CHECK"} --out "$OUT" --budget-s 180 $smoke 2>&1 |
+    tee "$OUT/check.log" | tail -20
   s=$(($(left) - 15))
   rm -f "$OUT/pip.log"
   [ -z "${VARIANTS:-}" ] || [ "$s" -lt 40 ] || timeout $((s + 10)) python3 benchmarks/variants.py --out "$OUT" --budget-s "$s" $smoke \

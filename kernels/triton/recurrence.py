@@ -46,7 +46,13 @@ _STAGES = int(os.environ.get("ARCHSPEC_TRITON_STAGES", "1"))  # software pipelin
 # 0.242 to 0.173 ms and state_backward from 0.348 to 0.278 (3: 0.268 / 0.390); every chunk
 # kernel at 2 (ARCHSPEC_TRITON_STAGES) left them unchanged or slower (DeltaNet's
 # chunk_backward 0.86 -> 0.91 ms), except GLA-channel's chunk_channels_kernel (2.58 -> 2.47).
-_STATE_STAGES = int(os.environ.get("ARCHSPEC_TRITON_STATE_STAGES", "2"))
+# Half-precision operands only: with float32 ones the gated state pass asked for 257 KB of
+# shared memory (the H200 has 227 KB per block).
+_STATE_STAGES = os.environ.get("ARCHSPEC_TRITON_STATE_STAGES")
+
+
+def _state_stages(p: Plan) -> int:
+    return int(_STATE_STAGES) if _STATE_STAGES else 2 if p.op in (torch.float16, torch.bfloat16) else 1
 # 64: Triton 3.6 on an H200 miscompiled the state backward with 32-wide V blocks and 8-warp
 # chunk kernels (compute-sanitizer: invalid shared-memory read in a wgmma); 64 ran clean.
 _STATE_BV = int(os.environ.get("ARCHSPEC_TRITON_STATE_BV", "64"))
@@ -55,9 +61,16 @@ _WARPS = tuple(int(x) for x in os.environ.get("ARCHSPEC_TRITON_WARPS", "8,4").sp
 # session 2's one-kernel backward: KDA 25.2 -> 24.1 ms forward+backward, DeltaNet 3.55 -> 4.05
 # on the H200 (benchmarks/results/variants/variants-1-launch.md); not timed since the split
 _BACKWARD_WARPS = int(os.environ.get("ARCHSPEC_TRITON_BACKWARD_WARPS", str(_WARPS[0])))
-# a register cap for the last backward kernels (unset: none): below 255 per thread, two
-# 8-warp programs share an SM and hide each other's load latency, at the price of spills
+# a register cap for the last backward kernels: at 128 per thread two 8-warp programs share
+# an SM and hide each other's load latency, at the price of spills. On the H200 (session 4,
+# call 2) GLA-channel's chunk_channels_kernel took 1.58 ms uncapped and 1.02 at 128, but
+# KDA's 1.89 and 2.53: so 128 for a channel gate without a delta rule, none otherwise
+# (ARCHSPEC_TRITON_BACKWARD_MAXNREG sets a cap for all; 0 for none).
 _BACKWARD_MAXNREG = os.environ.get("ARCHSPEC_TRITON_BACKWARD_MAXNREG")
+
+
+def _backward_maxnreg(p: Plan) -> int:
+    return int(_BACKWARD_MAXNREG) if _BACKWARD_MAXNREG else 128 if (p.gate == 2 and p.mode == 0) else 0
 # the backward's per-channel phases work on slices of this many K columns (registers);
 # a channel gate's backward runs as two kernels, the second one program per slice
 # (`backward_channel.py`); ARCHSPEC_TRITON_CHANNEL_SPLIT=0 runs it in the one kernel instead
@@ -82,8 +95,14 @@ def _backward_bk(p: Plan) -> int:
 
 # the read-out split over value columns (1) or not (0); unset: split without a gate (below)
 _OUTPUT_SPLIT = os.environ.get("ARCHSPEC_TRITON_OUTPUT_SPLIT")
-# warps of the read-out alone (default: the chunk-parallel kernels')
+# warps of the read-out alone: 4 without a channel gate, where on the H200 (session 4, call
+# 2) DeltaNet's took 0.192 ms with 8 warps and 0.139 with 4, Gated DeltaNet's 0.160 and
+# 0.117; a channel gate's keeps the chunk kernels' 8 (not yet timed at 4)
 _OUTPUT_WARPS = os.environ.get("ARCHSPEC_TRITON_OUTPUT_WARPS")
+
+
+def _output_warps(p: Plan) -> int:
+    return int(_OUTPUT_WARPS) if _OUTPUT_WARPS else 4 if p.gate != 2 else p.warps
 
 
 # warps of `inverse_kernel` (the UT transform's latency-bound inverse): few, so that
@@ -248,7 +267,7 @@ class ChunkRecurrence(torch.autograd.Function):
             dummy if P is None else P, dummy if X is None else X, dummy if Y is None else Y,
             h_all, dummy if initial_state is None else initial_state.contiguous(), dummy if final is None else final,
             cu_seqlens, offsets, p.T, p.NT, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta,
-            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen, num_warps=p.state_warps, num_stages=_STATE_STAGES,
+            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen, num_warps=p.state_warps, num_stages=_state_stages(p),
             **_common(p, state=True),
         )
         o = torch.empty(p.B, p.T, p.H, p.V, device=dev, dtype=v.dtype)
@@ -261,7 +280,7 @@ class ChunkRecurrence(torch.autograd.Function):
             q, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
             dummy if Y is None else Y, h_all, o, cu_seqlens, table, p.T, p.NT, scale,
             BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, BVO=bvo,
-            num_warps=int(_OUTPUT_WARPS or p.warps), num_stages=_STAGES, **_common(p),
+            num_warps=_output_warps(p), num_stages=_STAGES, **_common(p),
         )
         ctx.save_for_backward(q, k, v, beta, w, e, G, Tinv, P, Y, h_all, cu_seqlens, table, offsets)
         ctx.plan, ctx.scale, ctx.tied = p, scale, write_key is None
@@ -296,7 +315,7 @@ class ChunkRecurrence(torch.autograd.Function):
             q, w, e_, beta_, G_, dummy if P is None else P, dummy if dY is None else dY, dummy if dU is None else dU, do,
             dh_all, dummy if dfinal is None else dfinal.contiguous(), dummy if dh0 is None else dh0,
             cu_seqlens, offsets, p.T, p.NT, scale, BQ=p.BQ, MODE=p.mode, GATE=p.gate,
-            USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, num_warps=p.state_warps, num_stages=_STATE_STAGES,
+            USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, num_warps=p.state_warps, num_stages=_state_stages(p),
             **_common(p, state=True),
         )
         # every input gradient is stored once by the last kernels, from float32 registers, so
@@ -313,8 +332,8 @@ class ChunkRecurrence(torch.autograd.Function):
         flags = {**{name: val for name, val in _common(p).items() if name != "BK"}, "BKS": _backward_bk(p),
                  "BQ": p.BQ, "SC": p.SC, "MODE": p.mode, "GATE": p.gate, "HAS_BETA": p.has_beta, "IS_VARLEN": varlen,
                  "num_warps": _BACKWARD_WARPS, "num_stages": _STAGES}
-        if _BACKWARD_MAXNREG:
-            flags["maxnreg"] = int(_BACKWARD_MAXNREG)
+        if _backward_maxnreg(p):
+            flags["maxnreg"] = _backward_maxnreg(p)
         if p.gate == 2 and _CHANNEL_SPLIT:
             _channel_backward(p, args, (dq, dk, dw, de, dv, dbeta, dg), cu_seqlens, table, scale, ctx.tied, flags)
         else:

@@ -695,6 +695,10 @@ def markdown(results: dict) -> str:
     notes = [f"- {name} / {row['impl']}: {row['error']}" for name, e in results["plans"].items() for row in e["rows"] if row["error"]]
     if notes:
         lines += ["", "Refusals and errors:", *notes]
+    settings = [f"- {name} / {row['impl']}: {row['setting']}" for name in order for row in results["plans"][name]["rows"]
+                if row.get("setting")]
+    if settings:  # rows adopted from another run (benchmarks/adopt_variant_rows.py)
+        lines += ["", "Rows from another run than the table's:", *settings]
     rows = targets(results)
     if any(t["ratio"] is not None for t in rows):
         met = sum(bool(t["met"]) for t in rows)

@@ -14,7 +14,7 @@
 #
 # Every result lands flat in $OUT (at most 8 files come back, no deeper than $OUT/a/b).
 # BUDGET_S overrides the call's budget in seconds (the whole command, installs included);
-# RUN_S overrides call 3's training time per run. DRY_CPU=1 rehearses a call on a machine
+# RUN_S overrides call 3's training time per run; GAPS_S the budget of the --gaps check (calls 1, 8). DRY_CPU=1 rehearses a call on a machine
 # without a GPU: no installs, the scripts' --smoke modes, runs of a few steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,7 +84,7 @@ experiments() {
 case $call in
 1)
   say "correctness gaps (cu_seqlens, float16, n_h 4 and 8)"
-  timeout 230 python3 benchmarks/triton_gpu_check.py --gaps --out "$OUT" --budget-s 210 $smoke 2>&1 | tee "$OUT/check-gaps.log"
+  timeout $((${GAPS_S:-210} + 20)) python3 benchmarks/triton_gpu_check.py --gaps --out "$OUT" --budget-s "${GAPS_S:-210}" $smoke 2>&1 | tee "$OUT/check-gaps.log"
   bench
   ;;
 2)
@@ -122,11 +122,16 @@ case $call in
   ;;
 8)
   say "correctness gaps (cu_seqlens, float16, n_h 4 and 8)"
-  timeout 220 python3 benchmarks/triton_gpu_check.py --gaps --out "$OUT" --budget-s 200 $smoke 2>&1 |
+  timeout $((${GAPS_S:-200} + 20)) python3 benchmarks/triton_gpu_check.py --gaps --out "$OUT" --budget-s "${GAPS_S:-200}" $smoke 2>&1 |
     tee "$OUT/check-gaps.log" | tail -34
-  say "correctness check: ${CHECK:-the default suite}"
-  timeout 200 python3 benchmarks/triton_gpu_check.py ${CHECK:+--plans "$CHECK"} --out "$OUT" --budget-s 180 $smoke 2>&1 |
-    tee "$OUT/check.log" | tail -20
+  s=$(($(left) - 20)); [ "$s" -le 180 ] || s=180
+  if [ "$s" -ge 90 ]; then
+    say "correctness check: ${CHECK:-the default suite}, budget ${s}s"
+    timeout $((s + 20)) python3 benchmarks/triton_gpu_check.py ${CHECK:+--plans "$CHECK"} --out "$OUT" --budget-s "$s" $smoke 2>&1 |
+      tee "$OUT/check.log" | tail -20
+  else
+    say "no time left for the check suite (${s}s)"
+  fi
   s=$(($(left) - 15))
   rm -f "$OUT/pip.log"
   [ -z "${VARIANTS:-}" ] || [ "$s" -lt 40 ] || timeout $((s + 10)) python3 benchmarks/variants.py --out "$OUT" --budget-s "$s" $smoke \

@@ -134,3 +134,31 @@ def test_variants_smoke_runs_each_setting_in_its_own_process(tmp_path: Path) -> 
         assert r["plans"]["deltanet"]["error"] == ""
         assert r["check"] and all(c["pass"] for c in r["check"].values())  # the check ran under the variant
     assert "| deltanet |" in (out / "variants.md").read_text()
+
+
+def test_adopted_variant_rows_replace_ours_and_say_where_from(scripts, tmp_path: Path) -> None:
+    """`adopt_variant_rows.py`: our row of the named plan is the variant's, with its
+    provenance in the JSON and the table; fla/torch rows and other plans are untouched;
+    a variant or plan that the file lacks is refused by name."""
+    bench, _ = scripts
+    bench.main(["--smoke", "--plans", "deltanet,kda", "--out", str(tmp_path)])
+    before = json.loads((tmp_path / "kernels.json").read_text())
+    adopt = importlib.import_module("adopt_variant_rows")
+    variant = {"variant": "8,4:output_warps=4@kda", "plans": {"kda": {"plan": "kda", "impl": "triton", "fwd_ms": 1.25,
+                                                                       "fwdbwd_ms": 5.5, "error": ""}}}
+    variants_file = tmp_path / "variants.json"
+    variants_file.write_text(json.dumps([variant]))
+    adopt.main([str(variants_file), "8,4:output_warps=4@kda", "kda", "--setting", "call 9, 4 warps", "--results", str(tmp_path)])
+    after = json.loads((tmp_path / "kernels.json").read_text())
+    ours = [r for r in after["plans"]["kda"]["rows"] if r["impl"] == "triton"]
+    assert len(ours) == 1 and ours[0]["fwd_ms"] == 1.25 and ours[0]["fwdbwd_ms"] == 5.5
+    assert ours[0]["setting"] == "call 9, 4 warps"
+    assert [r for r in after["plans"]["kda"]["rows"] if r["impl"] != "triton"] == \
+        [r for r in before["plans"]["kda"]["rows"] if r["impl"] != "triton"]
+    assert after["plans"]["deltanet"] == before["plans"]["deltanet"]
+    table = (tmp_path / "kernels.md").read_text()
+    assert "| kda | " in table and "1.250" in table and "- kda / triton: call 9, 4 warps" in table
+    with pytest.raises(SystemExit, match="no variant"):
+        adopt.main([str(variants_file), "8,8", "kda", "--setting", "x", "--results", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no timing of 'deltanet'"):
+        adopt.main([str(variants_file), "8,4:output_warps=4@kda", "deltanet", "--setting", "x", "--results", str(tmp_path)])

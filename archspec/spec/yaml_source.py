@@ -366,8 +366,11 @@ def _split_override(item: Override) -> tuple[str, Any, str, bool]:
 def apply_overrides(doc: LocatedDocument, overrides: Iterable[Override]) -> LocatedDocument:
     """Apply `dotted.key=value` overrides (value parsed as YAML) or `(key, value)` pairs.
 
-    Missing intermediate mappings are created; a digit segment indexes a list. Values
-    set here are located at the override itself ("--set mixer.heads=4").
+    Missing intermediate mappings are created; a digit segment indexes a list. A mapping
+    whose keys themselves hold dots (a search spec's `space:` entries, `mixer.n_h`) is
+    entered by its longest existing key that the next segments spell, so that
+    `space.mixer.n_h.choices=[1,2]` reaches that entry. Values set here are located at the
+    override itself ("--set mixer.heads=4").
     """
     data = copy.deepcopy(doc.data) if doc.data is not None else {}
     values, keys = dict(doc.values), dict(doc.keys)
@@ -379,7 +382,14 @@ def apply_overrides(doc: LocatedDocument, overrides: Iterable[Override]) -> Loca
             raise ArchspecError("bad override", [(where, None, f"{key!r} is not a dotted key such as `mixer.heads`")])
         value = parse_yaml_text(raw, origin=origin).data if is_text else copy.deepcopy(raw)
         node, path = data, ()
-        for index, part in enumerate(parts):
+        index = 0
+        while index < len(parts):
+            part = parts[index]
+            if isinstance(node, dict):  # a dotted key that exists wins over its first segment
+                for end in range(len(parts), index + 1, -1):
+                    if ".".join(parts[index:end]) in node:
+                        part, index = ".".join(parts[index:end]), end - 1
+                        break
             if isinstance(node, list):
                 if not (part.isdigit() and int(part) < len(node)):
                     raise ArchspecError(
@@ -394,7 +404,8 @@ def apply_overrides(doc: LocatedDocument, overrides: Iterable[Override]) -> Loca
                     "bad override", [(where, dotted(path), f"cannot set {key}: {dotted(path)} is {node!r}, not a mapping")]
                 )
             sub = path + (step,)
-            if index < len(parts) - 1:
+            index += 1
+            if index < len(parts):
                 if isinstance(node, dict) and node.get(step) is None:
                     node[step] = {}  # create the missing intermediate mapping
                     values[sub] = keys[sub] = where

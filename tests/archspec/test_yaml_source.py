@@ -196,6 +196,18 @@ def test_overrides_nested_new_keys_and_yaml_values():
     assert apply_overrides(doc, [("mixer.heads", 5)]).data["mixer"]["heads"] == 5
 
 
+def test_overrides_reach_keys_that_hold_dots():
+    """A search spec's `space:` is keyed by dotted field names: `--set` enters such a
+    mapping by its longest existing key, and still creates plain nested keys elsewhere."""
+    doc = parse_yaml_text("space:\n  mixer.transition.n_h: {int: [1, 4]}\n  mixer.gate: {choices: [none]}\n", file="s.yaml")
+    out = apply_overrides(doc, ["space.mixer.transition.n_h.int=[1, 2]", "space.mixer.gate.choices=[none, scalar]",
+                                "budget.trials=4"])
+    assert out.data["space"] == {"mixer.transition.n_h": {"int": [1, 2]}, "mixer.gate": {"choices": ["none", "scalar"]}}
+    assert out.data["budget"] == {"trials": 4}
+    assert out.values[("space", "mixer.transition.n_h", "int")].origin == "--set space.mixer.transition.n_h.int=[1, 2]"
+    assert ("space", "mixer.transition.n_h", "int", 1) in out.values
+
+
 @pytest.mark.parametrize(
     "override, words",
     [

@@ -91,6 +91,11 @@ def test_set_overrides_apply_and_bad_ones_are_located(tmp_path):
     assert load_search_spec(path, ["budget.trials=7", "sampler=random"]).spec.budget.trials == 7
     (where, field, message), = problems_of(path, ["budget.trials=0"])
     assert where == "--set budget.trials=0" and field == "budget.trials" and "greater than 0" in message
+    # a search-space entry is keyed by a dotted field: --set reaches it, and a bad value is located there
+    narrowed = load_search_spec(path, ["space.mixer.transition.n_h.int=[1, 2]"]).spec.space["mixer.transition.n_h"]
+    assert (narrowed.int_range, narrowed.when) == ((1, 2), {"mixer.transition.type": ["householder", "rwkv7"]})
+    (where, field, message), = problems_of(path, ["space.mixer.transition.n_h.int=[1, x]"])
+    assert where == "--set space.mixer.transition.n_h.int=[1, x]" and field.startswith("space.mixer.transition.n_h.int")
 
 
 @pytest.mark.parametrize(

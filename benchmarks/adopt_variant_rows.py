@@ -6,8 +6,9 @@ Why: a device call that times several settings may end before a plain `kernels.p
 of the adopted defaults (30 minutes of H200 time a session). When a variant's setting
 became the default, its rows are the measurement of the default code, and this puts them
 into `DIR/kernels.json` (and rewrites `kernels.md`) with `TEXT` recorded on each row as
-`setting`: where the number comes from and why it stands for the defaults. fla and torch
-rows, and every plan not named, stay as they were.
+`setting` (where the number comes from and why it stands for the defaults), beside the
+run's `machine` (whose `kernels_sha1` fingerprints the kernel sources it ran) and `env`
+(the variant's settings). fla and torch rows, and every plan not named, stay as they were.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def adopt(results: dict, variants: list[dict], variant: str, plans: list[str], s
         if plan not in results["plans"]:
             raise SystemExit(f"{plan!r} is not in the results (its floors come from a kernels.py run)")
         rows = results["plans"][plan]["rows"]
-        rows[:] = [r for r in rows if r["impl"] != "triton"] + [dict(row, setting=setting)]
+        # the run's machine (its `kernels_sha1` names the kernel sources) and launch environment
+        rows[:] = [r for r in rows if r["impl"] != "triton"] + [dict(row, setting=setting, machine=run.get("machine"),
+                                                                     env=run.get("env"))]
     return results
 
 

@@ -144,15 +144,17 @@ def test_adopted_variant_rows_replace_ours_and_say_where_from(scripts, tmp_path:
     bench.main(["--smoke", "--plans", "deltanet,kda", "--out", str(tmp_path)])
     before = json.loads((tmp_path / "kernels.json").read_text())
     adopt = importlib.import_module("adopt_variant_rows")
-    variant = {"variant": "8,4:output_warps=4@kda", "plans": {"kda": {"plan": "kda", "impl": "triton", "fwd_ms": 1.25,
-                                                                       "fwdbwd_ms": 5.5, "error": ""}}}
+    variant = {"variant": "8,4:output_warps=4@kda", "env": {"ARCHSPEC_TRITON_OUTPUT_WARPS": "4"},
+               "machine": {"kernels_sha1": "abc123"},
+               "plans": {"kda": {"plan": "kda", "impl": "triton", "fwd_ms": 1.25, "fwdbwd_ms": 5.5, "error": ""}}}
     variants_file = tmp_path / "variants.json"
     variants_file.write_text(json.dumps([variant]))
     adopt.main([str(variants_file), "8,4:output_warps=4@kda", "kda", "--setting", "call 9, 4 warps", "--results", str(tmp_path)])
     after = json.loads((tmp_path / "kernels.json").read_text())
     ours = [r for r in after["plans"]["kda"]["rows"] if r["impl"] == "triton"]
     assert len(ours) == 1 and ours[0]["fwd_ms"] == 1.25 and ours[0]["fwdbwd_ms"] == 5.5
-    assert ours[0]["setting"] == "call 9, 4 warps"
+    assert ours[0]["setting"] == "call 9, 4 warps" and ours[0]["machine"] == {"kernels_sha1": "abc123"}
+    assert ours[0]["env"] == {"ARCHSPEC_TRITON_OUTPUT_WARPS": "4"}
     assert [r for r in after["plans"]["kda"]["rows"] if r["impl"] != "triton"] == \
         [r for r in before["plans"]["kda"]["rows"] if r["impl"] != "triton"]
     assert after["plans"]["deltanet"] == before["plans"]["deltanet"]

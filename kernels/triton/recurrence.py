@@ -56,6 +56,11 @@ def _state_stages(p: Plan) -> int:
 # 64: Triton 3.6 on an H200 miscompiled the state backward with 32-wide V blocks and 8-warp
 # chunk kernels (compute-sanitizer: invalid shared-memory read in a wgmma); 64 ran clean.
 _STATE_BV = int(os.environ.get("ARCHSPEC_TRITON_STATE_BV", "64"))
+# The forward state pass's V block alone (default: `_STATE_BV`; the miscompile above was
+# the backward's). Not yet timed: with 32, B=4 H=16 V=128 gives 256 programs of 4 warps,
+# two per SM instead of one (offline, sm_90: 254 registers and no stack for DeltaNet,
+# against 255 and 456 B with 64), the shape fla's `fwd_h` (0.107 ms against our 0.173) runs.
+_STATE_FORWARD_BV = os.environ.get("ARCHSPEC_TRITON_STATE_FORWARD_BV")
 _WARPS = tuple(int(x) for x in os.environ.get("ARCHSPEC_TRITON_WARPS", "8,4").split(","))
 # warps of the last backward kernels alone (default: the chunk-parallel kernels'); 16 with
 # session 2's one-kernel backward: KDA 25.2 -> 24.1 ms forward+backward, DeltaNet 3.55 -> 4.05
@@ -103,6 +108,11 @@ _OUTPUT_WARPS = os.environ.get("ARCHSPEC_TRITON_OUTPUT_WARPS")
 
 def _output_warps(p: Plan) -> int:
     return int(_OUTPUT_WARPS) if _OUTPUT_WARPS else 4 if p.gate != 2 else p.warps
+
+
+# warps of `prepare_kernel` alone (default: the chunk kernels'; not yet timed at 4, where
+# offline two programs share an SM: 255 registers and 32 B of stack, against 188 with 8)
+_PREPARE_WARPS = os.environ.get("ARCHSPEC_TRITON_PREPARE_WARPS")
 
 
 # warps of `inverse_kernel` (the UT transform's latency-bound inverse): few, so that
@@ -209,6 +219,10 @@ def _plan(q, k, v, g, beta, erase, n_h, cu_seqlens, chunk_table_count, chunk_siz
     )
 
 
+def _state_forward_bv(p: Plan) -> int:
+    return max(16, min(int(_STATE_FORWARD_BV), triton.next_power_of_2(p.V))) if _STATE_FORWARD_BV else p.BVS
+
+
 def _common(p: Plan, state: bool = False) -> dict:
     """Constexprs shared by every kernel; the state passes take narrower V blocks (more
     programs in flight, a smaller state tile in registers)."""
@@ -258,17 +272,19 @@ class ChunkRecurrence(torch.autograd.Function):
             prepare_kernel[(p.n_chunks, p.H)](
                 k, w, dummy if beta is None else beta, v, dummy if G is None else G,
                 Tinv, P, X, cu_seqlens, table, p.T, p.NT, BKP=p.BK if p.gate == 2 else min(p.BK, 64), SC=p.SC, MODE=p.mode, GATE=p.gate,
-                HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=p.warps, num_stages=_STAGES, **_common(p),
+                HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=int(_PREPARE_WARPS or p.warps), num_stages=_STAGES,
+                **_common(p),
             )
         h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=dev, dtype=p.op)
         final = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if output_final_state else None
-        state_forward_kernel[(triton.cdiv(p.V, p.BVS), p.n_seq * p.H)](
+        bvf = _state_forward_bv(p)
+        state_forward_kernel[(triton.cdiv(p.V, bvf), p.n_seq * p.H)](
             k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
             dummy if P is None else P, dummy if X is None else X, dummy if Y is None else Y,
             h_all, dummy if initial_state is None else initial_state.contiguous(), dummy if final is None else final,
             cu_seqlens, offsets, p.T, p.NT, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta,
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen, num_warps=p.state_warps, num_stages=_state_stages(p),
-            **_common(p, state=True),
+            **{**_common(p, state=True), "BV": bvf},
         )
         o = torch.empty(p.B, p.T, p.H, p.V, device=dev, dtype=v.dtype)
         # value columns per program: one V block without a gate (its scores are one cheap

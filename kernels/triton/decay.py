@@ -157,6 +157,17 @@ def _step_decay(p_g, s_from, s_to, n_sub, stride_g, offs_k, SC: tl.constexpr, NH
 
 
 @triton.jit
+def _exact_sub_chunk(p_g, s, pos_a, valid_a, pos_b, valid_b, n_sub, stride_g, offs_k,
+                     SC: tl.constexpr, NH: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr):
+    """The exact path's sub-chunk `s`: `(ref, in_s, before)`, the gate at its first position,
+    its rows `a`, and the rows `b` before it (none when it is empty: it has no ref)."""
+    ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
+    in_s = ((pos_a // SC) == s) & valid_a
+    before = (pos_b < s * SC) & valid_b & (s * SC < n_sub)
+    return ref, in_s, before
+
+
+@triton.jit
 def scores(
     xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b,
     p_xb, stride_xb, p_g, stride_g, n_sub,
@@ -193,9 +204,8 @@ def scores(
             # pairs before sub-chunk s: factorized around its start; pairs inside one
             # sub-chunk: element by element, one partner column at a time
             for s in tl.static_range(0, BT // SC):
-                ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
-                in_s = ((pos_a // SC) == s) & valid_a
-                before = (pos_b < s * SC) & valid_b & (s * SC < n_sub)  # an empty sub-chunk has no ref
+                ref, in_s, before = _exact_sub_chunk(p_g, s, pos_a, valid_a, pos_b, valid_b, n_sub, stride_g, offs_k,
+                                                     SC, NH, K, ACC)
                 xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
                 xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
                 out += mm(xa_s, tl.trans(xb_s), OP, PREC, ACC)
@@ -243,9 +253,8 @@ def apply_left(
                                         float("-inf")))
         else:
             for s in tl.static_range(0, BT // SC):
-                ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
-                in_s = ((pos_a // SC) == s) & valid_a
-                before = (pos_b < s * SC) & valid_b & (s * SC < n_sub)  # an empty sub-chunk has no ref
+                ref, in_s, before = _exact_sub_chunk(p_g, s, pos_a, valid_a, pos_b, valid_b, n_sub, stride_g, offs_k,
+                                                     SC, NH, K, ACC)
                 m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
                 xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
                 part = mm(m_s, xb_s, OP, PREC, ACC)
@@ -296,9 +305,8 @@ def apply_right(
             out = out * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
         else:
             for s in tl.static_range(0, BT // SC):
-                ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
-                in_s = ((pos_a // SC) == s) & valid_a
-                before = (pos_b < s * SC) & valid_b & (s * SC < n_sub)  # an empty sub-chunk has no ref
+                ref, in_s, before = _exact_sub_chunk(p_g, s, pos_a, valid_a, pos_b, valid_b, n_sub, stride_g, offs_k,
+                                                     SC, NH, K, ACC)
                 m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
                 xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
                 part = mm(tl.trans(m_s), xa_s, OP, PREC, ACC)

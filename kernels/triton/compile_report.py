@@ -1,7 +1,9 @@
 """Compile every kernel specialization for Hopper (sm_90) on a machine without a GPU.
 
 Runs the backend's forward and backward on CPU tensors with each launch replaced by an
-offline `triton.compile` for `cuda:90`, then reads registers, spills and shared memory
+offline `triton.compile` for `cuda:90`, specialized as the GPU launcher does (pointers and
+integers divisible by 16 marked so: without it every load compiles to 2-byte scalar loads,
+which doubles a half-precision tile's registers and misreports spills), then reads registers, spills and shared memory
 off the cubin (`cuobjdump`, shipped with Triton). GPU compile errors (shapes the
 interpreter accepts but the compiler rejects) and register spills show up here, before
 any device time is spent. Usage:
@@ -59,7 +61,7 @@ class _OfflineLauncher:
         values = dict(zip(names, args))
         values.update(kwargs)
         options = {k: values.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in values}
-        signature, constexprs = {}, {}
+        signature, constexprs, attrs = {}, {}, {}
         for i, name in enumerate(names):
             val = values.get(name)
             param = fn.params[i]
@@ -68,15 +70,19 @@ class _OfflineLauncher:
                 constexprs[name] = val
             elif isinstance(val, torch.Tensor):
                 signature[name] = "*" + _TYPES[val.dtype]
+                if val.data_ptr() % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
             elif isinstance(val, bool):
                 signature[name] = "i1"
             elif isinstance(val, int):
                 signature[name] = "i32"
+                if val % 16 == 0 and not param.do_not_specialize:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
             elif isinstance(val, float):
                 signature[name] = "fp32"
             else:
                 raise TypeError(f"{fn.__name__}: cannot type argument {name}={val!r}")
-        src = ASTSource(fn, signature, constexprs)
+        src = ASTSource(fn, signature, constexprs, attrs)
         compiled = triton.compile(src, target=TARGET, options=options)
         usage = _resource_usage(compiled.asm["cubin"])
         usage["SHARED"] = compiled.metadata.shared  # dynamic shared memory, what the launch asks for
@@ -85,6 +91,7 @@ class _OfflineLauncher:
         if os.environ.get("ARCHSPEC_DUMP"):
             Path(os.environ["ARCHSPEC_DUMP"]).mkdir(parents=True, exist_ok=True)
             (Path(os.environ["ARCHSPEC_DUMP"]) / f"{fn.__name__}.ptx").write_text(ptx)
+            (Path(os.environ["ARCHSPEC_DUMP"]) / f"{fn.__name__}.ttgir").write_text(compiled.asm.get("ttgir", ""))
             (Path(os.environ["ARCHSPEC_DUMP"]) / f"{fn.__name__}.sass").write_text(_sass(compiled.asm["cubin"]))
         flags = {k: (v if not hasattr(v, "name") else v.name) for k, v in constexprs.items() if v is not None}
         REPORT.append({"kernel": fn.__name__, **usage, "flags": flags})

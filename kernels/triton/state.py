@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .chunks import sequence_of_program
-from .decay import decay_rows, load_gate, load_rows, mm, store_rows
+from .decay import load_gate, load_rows, mm, store_rows
 
 
 @triton.jit
@@ -48,6 +48,39 @@ def _decay_state(h, g_last, GATE: tl.constexpr):
         return h * tl.exp(g_last)
     else:
         return h
+
+
+# A scalar gate's decay `exp(G)` of a row is one number, so it may scale either factor of a
+# product over that row: the state passes put it on the `[BT, BV]` value side, which lets
+# the `[BT, K]` key-side rows go from memory to the tensor cores in their own dtype (no
+# float32 copy of a [64, 128] tile: fewer registers and no conversions in the sequential
+# loop, as fla's `fwd_h` does). A channel gate decays each key column apart, so it stays on
+# the key side, whose rows are then loaded in the accumulator's dtype.
+@triton.jit
+def load_keys(p, rows, ok, stride, offs_k, K: tl.constexpr, GATE: tl.constexpr, OP: tl.constexpr, ACC: tl.constexpr):
+    """Key-side rows `[R, BK]` in the dot operands' dtype, or the accumulator's for a channel gate."""
+    if GATE == 2:
+        return load_rows(p, rows, ok, stride, offs_k, K, ACC)
+    else:
+        return load_rows(p, rows, ok, stride, offs_k, K, OP)
+
+
+@triton.jit
+def key_decay(x, gamma, GATE: tl.constexpr):
+    """`x * exp(gamma)` for a channel gate's `[R, BK]` rows; unchanged otherwise."""
+    if GATE == 2:
+        return x * tl.exp(gamma)
+    else:
+        return x
+
+
+@triton.jit
+def value_decay(x, gamma, GATE: tl.constexpr):
+    """`x * exp(gamma)[:, None]` for a scalar gate's `[R, BV]` rows; unchanged otherwise."""
+    if GATE == 1:
+        return x * tl.exp(gamma)[:, None]
+    else:
+        return x
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -81,22 +114,21 @@ def state_forward_kernel(
         row_v = tok0 * NH * H * V + i_h * V
         p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
         g_last, to_end = end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE, NH, K, ACC)
-        h_next = _decay_state(h, g_last, GATE)
-        if MODE != 0:
-            pp = load_rows(P + row_k, i_sub, valid, H * K, offs_k, K, ACC)
+        if MODE != 0:  # the erase read-outs first: after them the old state is dead (registers)
+            pp = load_rows(P + row_k, i_sub, valid, H * K, offs_k, K, OP)
             y = load_rows(X + row_v, i_sub, valid, H * V, offs_v, V, ACC)
             y -= mm(pp, h, OP, PREC, ACC)
             store_rows(Y + row_v, y, i_sub, valid, H * V, offs_v, V)
-            ee = load_rows((w if MODE == 1 else e) + row_k, i_sub, valid, H * K, offs_k, K, ACC)
-            ee = decay_rows(ee, to_end, GATE)
-            h_next += mm(tl.trans(ee), y, OP, PREC, ACC)
+        h = _decay_state(h, g_last, GATE)
+        if MODE != 0:
+            ee = load_keys((w if MODE == 1 else e) + row_k, i_sub, valid, H * K, offs_k, K, GATE, OP, ACC)
+            h += mm(tl.trans(key_decay(ee, to_end, GATE)), value_decay(y, to_end, GATE), OP, PREC, ACC)
         if MODE != 1:
-            ww = decay_rows(load_rows(w + row_k, i_sub, valid, H * K, offs_k, K, ACC), to_end, GATE)
+            ww = load_keys(w + row_k, i_sub, valid, H * K, offs_k, K, GATE, OP, ACC)
             u = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)
             if HAS_BETA:
                 u *= tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)[:, None]
-            h_next += mm(tl.trans(ww), u, OP, PREC, ACC)
-        h = h_next
+            h += mm(tl.trans(key_decay(ww, to_end, GATE)), value_decay(u, to_end, GATE), OP, PREC, ACC)
     if STORE_HT:
         tl.store(ht + (n * H + i_h) * K * V + state_offs, h.to(ht.dtype.element_ty), mask=state_mask)
 
@@ -137,22 +169,22 @@ def state_backward_kernel(
         p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
         g_last, to_end = end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE, NH, K, ACC)
 
-        qq = load_rows(q + tok0 * H * K + i_h * K, i_q, valid_q, H * K, offs_k, K, ACC)
-        qq = decay_rows(qq, load_gate(p_g, i_q, valid_q, stride_g, offs_k, GATE, K, ACC), GATE) * scale
-        d_o = load_rows(do + tok0 * H * V + i_h * V, i_q, valid_q, H * V, offs_v, V, ACC)
-        dh_prev = _decay_state(dh, g_last, GATE) + mm(tl.trans(qq), d_o, OP, PREC, ACC)
+        qq = load_keys(q + tok0 * H * K + i_h * K, i_q, valid_q, H * K, offs_k, K, GATE, OP, ACC)
+        g_q = load_gate(p_g, i_q, valid_q, stride_g, offs_k, GATE, K, ACC)
+        d_o = load_rows(do + tok0 * H * V + i_h * V, i_q, valid_q, H * V, offs_v, V, ACC) * scale
+        dh_prev = _decay_state(dh, g_last, GATE) + mm(tl.trans(key_decay(qq, g_q, GATE)), value_decay(d_o, g_q, GATE),
+                                                      OP, PREC, ACC)
         if MODE != 0:
-            ee = load_rows((w if MODE == 1 else e) + row_k, i_sub, valid, H * K, offs_k, K, ACC)
-            ee = decay_rows(ee, to_end, GATE)
+            ee = load_keys((w if MODE == 1 else e) + row_k, i_sub, valid, H * K, offs_k, K, GATE, OP, ACC)
             dy = load_rows(dY + row_v, i_sub, valid, H * V, offs_v, V, ACC)
-            dy += mm(ee, dh, OP, PREC, ACC)
+            dy += value_decay(mm(key_decay(ee, to_end, GATE), dh, OP, PREC, ACC), to_end, GATE)
             store_rows(dY + row_v, dy, i_sub, valid, H * V, offs_v, V)
-            pp = load_rows(P + row_k, i_sub, valid, H * K, offs_k, K, ACC)
+            pp = load_rows(P + row_k, i_sub, valid, H * K, offs_k, K, OP)
             dh_prev -= mm(tl.trans(pp), dy, OP, PREC, ACC)
         if MODE != 1:
-            ww = decay_rows(load_rows(w + row_k, i_sub, valid, H * K, offs_k, K, ACC), to_end, GATE)
+            ww = load_keys(w + row_k, i_sub, valid, H * K, offs_k, K, GATE, OP, ACC)
             du = load_rows(dU + row_v, i_sub, valid, H * V, offs_v, V, ACC)
-            du += mm(ww, dh, OP, PREC, ACC)
+            du += value_decay(mm(key_decay(ww, to_end, GATE), dh, OP, PREC, ACC), to_end, GATE)
             store_rows(dU + row_v, du, i_sub, valid, H * V, offs_v, V)
         dh = dh_prev
     if STORE_DH0:

@@ -65,6 +65,7 @@ class PlanSpec:
     n_h: int = 1
     osdn: str = ""  # "" | "osdn" | "apf": OSDN write keys (phase 1 included in the timing)
     beta_scale: float = 1.0  # 2.0: beta (or the rwkv7 erase rate) in [0, 2]
+    gate_scale: float = 1.0  # the log-gates times this: 40 decays a 64-token chunk by ~e^-90 (decay.py's slower paths)
     fla: str = ""  # the flash-linear-attention peer, if it has this recurrence
     baseline: str = ""  # the plan this one is compared with in the targets
 
@@ -98,6 +99,11 @@ EXTRA_PLANS = [
     PlanSpec("kda-4", gate="channel", n_h=4),
     PlanSpec("gated-deltaproduct-8-beta2", gate="scalar", n_h=8, beta_scale=2.0),
     PlanSpec("rwkv7-8", "rwkv7", "channel", n_h=8),
+    # channel gates of about -1.4 per token (outliers -12): chunks decay by more than
+    # decay.py's bound (per sub-chunk, or even per sub-chunk, exact loop), where the
+    # mild gates above take its one-product path everywhere
+    PlanSpec("kda-fast-decay", gate="channel", gate_scale=40.0),
+    PlanSpec("rwkv7-fast-decay", "rwkv7", "channel", gate_scale=40.0),
 ]
 ALL_PLANS = PLANS + EXTRA_PLANS
 
@@ -120,9 +126,9 @@ def make_inputs(plan: PlanSpec, B: int, T: int, H: int, K: int, V: int, dtype: t
 
     x: dict = {"q": F.normalize(rand(B, T, H, K), dim=-1), "k": F.normalize(rand(B, TN, H, K), dim=-1), "v": rand(B, TN, H, V)}
     if plan.gate == "scalar":
-        x["g"] = F.logsigmoid(rand(B, T, H) + 4.0)
+        x["g"] = plan.gate_scale * F.logsigmoid(rand(B, T, H) + 4.0)
     elif plan.gate == "channel":
-        x["g"] = F.logsigmoid(rand(B, T, H, K) + 4.0)
+        x["g"] = plan.gate_scale * F.logsigmoid(rand(B, T, H, K) + 4.0)
     if plan.transition == "householder":
         x["beta"] = plan.beta_scale * torch.sigmoid(rand(B, TN, H))
     if plan.transition == "rwkv7":

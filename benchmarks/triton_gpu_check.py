@@ -49,7 +49,8 @@ TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}  # relative Frobenius
 DIMS = {"H": 16, "K": 128}  # heads and head dim (K = V); --smoke shrinks them
 # Every MODE x GATE combination, n_h = 1, 2, 3, beta in [0, 2], untied and OSDN write keys.
 CHECK_PLANS = ["linear-attention", "gla-scalar", "gla-channel", "deltanet", "gdn", "deltaproduct-2-beta2",
-               "gated-deltaproduct-3", "kda", "kda-2", "rwkv7", "rwkv7-scalar-2", "osdn-apf-gdn"]
+               "gated-deltaproduct-3", "kda", "kda-2", "rwkv7", "rwkv7-scalar-2", "osdn-apf-gdn",
+               "kda-fast-decay", "rwkv7-fast-decay"]
 NAIVE_PLANS = ["deltanet", "gated-deltaproduct-3", "kda", "rwkv7"]  # also against the token loop at T=512
 # --gaps: packed batches on every gate and transition kind (and OSDN's packed scan) ...
 PACKED_PLANS = ["gated-deltaproduct-2", "kda", "rwkv7", "gla-channel", "osdn-apf-gdn"]

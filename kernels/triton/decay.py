@@ -27,6 +27,15 @@ evaluated element by element as `exp(Ga - Gb)` with the exponent masked to the c
 pairs. Nothing ever evaluates `exp` of a positive number, whatever the gates, so the
 channel path is exact for every `g <= 0` (at `SC * K` extra exponentials per row).
 
+The fastest way, taken when the chunk as a whole decays by at most a bound in every
+channel (`-G_b <= bound` for every row at hand: `_chunk_within_bound`), is the usual
+factorization itself, around the chunk's start: `exp(Ga - Gb) = exp(Ga) exp(-Gb)`, one
+tensor-core product per decayed product, where `exp(-Gb) <= e^bound` cannot overflow and
+each factor keeps its relative precision (every term of the sum is then rounded as in a
+plain product). Slow gates (under 40/64 = 0.6 nats per token on average; the benchmark's
+`logsigmoid(x + 4)` decays a 64-token chunk by a few nats) take it. Otherwise (decided per
+program, so one launch mixes the three) the sub-chunk forms below apply.
+
 The element-by-element part is a dependent loop of `SC` gathers and `[R, K]` exponentials
 per product, which made the channel-gate kernels several times slower than the rest on
 the H200 (KDA's read-out 0.85 ms against DeltaNet's 0.23). So when a sub-chunk decays by
@@ -139,11 +148,30 @@ def _sub_refs(p_g, pos, valid, stride_g, offs_k, SC: tl.constexpr, NH: tl.conste
 
 
 @triton.jit
+def _bound(OP: tl.constexpr):
+    return min(8.0, DECAY_BOUND) if OP == tl.float16 else DECAY_BOUND
+
+
+@triton.jit
+def _chunk_within_bound(gb, valid_b, OP: tl.constexpr):
+    """Whether the whole chunk may be factorized around its start (module docstring):
+    `-G_b <= bound` for every valid row `b` (the cumulative gate only falls, so its last
+    row decides)."""
+    return tl.max(tl.max(tl.where(valid_b[:, None], -gb, 0.0), 1), 0) <= _bound(OP)
+
+
+@triton.jit
+def _start_decay(x, g, valid):
+    """`x * exp(g)`: rows decayed from the chunk's start (`g <= 0`; `-g` for the other factor)."""
+    return x * tl.exp(tl.where(valid[:, None], g, float("-inf")))
+
+
+@triton.jit
 def _within_bound(ref_b, gb, valid_b, OP: tl.constexpr):
     """Whether every sub-chunk may be factorized around its first position (module
     docstring): `G_first(s) - G_b <= bound` for every valid row `b`."""
     spread = tl.max(tl.max(tl.where(valid_b[:, None], ref_b - gb, 0.0), 1), 0)
-    return spread <= (min(8.0, DECAY_BOUND) if OP == tl.float16 else DECAY_BOUND)
+    return spread <= _bound(OP)
 
 
 @triton.jit
@@ -187,7 +215,9 @@ def scores(
         cols = tl.arange(0, BT)
         ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
         out = tl.zeros([xa.shape[0], BT], dtype=ACC)
-        if _within_bound(ref_b, gb, valid_b, OP):
+        if _chunk_within_bound(gb, valid_b, OP):  # exp(Ga - Gb) = exp(Ga) exp(-Gb): one product
+            out = mm(_start_decay(xa, ga, valid_a), tl.trans(_start_decay(xb, -gb, valid_b)), OP, PREC, ACC)
+        elif _within_bound(ref_b, gb, valid_b, OP):
             # exp(Ga - Gb) = exp(Ga - ref(a)) exp(ref(a) - ref(b)) exp(ref(b) - Gb): each row
             # decayed once to its sub-chunk's start, and the middle factor (per sub-chunk
             # pair and channel) applied to the rows b as a running product over sub-chunks
@@ -241,7 +271,9 @@ def apply_left(
         cols = tl.arange(0, BT)
         ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
         out = tl.zeros([m.shape[0], BK], dtype=ACC)
-        if _within_bound(ref_b, gb, valid_b, OP):  # as in `scores`
+        if _chunk_within_bound(gb, valid_b, OP):  # as in `scores`
+            out = _start_decay(mm(m, _start_decay(xb, -gb, valid_b), OP, PREC, ACC), ga, valid_a)
+        elif _within_bound(ref_b, gb, valid_b, OP):  # as in `scores`
             fb = xb * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
             carry = tl.zeros([BT, BK], dtype=ACC)
             for s in tl.static_range(0, BT // SC):
@@ -292,7 +324,9 @@ def apply_right(
         rows_a = tl.arange(0, m.shape[0])
         ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
         out = tl.zeros([BT, BK], dtype=ACC)
-        if _within_bound(ref_b, gb, valid_b, OP):  # as in `scores`, the running product backwards in time
+        if _chunk_within_bound(gb, valid_b, OP):  # as in `scores`
+            out = _start_decay(mm(tl.trans(m), _start_decay(xa, ga, valid_a), OP, PREC, ACC), -gb, valid_b)
+        elif _within_bound(ref_b, gb, valid_b, OP):  # as in `scores`, the running product backwards in time
             fa = xa * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, stride_g, offs_k, SC, NH, K, ACC),
                                       float("-inf")))
             carry = tl.zeros([m.shape[0], BK], dtype=ACC)  # rows a of sub-chunks >= t, decayed to t's start

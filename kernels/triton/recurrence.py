@@ -110,9 +110,14 @@ def _output_warps(p: Plan) -> int:
     return int(_OUTPUT_WARPS) if _OUTPUT_WARPS else 4 if p.gate != 2 else p.warps
 
 
-# warps of `prepare_kernel` alone (default: the chunk kernels'; not yet timed at 4, where
-# offline two programs share an SM: 255 registers and 32 B of stack, against 188 with 8)
+# warps of `prepare_kernel` alone: 4 for the householder plans, where on the H200 (session
+# 5, call 1) DeltaNet's took 0.110 ms with 8 and 0.098 with 4, Gated DeltaNet's 0.112 and
+# 0.100; RWKV-7's keeps 8 (at 4 it spills 544 B offline, Triton 3.6)
 _PREPARE_WARPS = os.environ.get("ARCHSPEC_TRITON_PREPARE_WARPS")
+
+
+def _prepare_warps(p: Plan) -> int:
+    return int(_PREPARE_WARPS) if _PREPARE_WARPS else 4 if p.mode == 1 else p.warps
 
 
 # warps of `inverse_kernel` (the UT transform's latency-bound inverse): few, so that
@@ -272,7 +277,7 @@ class ChunkRecurrence(torch.autograd.Function):
             prepare_kernel[(p.n_chunks, p.H)](
                 k, w, dummy if beta is None else beta, v, dummy if G is None else G,
                 Tinv, P, X, cu_seqlens, table, p.T, p.NT, BKP=p.BK if p.gate == 2 else min(p.BK, 64), SC=p.SC, MODE=p.mode, GATE=p.gate,
-                HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=int(_PREPARE_WARPS or p.warps), num_stages=_STAGES,
+                HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=_prepare_warps(p), num_stages=_STAGES,
                 **_common(p),
             )
         h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=dev, dtype=p.op)

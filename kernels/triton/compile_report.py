@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 _TYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16",
-          torch.int32: "i32", torch.int64: "i64"}
+          torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232448  # bytes of shared memory a block may take on an H100/H200
 REPORT: list[dict] = []

@@ -148,7 +148,8 @@ def _sub_refs(p_g, pos, valid, stride_g, offs_k, SC: tl.constexpr, NH: tl.conste
 
 
 @triton.jit
-def _bound(OP: tl.constexpr):
+def decay_bound(OP: tl.constexpr):
+    """The most a factor may grow: `e^bound` (float16 operands: e^8, their max is 65504)."""
     return min(8.0, DECAY_BOUND) if OP == tl.float16 else DECAY_BOUND
 
 
@@ -157,7 +158,7 @@ def _chunk_within_bound(gb, valid_b, OP: tl.constexpr):
     """Whether the whole chunk may be factorized around its start (module docstring):
     `-G_b <= bound` for every valid row `b` (the cumulative gate only falls, so its last
     row decides)."""
-    return tl.max(tl.max(tl.where(valid_b[:, None], -gb, 0.0), 1), 0) <= _bound(OP)
+    return tl.max(tl.max(tl.where(valid_b[:, None], -gb, 0.0), 1), 0) <= decay_bound(OP)
 
 
 @triton.jit
@@ -171,7 +172,7 @@ def _within_bound(ref_b, gb, valid_b, OP: tl.constexpr):
     """Whether every sub-chunk may be factorized around its first position (module
     docstring): `G_first(s) - G_b <= bound` for every valid row `b`."""
     spread = tl.max(tl.max(tl.where(valid_b[:, None], ref_b - gb, 0.0), 1), 0)
-    return spread <= _bound(OP)
+    return spread <= decay_bound(OP)
 
 
 @triton.jit
@@ -211,45 +212,58 @@ def scores(
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(xa, tl.trans(xb), OP, PREC, ACC) * decay
     else:
-        offs_k = k0 + tl.arange(0, BK)
-        cols = tl.arange(0, BT)
-        ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
-        out = tl.zeros([xa.shape[0], BT], dtype=ACC)
         if _chunk_within_bound(gb, valid_b, OP):  # exp(Ga - Gb) = exp(Ga) exp(-Gb): one product
             out = mm(_start_decay(xa, ga, valid_a), tl.trans(_start_decay(xb, -gb, valid_b)), OP, PREC, ACC)
-        elif _within_bound(ref_b, gb, valid_b, OP):
-            # exp(Ga - Gb) = exp(Ga - ref(a)) exp(ref(a) - ref(b)) exp(ref(b) - Gb): each row
-            # decayed once to its sub-chunk's start, and the middle factor (per sub-chunk
-            # pair and channel) applied to the rows b as a running product over sub-chunks
-            fa = xa * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, stride_g, offs_k, SC, NH, K, ACC),
-                                      float("-inf")))
-            fb = xb * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
-            carry = tl.zeros([BT, BK], dtype=ACC)  # rows b of sub-chunks <= s, decayed to s's start
-            for s in tl.static_range(0, BT // SC):
-                if s > 0:
-                    carry = carry * _step_decay(p_g, s - 1, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)[None, :]
-                carry = tl.where(((pos_b // SC) == s)[:, None], fb, carry)
-                out += tl.where(((pos_a // SC) == s)[:, None], mm(fa, tl.trans(carry), OP, PREC, ACC), 0.0)
         else:
-            # pairs before sub-chunk s: factorized around its start; pairs inside one
-            # sub-chunk: element by element, one partner column at a time
-            for s in tl.static_range(0, BT // SC):
-                ref, in_s, before = _exact_sub_chunk(p_g, s, pos_a, valid_a, pos_b, valid_b, n_sub, stride_g, offs_k,
-                                                     SC, NH, K, ACC)
-                xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
-                xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
-                out += mm(xa_s, tl.trans(xb_s), OP, PREC, ACC)
-            for jj in range(SC):
-                b_of_a = (pos_a // SC) * SC + jj
-                if STRICT:
-                    ok = (b_of_a < pos_a) & valid_a & (b_of_a < n_sub)
-                else:
-                    ok = (b_of_a <= pos_a) & valid_a & (b_of_a < n_sub)
-                xb_j = load_rows(p_xb, b_of_a, ok, stride_xb, offs_k, K, ACC)
-                gb_j = load_rows(p_g, b_of_a // NH, ok, stride_g, offs_k, K, ACC)
-                val = tl.sum(xa * xb_j * tl.exp(tl.where(ok[:, None], ga - gb_j, float("-inf"))), 1)
-                out += tl.where(cols[None, :] == b_of_a[:, None], val[:, None], 0.0)
+            out = _sub_chunk_scores(xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_xb, stride_xb, p_g, stride_g, n_sub,
+                                    STRICT, NH, BT, SC, K, BK, ACC, OP, PREC, k0)
         return tl.where(mask, out, 0.0)
+
+
+@triton.jit
+def _sub_chunk_scores(
+    xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_xb, stride_xb, p_g, stride_g, n_sub,
+    STRICT: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0,
+):
+    """`scores` of a chunk that decays by more than the bound: per sub-chunk (unmasked)."""
+    offs_k = k0 + tl.arange(0, BK)
+    cols = tl.arange(0, BT)
+    ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
+    out = tl.zeros([xa.shape[0], BT], dtype=ACC)
+    if _within_bound(ref_b, gb, valid_b, OP):
+        # exp(Ga - Gb) = exp(Ga - ref(a)) exp(ref(a) - ref(b)) exp(ref(b) - Gb): each row
+        # decayed once to its sub-chunk's start, and the middle factor (per sub-chunk
+        # pair and channel) applied to the rows b as a running product over sub-chunks
+        fa = xa * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, stride_g, offs_k, SC, NH, K, ACC),
+                                  float("-inf")))
+        fb = xb * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
+        carry = tl.zeros([BT, BK], dtype=ACC)  # rows b of sub-chunks <= s, decayed to s's start
+        for s in tl.static_range(0, BT // SC):
+            if s > 0:
+                carry = carry * _step_decay(p_g, s - 1, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)[None, :]
+            carry = tl.where(((pos_b // SC) == s)[:, None], fb, carry)
+            out += tl.where(((pos_a // SC) == s)[:, None], mm(fa, tl.trans(carry), OP, PREC, ACC), 0.0)
+    else:
+        # pairs before sub-chunk s: factorized around its start; pairs inside one
+        # sub-chunk: element by element, one partner column at a time
+        for s in tl.static_range(0, BT // SC):
+            ref, in_s, before = _exact_sub_chunk(p_g, s, pos_a, valid_a, pos_b, valid_b, n_sub, stride_g, offs_k,
+                                                 SC, NH, K, ACC)
+            xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
+            xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
+            out += mm(xa_s, tl.trans(xb_s), OP, PREC, ACC)
+        for jj in range(SC):
+            b_of_a = (pos_a // SC) * SC + jj
+            if STRICT:
+                ok = (b_of_a < pos_a) & valid_a & (b_of_a < n_sub)
+            else:
+                ok = (b_of_a <= pos_a) & valid_a & (b_of_a < n_sub)
+            xb_j = load_rows(p_xb, b_of_a, ok, stride_xb, offs_k, K, ACC)
+            gb_j = load_rows(p_g, b_of_a // NH, ok, stride_g, offs_k, K, ACC)
+            val = tl.sum(xa * xb_j * tl.exp(tl.where(ok[:, None], ga - gb_j, float("-inf"))), 1)
+            out += tl.where(cols[None, :] == b_of_a[:, None], val[:, None], 0.0)
+    return out
 
 
 @triton.jit
@@ -266,39 +280,52 @@ def apply_left(
         mask = causal_mask(pos_a, valid_a, pos_b, valid_b, False)
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(m * decay, xb, OP, PREC, ACC)
-    else:
-        offs_k = k0 + tl.arange(0, BK)
-        cols = tl.arange(0, BT)
-        ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
-        out = tl.zeros([m.shape[0], BK], dtype=ACC)
-        if _chunk_within_bound(gb, valid_b, OP):  # as in `scores`
+    else:  # as in `scores` (one assignment per branch: Triton returns once, after a runtime branch)
+        if _chunk_within_bound(gb, valid_b, OP):
             out = _start_decay(mm(m, _start_decay(xb, -gb, valid_b), OP, PREC, ACC), ga, valid_a)
-        elif _within_bound(ref_b, gb, valid_b, OP):  # as in `scores`
-            fb = xb * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
-            carry = tl.zeros([BT, BK], dtype=ACC)
-            for s in tl.static_range(0, BT // SC):
-                if s > 0:
-                    carry = carry * _step_decay(p_g, s - 1, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)[None, :]
-                carry = tl.where(((pos_b // SC) == s)[:, None], fb, carry)
-                out += tl.where(((pos_a // SC) == s)[:, None], mm(m, carry, OP, PREC, ACC), 0.0)
-            out = out * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, stride_g, offs_k, SC, NH, K, ACC),
-                                        float("-inf")))
         else:
-            for s in tl.static_range(0, BT // SC):
-                ref, in_s, before = _exact_sub_chunk(p_g, s, pos_a, valid_a, pos_b, valid_b, n_sub, stride_g, offs_k,
-                                                     SC, NH, K, ACC)
-                m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
-                xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
-                part = mm(m_s, xb_s, OP, PREC, ACC)
-                out += part * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
-            for jj in range(SC):
-                b_of_a = (pos_a // SC) * SC + jj
-                ok = (b_of_a <= pos_a) & valid_a & (b_of_a < n_sub)
-                m_col = tl.sum(tl.where(cols[None, :] == b_of_a[:, None], m, 0.0), 1)
-                xb_j = load_rows(p_xb, b_of_a, ok, stride_xb, offs_k, K, ACC)
-                gb_j = load_rows(p_g, b_of_a // NH, ok, stride_g, offs_k, K, ACC)
-                out += m_col[:, None] * xb_j * tl.exp(tl.where(ok[:, None], ga - gb_j, float("-inf")))
+            out = _sub_chunk_left(m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b, p_xb, stride_xb, p_g, stride_g, n_sub,
+                                  NH, BT, SC, K, BK, ACC, OP, PREC, k0)
         return out
+
+
+@triton.jit
+def _sub_chunk_left(
+    m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b, p_xb, stride_xb, p_g, stride_g, n_sub,
+    NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0,
+):
+    """`apply_left` of a chunk that decays by more than the bound: per sub-chunk."""
+    offs_k = k0 + tl.arange(0, BK)
+    cols = tl.arange(0, BT)
+    ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
+    out = tl.zeros([m.shape[0], BK], dtype=ACC)
+    if _within_bound(ref_b, gb, valid_b, OP):  # as in `scores`
+        fb = xb * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
+        carry = tl.zeros([BT, BK], dtype=ACC)
+        for s in tl.static_range(0, BT // SC):
+            if s > 0:
+                carry = carry * _step_decay(p_g, s - 1, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)[None, :]
+            carry = tl.where(((pos_b // SC) == s)[:, None], fb, carry)
+            out += tl.where(((pos_a // SC) == s)[:, None], mm(m, carry, OP, PREC, ACC), 0.0)
+        out = out * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, stride_g, offs_k, SC, NH, K, ACC),
+                                    float("-inf")))
+    else:
+        for s in tl.static_range(0, BT // SC):
+            ref, in_s, before = _exact_sub_chunk(p_g, s, pos_a, valid_a, pos_b, valid_b, n_sub, stride_g, offs_k,
+                                                 SC, NH, K, ACC)
+            m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
+            xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
+            part = mm(m_s, xb_s, OP, PREC, ACC)
+            out += part * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
+        for jj in range(SC):
+            b_of_a = (pos_a // SC) * SC + jj
+            ok = (b_of_a <= pos_a) & valid_a & (b_of_a < n_sub)
+            m_col = tl.sum(tl.where(cols[None, :] == b_of_a[:, None], m, 0.0), 1)
+            xb_j = load_rows(p_xb, b_of_a, ok, stride_xb, offs_k, K, ACC)
+            gb_j = load_rows(p_g, b_of_a // NH, ok, stride_g, offs_k, K, ACC)
+            out += m_col[:, None] * xb_j * tl.exp(tl.where(ok[:, None], ga - gb_j, float("-inf")))
+    return out
 
 
 @triton.jit
@@ -319,39 +346,52 @@ def apply_right(
         mask = causal_mask(pos_a, valid_a, pos_b, valid_b, False)
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(tl.trans(m * decay), xa, OP, PREC, ACC)
-    else:
-        offs_k = k0 + tl.arange(0, BK)
-        rows_a = tl.arange(0, m.shape[0])
-        ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
-        out = tl.zeros([BT, BK], dtype=ACC)
-        if _chunk_within_bound(gb, valid_b, OP):  # as in `scores`
+    else:  # as in `scores`
+        if _chunk_within_bound(gb, valid_b, OP):
             out = _start_decay(mm(tl.trans(m), _start_decay(xa, ga, valid_a), OP, PREC, ACC), -gb, valid_b)
-        elif _within_bound(ref_b, gb, valid_b, OP):  # as in `scores`, the running product backwards in time
-            fa = xa * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, stride_g, offs_k, SC, NH, K, ACC),
-                                      float("-inf")))
-            carry = tl.zeros([m.shape[0], BK], dtype=ACC)  # rows a of sub-chunks >= t, decayed to t's start
-            for i in tl.static_range(0, BT // SC):
-                t = BT // SC - 1 - i
-                if i > 0:
-                    carry = carry * _step_decay(p_g, t, t + 1, n_sub, stride_g, offs_k, SC, NH, K, ACC)[None, :]
-                carry = tl.where(((pos_a // SC) == t)[:, None], fa, carry)
-                out += tl.where(((pos_b // SC) == t)[:, None], mm(tl.trans(m), carry, OP, PREC, ACC), 0.0)
-            out = out * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
         else:
-            for s in tl.static_range(0, BT // SC):
-                ref, in_s, before = _exact_sub_chunk(p_g, s, pos_a, valid_a, pos_b, valid_b, n_sub, stride_g, offs_k,
-                                                     SC, NH, K, ACC)
-                m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
-                xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
-                part = mm(tl.trans(m_s), xa_s, OP, PREC, ACC)
-                out += part * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
-            # inside a sub-chunk: for each row b, its partners a of the same sub-chunk, one at a time
-            for aa in range((SC + A_STEP - 1) // A_STEP):
-                a_of_b = ((pos_b // SC) * SC) // A_STEP + aa
-                pos_ab = a_of_b * A_STEP + A_STEP - 1
-                ok = (pos_ab >= pos_b) & (pos_ab // SC == pos_b // SC) & (a_of_b < n_a) & valid_b
-                m_col = tl.sum(tl.where(rows_a[:, None] == a_of_b[None, :], m, 0.0), 0)
-                xa_j = load_rows(p_xa, a_of_b, ok, stride_xa, offs_k, K, ACC)
-                ga_j = load_rows(p_g, (a_of_b * A_STEP) // NH, ok, stride_g, offs_k, K, ACC)
-                out += m_col[:, None] * xa_j * tl.exp(tl.where(ok[:, None], ga_j - gb, float("-inf")))
+            out = _sub_chunk_right(m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b, p_xa, stride_xa, p_g, stride_g, n_sub, n_a,
+                                   A_STEP, NH, BT, SC, K, BK, ACC, OP, PREC, k0)
         return out
+
+
+@triton.jit
+def _sub_chunk_right(
+    m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b, p_xa, stride_xa, p_g, stride_g, n_sub, n_a,
+    A_STEP: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0,
+):
+    """`apply_right` of a chunk that decays by more than the bound: per sub-chunk."""
+    offs_k = k0 + tl.arange(0, BK)
+    rows_a = tl.arange(0, m.shape[0])
+    ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
+    out = tl.zeros([BT, BK], dtype=ACC)
+    if _within_bound(ref_b, gb, valid_b, OP):  # as in `scores`, the running product backwards in time
+        fa = xa * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, stride_g, offs_k, SC, NH, K, ACC),
+                                  float("-inf")))
+        carry = tl.zeros([m.shape[0], BK], dtype=ACC)  # rows a of sub-chunks >= t, decayed to t's start
+        for i in tl.static_range(0, BT // SC):
+            t = BT // SC - 1 - i
+            if i > 0:
+                carry = carry * _step_decay(p_g, t, t + 1, n_sub, stride_g, offs_k, SC, NH, K, ACC)[None, :]
+            carry = tl.where(((pos_a // SC) == t)[:, None], fa, carry)
+            out += tl.where(((pos_b // SC) == t)[:, None], mm(tl.trans(m), carry, OP, PREC, ACC), 0.0)
+        out = out * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
+    else:
+        for s in tl.static_range(0, BT // SC):
+            ref, in_s, before = _exact_sub_chunk(p_g, s, pos_a, valid_a, pos_b, valid_b, n_sub, stride_g, offs_k,
+                                                 SC, NH, K, ACC)
+            m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
+            xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
+            part = mm(tl.trans(m_s), xa_s, OP, PREC, ACC)
+            out += part * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
+        # inside a sub-chunk: for each row b, its partners a of the same sub-chunk, one at a time
+        for aa in range((SC + A_STEP - 1) // A_STEP):
+            a_of_b = ((pos_b // SC) * SC) // A_STEP + aa
+            pos_ab = a_of_b * A_STEP + A_STEP - 1
+            ok = (pos_ab >= pos_b) & (pos_ab // SC == pos_b // SC) & (a_of_b < n_a) & valid_b
+            m_col = tl.sum(tl.where(rows_a[:, None] == a_of_b[None, :], m, 0.0), 0)
+            xa_j = load_rows(p_xa, a_of_b, ok, stride_xa, offs_k, K, ACC)
+            ga_j = load_rows(p_g, (a_of_b * A_STEP) // NH, ok, stride_g, offs_k, K, ACC)
+            out += m_col[:, None] * xa_j * tl.exp(tl.where(ok[:, None], ga_j - gb, float("-inf")))
+    return out

@@ -18,6 +18,7 @@ every input gradient (`backward.py`; a channel gate: two, `backward_channel.py`)
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -56,10 +57,11 @@ def _state_stages(p: Plan) -> int:
 # 64: Triton 3.6 on an H200 miscompiled the state backward with 32-wide V blocks and 8-warp
 # chunk kernels (compute-sanitizer: invalid shared-memory read in a wgmma); 64 ran clean.
 _STATE_BV = int(os.environ.get("ARCHSPEC_TRITON_STATE_BV", "64"))
-# The forward state pass's V block alone (default: `_STATE_BV`; the miscompile above was
-# the backward's). Not yet timed: with 32, B=4 H=16 V=128 gives 256 programs of 4 warps,
-# two per SM instead of one (offline, sm_90: 254 registers and no stack for DeltaNet,
-# against 255 and 456 B with 64), the shape fla's `fwd_h` (0.107 ms against our 0.173) runs.
+# The forward state pass's V block alone (the miscompile above was the backward's): 32
+# without a channel gate, i.e. 256 programs of 4 warps for B=4 H=16 V=128, two per SM. On
+# the H200 (session 5, call A, the state code of 1b77df0) DeltaNet's state_forward took
+# 0.152 ms with 64 and 0.139 with 32, Gated DeltaNet's 0.156 and 0.144; KDA's (session 5,
+# call 1, older code) 0.222 and 0.250, so a channel gate keeps `_STATE_BV`.
 _STATE_FORWARD_BV = os.environ.get("ARCHSPEC_TRITON_STATE_FORWARD_BV")
 _WARPS = tuple(int(x) for x in os.environ.get("ARCHSPEC_TRITON_WARPS", "8,4").split(","))
 # warps of the last backward kernels alone (default: the chunk-parallel kernels'); 16 with
@@ -110,14 +112,15 @@ def _output_warps(p: Plan) -> int:
     return int(_OUTPUT_WARPS) if _OUTPUT_WARPS else 4 if p.gate != 2 else p.warps
 
 
-# warps of `prepare_kernel` alone: 4 for the householder plans, where on the H200 (session
-# 5, call 1) DeltaNet's took 0.110 ms with 8 and 0.098 with 4, Gated DeltaNet's 0.112 and
-# 0.100; RWKV-7's keeps 8 (at 4 it spills 544 B offline, Triton 3.6)
+# warps of `prepare_kernel` alone: 4 for the householder plans without a channel gate,
+# where on the H200 (session 5, call 1) DeltaNet's took 0.110 ms with 8 and 0.098 with 4,
+# Gated DeltaNet's 0.112 and 0.100; KDA's (call A) 0.130 with 8 and 0.148 with 4; RWKV-7's
+# keeps 8 (at 4 it spills 544 B offline, Triton 3.6)
 _PREPARE_WARPS = os.environ.get("ARCHSPEC_TRITON_PREPARE_WARPS")
 
 
 def _prepare_warps(p: Plan) -> int:
-    return int(_PREPARE_WARPS) if _PREPARE_WARPS else 4 if p.mode == 1 else p.warps
+    return int(_PREPARE_WARPS) if _PREPARE_WARPS else 4 if (p.mode == 1 and p.gate != 2) else p.warps
 
 
 # warps of `inverse_kernel` (the UT transform's latency-bound inverse): few, so that
@@ -177,12 +180,12 @@ class Plan:
         return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}.get(self.op, tl.float64)
 
 
-def _operand_dtype(dtype: torch.dtype, acc: torch.dtype) -> torch.dtype:
+def _operand_dtype(dtype: torch.dtype, acc: torch.dtype, interpret: bool) -> torch.dtype:
     """Half inputs keep their dtype for dot operands (full-rate tensor cores); float32 and
     float64 keep theirs. Triton 3.7's interpreter computes bfloat16 dots wrongly (garbage
     magnitudes, seen on CPU), so under it bfloat16 operands are widened to float32; the
     GPU check (`benchmarks/triton_gpu_check.py`) runs the real bfloat16 path."""
-    if dtype == torch.float16 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"):
+    if dtype == torch.float16 or (dtype == torch.bfloat16 and not interpret):
         return dtype
     return acc
 
@@ -196,36 +199,54 @@ def _min_query_rows(dtype: torch.dtype) -> int:
     return 32 if dtype == torch.float32 else 16
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The next power of two >= n. Host code uses these, not `triton.cdiv` and
+    `triton.next_power_of_2`: those are `constexpr_function`s, about 3.5 us a call."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _plan(q, k, v, g, beta, erase, n_h, cu_seqlens, chunk_table_count, chunk_size) -> Plan:
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    return _plan_of(tuple(q.shape), v.shape[-1], q.dtype, 2 if erase is not None else 1 if beta is not None else 0,
+                    0 if g is None else 1 if g.dim() == 3 else 2, beta is not None, n_h, n_seq,
+                    None if cu_seqlens is None else chunk_table_count, chunk_size, os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_of(shape: tuple, V: int, dtype: torch.dtype, mode: int, gate: int, has_beta: bool, n_h: int, n_seq: int,
+             chunk_table_count: int | None, chunk_size: int | None, interpret: bool) -> Plan:
+    """The plan of a call, cached: a training step calls with the same shapes every time,
+    and building the plan is host time that can leave a short forward waiting on the CPU."""
+    B, T, H, K = shape
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"linear_recurrence(backend='triton'): head dims K={K}, V={V} exceed {MAX_HEAD_DIM}")
     BT = chunk_size or CHUNK_SIZE
     if n_h > BT:
         raise ValueError(f"linear_recurrence(backend='triton'): n_h={n_h} exceeds the chunk size {BT}")
     TC = BT // n_h
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    NT = triton.cdiv(T, TC)
-    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    NT = _cdiv(T, TC)
     return Plan(
-        B=B, T=T, H=H, K=K, V=V, n_h=n_h,
-        mode=2 if erase is not None else 1 if beta is not None else 0,
-        gate=0 if g is None else 1 if g.dim() == 3 else 2,
-        has_beta=beta is not None,
-        BT=BT, TC=TC, BQ=max(_min_query_rows(q.dtype), triton.next_power_of_2(TC)),
-        BK=max(16, triton.next_power_of_2(K)), BV=max(16, min(64 if q.dtype != torch.float32 else 32, triton.next_power_of_2(V))),
-        BVS=max(16, min(_STATE_BV, triton.next_power_of_2(V))),
+        B=B, T=T, H=H, K=K, V=V, n_h=n_h, mode=mode, gate=gate, has_beta=has_beta,
+        BT=BT, TC=TC, BQ=max(_min_query_rows(dtype), _pow2(TC)),
+        BK=max(16, _pow2(K)), BV=max(16, min(64 if dtype != torch.float32 else 32, _pow2(V))),
+        BVS=max(16, min(_STATE_BV, _pow2(V))),
         SC=min(SUB_CHUNK, BT), NT=NT, n_seq=n_seq,
-        n_chunks=B * NT if cu_seqlens is None else chunk_table_count,
-        acc=acc, prec={torch.float64: "ieee", torch.float32: "tf32x3"}.get(q.dtype, "tf32"),
+        n_chunks=B * NT if chunk_table_count is None else chunk_table_count,
+        acc=acc, prec={torch.float64: "ieee", torch.float32: "tf32x3"}.get(dtype, "tf32"),
         warps=_WARPS[0], state_warps=_WARPS[1],
-        op=_operand_dtype(q.dtype, acc),
+        op=_operand_dtype(dtype, acc, interpret),
     )
 
 
 def _state_forward_bv(p: Plan) -> int:
-    return max(16, min(int(_STATE_FORWARD_BV), triton.next_power_of_2(p.V))) if _STATE_FORWARD_BV else p.BVS
+    if _STATE_FORWARD_BV is None and p.gate == 2:
+        return p.BVS
+    return max(16, min(int(_STATE_FORWARD_BV or 32), _pow2(p.V)))
 
 
 def _common(p: Plan, state: bool = False) -> dict:
@@ -256,8 +277,9 @@ class ChunkRecurrence(torch.autograd.Function):
         G = None
         if p.gate:
             G = torch.empty_like(g, dtype=p.acc)
-            gate_cumsum_kernel[(p.n_chunks, p.H)](
-                g, G, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=p.BK, TC=p.TC, BQ=p.BQ,
+            bkc = min(p.BK, 32) if p.gate == 2 else p.BK
+            gate_cumsum_kernel[(p.n_chunks, p.H, _cdiv(p.K, bkc) if p.gate == 2 else 1)](
+                g, G, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=bkc, TC=p.TC, BQ=p.BQ,
                 CHANNEL=p.gate == 2, IS_VARLEN=varlen, ACC=p.tl_acc,
             )
         TN = p.T * n_h
@@ -267,13 +289,17 @@ class ChunkRecurrence(torch.autograd.Function):
             P = torch.empty(p.B, TN, p.H, p.K, device=dev, dtype=p.op)
             X = torch.empty(p.B, TN, p.H, p.V, device=dev, dtype=p.op)
             Y = torch.empty_like(X)
-            inverse_kernel[(p.n_chunks, p.H)](
-                k, w, dummy if e is None else e, dummy if beta is None else beta, dummy if G is None else G,
-                Tinv, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=p.BK, BKI=min(p.BK, 32), BT=p.BT, TC=p.TC, NH=p.n_h, SC=p.SC,
-                MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, ACC=p.tl_acc, OP=p.tl_op, PREC=p.prec,
-                INV_PREC="ieee" if p.acc == torch.float64 else "tf32x3", DOUBLING=_SOLVE == "doubling",
-                num_warps=_inverse_warps(p.gate), num_stages=_STAGES,
-            )
+            # a channel gate: the chunks within decay.py's bound first (ungated warps), then the rest
+            slow = torch.empty(p.n_chunks * p.H, device=dev, dtype=torch.int8) if p.gate == 2 else dummy
+            for channel_pass in ((1, 2) if p.gate == 2 else (0,)):
+                inverse_kernel[(p.n_chunks, p.H)](
+                    k, w, dummy if e is None else e, dummy if beta is None else beta, dummy if G is None else G,
+                    Tinv, slow, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=p.BK,
+                    BKI=min(p.BK, 16 if channel_pass == 1 else 32),  # 16: the gated slices' 166 registers at 2 warps, not 246
+                    BT=p.BT, TC=p.TC, NH=p.n_h, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, ACC=p.tl_acc, OP=p.tl_op, PREC=p.prec,
+                    INV_PREC="ieee" if p.acc == torch.float64 else "tf32x3", DOUBLING=_SOLVE == "doubling",
+                    CHANNEL_PASS=channel_pass, num_warps=_inverse_warps(0 if channel_pass == 1 else p.gate), num_stages=_STAGES,
+                )
             prepare_kernel[(p.n_chunks, p.H)](
                 k, w, dummy if beta is None else beta, v, dummy if G is None else G,
                 Tinv, P, X, cu_seqlens, table, p.T, p.NT, BKP=p.BK if p.gate == 2 else min(p.BK, 64), SC=p.SC, MODE=p.mode, GATE=p.gate,
@@ -283,7 +309,7 @@ class ChunkRecurrence(torch.autograd.Function):
         h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=dev, dtype=p.op)
         final = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if output_final_state else None
         bvf = _state_forward_bv(p)
-        state_forward_kernel[(triton.cdiv(p.V, bvf), p.n_seq * p.H)](
+        state_forward_kernel[(_cdiv(p.V, bvf), p.n_seq * p.H)](
             k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
             dummy if P is None else P, dummy if X is None else X, dummy if Y is None else Y,
             h_all, dummy if initial_state is None else initial_state.contiguous(), dummy if final is None else final,
@@ -296,8 +322,8 @@ class ChunkRecurrence(torch.autograd.Function):
         # product, formed again by each program), all of V with one. On the H200 (B=4 T=4096
         # H=16 K=V=128 bf16) the split took DeltaNet's read-out from 0.23 to 0.19 ms but
         # Gated DeltaNet's from 0.24 to 0.30 (its decay matrix formed twice).
-        bvo = p.BV if (p.gate == 0 if _OUTPUT_SPLIT is None else _OUTPUT_SPLIT == "1") else triton.cdiv(p.V, p.BV) * p.BV
-        output_kernel[(p.n_chunks, p.H, triton.cdiv(p.V, bvo))](
+        bvo = p.BV if (p.gate == 0 if _OUTPUT_SPLIT is None else _OUTPUT_SPLIT == "1") else _cdiv(p.V, p.BV) * p.BV
+        output_kernel[(p.n_chunks, p.H, _cdiv(p.V, bvo))](
             q, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
             dummy if Y is None else Y, h_all, o, cu_seqlens, table, p.T, p.NT, scale,
             BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, BVO=bvo,
@@ -332,7 +358,7 @@ class ChunkRecurrence(torch.autograd.Function):
         )
         dh_all = torch.empty(h_all.shape, device=dev, dtype=p.op)
         dh0 = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if ctx.has_h0 else None
-        state_backward_kernel[(triton.cdiv(p.V, p.BVS), p.n_seq * p.H)](
+        state_backward_kernel[(_cdiv(p.V, p.BVS), p.n_seq * p.H)](
             q, w, e_, beta_, G_, dummy if P is None else P, dummy if dY is None else dY, dummy if dU is None else dU, do,
             dh_all, dummy if dfinal is None else dfinal.contiguous(), dummy if dh0 is None else dh0,
             cu_seqlens, offsets, p.T, p.NT, scale, BQ=p.BQ, MODE=p.mode, GATE=p.gate,
@@ -380,7 +406,7 @@ def _channel_backward(p: Plan, args: tuple, grads: tuple, cu_seqlens, table, sca
         k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dummy if dbeta is None else dbeta,
         s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, **flags,
     )
-    chunk_channels_kernel[(triton.cdiv(p.K, flags["BKS"]), p.n_chunks, p.H)](
+    chunk_channels_kernel[(_cdiv(p.K, flags["BKS"]), p.n_chunks, p.H)](
         q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dummy if dw is None else dw, dummy if de is None else de, dg,
         s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, scale, TIED=tied, **flags,
     )

@@ -114,6 +114,7 @@ def k_sums(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr, GATE: tl.constexpr,
     ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+    CHUNK_ONLY: tl.constexpr = False,
 ):
     """Phase K, the `C x C` sums over K, `BKS` columns at a time: `(dP K~^T, S_kw)` with
     `dP = -dY S_0^T` and `S_kw` the strictly causal decayed scores of `k` against the write
@@ -136,7 +137,7 @@ def k_sums(
         x_k += mm(dp, tl.trans(decay_rows(kk, gk, GATE)), OP, PREC, ACC)
         ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
         s_kw += scores(kk, gk, i_sub, valid, ww, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
-                       True, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, i_k * BKS)
+                       True, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, i_k * BKS, CHUNK_ONLY=CHUNK_ONLY)
     return x_k, s_kw
 
 
@@ -157,6 +158,7 @@ def pair_grads(
     BT: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr,
     ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+    CHUNK_ONLY: tl.constexpr = False,
 ):
     """Phases K and A: writes dv and dbeta, returns `(dM_E, dM_W, dA, dS_kw)`, each zero
     outside its causal mask; `dA` is already scaled by `c` (the UT transform's row factor),
@@ -183,7 +185,7 @@ def pair_grads(
     s_kx = tl.zeros([BT, BT], dtype=ACC)  # householder: S_ke (for dbeta); rwkv7: S_kw
     if MODE == 2:
         x_k, s_kx = k_sums(k, w, G, h_all, dY, i_chunk, i_h, tok0, n_tok, H, K, V, BKS, BV, BT, NH, SC,
-                           GATE, ACC, OP, PREC)
+                           GATE, ACC, OP, PREC, CHUNK_ONLY=CHUNK_ONLY)
 
     # ---- phase A: contractions over V
     dm_e = tl.zeros([BQ, BT], dtype=ACC)  # dO Y^T
@@ -225,7 +227,7 @@ def pair_grads(
     da = tl.zeros([BT, BT], dtype=ACC)
     if MODE == 1:  # phase K after A: fewer blocks alive during A
         x_k, s_kx = k_sums(k, w, G, h_all, dY, i_chunk, i_h, tok0, n_tok, H, K, V, BKS, BV, BT, NH, SC,
-                           GATE, ACC, OP, PREC)
+                           GATE, ACC, OP, PREC, CHUNK_ONLY=CHUNK_ONLY)
     if MODE != 0:
         if MODE == 1:
             dt += x_k * cb[None, :]
@@ -264,6 +266,7 @@ def channel_grads(
     BT: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, TIED: tl.constexpr,
     ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+    CHUNK_ONLY: tl.constexpr = False,
 ):
     """Phases B, C, D for the `BKS` columns of K from `k0`, given `pair_grads`' matrices
     (values, or pointers to their scratch tiles: `pair_tile`): writes dq, dk, dw, de and a
@@ -298,15 +301,15 @@ def channel_grads(
         kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
         ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
         dkk += apply_left(pair_tile(da, BT, BT, ACC), ee, gk, i_sub, valid, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
-                          GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
+                          GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
         dee = apply_right(pair_tile(da, BT, BT, ACC), kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
-                          n_sub, n_sub, 1, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
+                          n_sub, n_sub, 1, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
     if MODE == 2:
         ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
         dkk += apply_left(pair_tile(ds_kw, BT, BT, ACC), ww, gk, i_sub, valid, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
-                          GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
+                          GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
         dww = apply_right(pair_tile(ds_kw, BT, BT, ACC), kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
-                          n_sub, n_sub, 1, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
+                          n_sub, n_sub, 1, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
     if not TIED:  # complete (a tied key adds dw at the end)
         store_rows(dk + row_k, dkk, i_sub, valid, H * K, offs_k, K)
 
@@ -317,11 +320,11 @@ def channel_grads(
     if MODE != 0:
         dqq += scale * apply_left(pair_tile(dm_e, BQ, BT, ACC), load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC), gq, pos_q, valid_q, gk,
                                   i_sub, valid, p_e, H * K, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP,
-                                  PREC, k0)
+                                  PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
     if MODE != 1:
         dqq += scale * apply_left(pair_tile(dm_w, BQ, BT, ACC), load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC), gq, pos_q, valid_q, gk,
                                   i_sub, valid, p_w, H * K, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP,
-                                  PREC, k0)
+                                  PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
     store_rows(dq + row_q, dqq, i_q, valid_q, H * K, offs_k, K)
 
     # ---- phase D: the chunk end, S_L = exp(G_L) [S_0 + E~^T Y + W~^T U]
@@ -358,7 +361,7 @@ def channel_grads(
         end_e = decay_rows(end_e, to_end, GATE)
         dee += end_e
         dee += scale * apply_right(pair_tile(dm_e, BQ, BT, ACC), qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
-                                   n_sub, n_tok, NH, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
+                                   n_sub, n_tok, NH, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
         dlast += _sum_rows(ee * end_e, GATE)
         dgam -= ee * dee
     if MODE != 1:
@@ -366,7 +369,7 @@ def channel_grads(
         end_w = decay_rows(end_w, to_end, GATE)
         dww += end_w
         dww += scale * apply_right(pair_tile(dm_w, BQ, BT, ACC), qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
-                                   n_sub, n_tok, NH, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0)
+                                   n_sub, n_tok, NH, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
         dlast += _sum_rows(ww * end_w, GATE)
         dgam -= ww * dww
     if GATE != 0:

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from .backward import channel_grads, pair_grads
 from .chunks import chunk_of_program
+from .decay import runs_in_pass
 
 
 @triton.jit
@@ -52,21 +53,23 @@ def chunk_pairs_kernel(
     BT: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr,
     IS_VARLEN: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+    BKG: tl.constexpr = 16, CHANNEL_PASS: tl.constexpr = 0,
 ):
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
     _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
     tok0 = bos + c * TC
     n_tok = tl.minimum(TC, seq_len - c * TC)
-    dm_e, dm_w, da, ds_kw = pair_grads(k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dbeta,
-                                       i_chunk, i_h, tok0, n_tok, H, K, V, BKS, BV, BT, BQ, NH, SC,
-                                       MODE, GATE, HAS_BETA, ACC, OP, PREC)
-    if MODE != 0:
-        tl.store(_tile(s_a, i_chunk, i_h, H, BT, BT), da.to(s_a.dtype.element_ty))
-        tl.store(_tile(s_me, i_chunk, i_h, H, BQ, BT), dm_e.to(s_me.dtype.element_ty))
-    if MODE == 2:
-        tl.store(_tile(s_kw, i_chunk, i_h, H, BT, BT), ds_kw.to(s_kw.dtype.element_ty))
-    if MODE != 1:
-        tl.store(_tile(s_mw, i_chunk, i_h, H, BQ, BT), dm_w.to(s_mw.dtype.element_ty))
+    if runs_in_pass(G + tok0 * H * K + i_h * K, n_tok * NH, H * K, NH, K, BKG, GATE, CHANNEL_PASS, OP, ACC):
+        dm_e, dm_w, da, ds_kw = pair_grads(k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dbeta,
+                                           i_chunk, i_h, tok0, n_tok, H, K, V, BKS, BV, BT, BQ, NH, SC,
+                                           MODE, GATE, HAS_BETA, ACC, OP, PREC, CHUNK_ONLY=CHANNEL_PASS == 1)
+        if MODE != 0:
+            tl.store(_tile(s_a, i_chunk, i_h, H, BT, BT), da.to(s_a.dtype.element_ty))
+            tl.store(_tile(s_me, i_chunk, i_h, H, BQ, BT), dm_e.to(s_me.dtype.element_ty))
+        if MODE == 2:
+            tl.store(_tile(s_kw, i_chunk, i_h, H, BT, BT), ds_kw.to(s_kw.dtype.element_ty))
+        if MODE != 1:
+            tl.store(_tile(s_mw, i_chunk, i_h, H, BQ, BT), dm_w.to(s_mw.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -79,13 +82,17 @@ def chunk_channels_kernel(
     BT: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, TIED: tl.constexpr,
     IS_VARLEN: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+    BKG: tl.constexpr = 16, CHANNEL_PASS: tl.constexpr = 0,
 ):
     i_k, i_chunk, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
     tok0 = bos + c * TC
     n_tok = tl.minimum(TC, seq_len - c * TC)
-    o_tile = (i_chunk * H + i_h) * BT  # the matrices are loaded where channel_grads uses them
-    da, ds_kw, dm_e, dm_w = s_a + o_tile * BT, s_kw + o_tile * BT, s_me + o_tile * BQ, s_mw + o_tile * BQ
-    channel_grads(q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dw, de, dg,
-                  dm_e, dm_w, da, ds_kw, i_chunk, i_h, tok0, n_tok, scale, i_k * BKS,
-                  H, K, V, BKS, BV, BT, BQ, NH, SC, MODE, GATE, HAS_BETA, TIED, ACC, OP, PREC)
+    # the pass is decided on all K columns (BKG of them), as in chunk_pairs_kernel
+    if runs_in_pass(G + tok0 * H * K + i_h * K, n_tok * NH, H * K, NH, K, BKG, GATE, CHANNEL_PASS, OP, ACC):
+        o_tile = (i_chunk * H + i_h) * BT  # the matrices are loaded where channel_grads uses them
+        da, ds_kw, dm_e, dm_w = s_a + o_tile * BT, s_kw + o_tile * BT, s_me + o_tile * BQ, s_mw + o_tile * BQ
+        channel_grads(q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dw, de, dg,
+                      dm_e, dm_w, da, ds_kw, i_chunk, i_h, tok0, n_tok, scale, i_k * BKS,
+                      H, K, V, BKS, BV, BT, BQ, NH, SC, MODE, GATE, HAS_BETA, TIED, ACC, OP, PREC,
+                      CHUNK_ONLY=CHANNEL_PASS == 1)

@@ -162,6 +162,22 @@ def _chunk_within_bound(gb, valid_b, OP: tl.constexpr):
 
 
 @triton.jit
+def runs_in_pass(p_g, n_sub, stride_g, NH: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
+                 CHANNEL_PASS: tl.constexpr, OP: tl.constexpr, ACC: tl.constexpr):
+    """Whether a chunk is this launch's: a channel-gate kernel may run in two passes, 1 for
+    the chunks that decay by less than the bound in every channel (`CHUNK_ONLY` products:
+    few registers), 2 for the others (every path); 0 runs every chunk in one launch. The
+    cumulative gate never rises (`g <= 0`), so the chunk's last row decides."""
+    if GATE == 2 and CHANNEL_PASS != 0:
+        offs_k = tl.arange(0, BK)
+        g_end = tl.load(p_g + ((n_sub - 1) // NH) * stride_g + offs_k, mask=offs_k < K, other=0.0).to(ACC)
+        fast = tl.max(-g_end, 0) <= decay_bound(OP)
+        return fast == (CHANNEL_PASS == 1)
+    else:
+        return True
+
+
+@triton.jit
 def _start_decay(x, g, valid):
     """`x * exp(g)`: rows decayed from the chunk's start (`g <= 0`; `-g` for the other factor)."""
     return x * tl.exp(tl.where(valid[:, None], g, float("-inf")))
@@ -194,30 +210,6 @@ def _exact_sub_chunk(p_g, s, pos_a, valid_a, pos_b, valid_b, n_sub, stride_g, of
     in_s = ((pos_a // SC) == s) & valid_a
     before = (pos_b < s * SC) & valid_b & (s * SC < n_sub)
     return ref, in_s, before
-
-
-@triton.jit
-def scores(
-    xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b,
-    p_xb, stride_xb, p_g, stride_g, n_sub,
-    STRICT: tl.constexpr, GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
-    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0=0,
-):
-    """`S[a, b] = xa_a^T diag(exp(Ga_a - Gb_b)) xb_b` on the causal pairs, 0 elsewhere
-    (the part of the sum over columns `k0 .. k0 + BK` when `xa`, `xb` hold those only)."""
-    mask = causal_mask(pos_a, valid_a, pos_b, valid_b, STRICT)
-    if GATE == 0:
-        return tl.where(mask, mm(xa, tl.trans(xb), OP, PREC, ACC), 0.0)
-    elif GATE == 1:
-        decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
-        return mm(xa, tl.trans(xb), OP, PREC, ACC) * decay
-    else:
-        if _chunk_within_bound(gb, valid_b, OP):  # exp(Ga - Gb) = exp(Ga) exp(-Gb): one product
-            out = mm(_start_decay(xa, ga, valid_a), tl.trans(_start_decay(xb, -gb, valid_b)), OP, PREC, ACC)
-        else:
-            out = _sub_chunk_scores(xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_xb, stride_xb, p_g, stride_g, n_sub,
-                                    STRICT, NH, BT, SC, K, BK, ACC, OP, PREC, k0)
-        return tl.where(mask, out, 0.0)
 
 
 @triton.jit
@@ -267,29 +259,6 @@ def _sub_chunk_scores(
 
 
 @triton.jit
-def apply_left(
-    m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b,
-    p_xb, stride_xb, p_g, stride_g, n_sub,
-    GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
-    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0=0,
-):
-    """`out[a] = sum_b m[a, b] exp(Ga_a - Gb_b) * xb[b]` (`m` zero outside the causal pairs)."""
-    if GATE == 0:
-        return mm(m, xb, OP, PREC, ACC)
-    elif GATE == 1:
-        mask = causal_mask(pos_a, valid_a, pos_b, valid_b, False)
-        decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
-        return mm(m * decay, xb, OP, PREC, ACC)
-    else:  # as in `scores` (one assignment per branch: Triton returns once, after a runtime branch)
-        if _chunk_within_bound(gb, valid_b, OP):
-            out = _start_decay(mm(m, _start_decay(xb, -gb, valid_b), OP, PREC, ACC), ga, valid_a)
-        else:
-            out = _sub_chunk_left(m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b, p_xb, stride_xb, p_g, stride_g, n_sub,
-                                  NH, BT, SC, K, BK, ACC, OP, PREC, k0)
-        return out
-
-
-@triton.jit
 def _sub_chunk_left(
     m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b, p_xb, stride_xb, p_g, stride_g, n_sub,
     NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
@@ -326,33 +295,6 @@ def _sub_chunk_left(
             gb_j = load_rows(p_g, b_of_a // NH, ok, stride_g, offs_k, K, ACC)
             out += m_col[:, None] * xb_j * tl.exp(tl.where(ok[:, None], ga - gb_j, float("-inf")))
     return out
-
-
-@triton.jit
-def apply_right(
-    m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b,
-    p_xa, stride_xa, p_g, stride_g, n_sub, n_a,
-    A_STEP: tl.constexpr, GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
-    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0=0,
-):
-    """`out[b] = sum_a m[a, b] exp(Ga_a - Gb_b) * xa[a]` (`m` zero outside the causal pairs).
-
-    `A_STEP` is 1 when rows `a` are sub-steps and `NH` when they are query tokens; `n_a`
-    is the number of valid rows `a`.
-    """
-    if GATE == 0:
-        return mm(tl.trans(m), xa, OP, PREC, ACC)
-    elif GATE == 1:
-        mask = causal_mask(pos_a, valid_a, pos_b, valid_b, False)
-        decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
-        return mm(tl.trans(m * decay), xa, OP, PREC, ACC)
-    else:  # as in `scores`
-        if _chunk_within_bound(gb, valid_b, OP):
-            out = _start_decay(mm(tl.trans(m), _start_decay(xa, ga, valid_a), OP, PREC, ACC), -gb, valid_b)
-        else:
-            out = _sub_chunk_right(m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b, p_xa, stride_xa, p_g, stride_g, n_sub, n_a,
-                                   A_STEP, NH, BT, SC, K, BK, ACC, OP, PREC, k0)
-        return out
 
 
 @triton.jit
@@ -395,3 +337,87 @@ def _sub_chunk_right(
             ga_j = load_rows(p_g, (a_of_b * A_STEP) // NH, ok, stride_g, offs_k, K, ACC)
             out += m_col[:, None] * xa_j * tl.exp(tl.where(ok[:, None], ga_j - gb, float("-inf")))
     return out
+
+
+@triton.jit
+def scores(
+    xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b,
+    p_xb, stride_xb, p_g, stride_g, n_sub,
+    STRICT: tl.constexpr, GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0=0,
+    CHUNK_ONLY: tl.constexpr = False,
+):
+    """`S[a, b] = xa_a^T diag(exp(Ga_a - Gb_b)) xb_b` on the causal pairs, 0 elsewhere
+    (the part of the sum over columns `k0 .. k0 + BK` when `xa`, `xb` hold those only).
+    `CHUNK_ONLY`: the caller knows the chunk is within the bound (no slower paths compiled)."""
+    mask = causal_mask(pos_a, valid_a, pos_b, valid_b, STRICT)
+    if GATE == 0:
+        return tl.where(mask, mm(xa, tl.trans(xb), OP, PREC, ACC), 0.0)
+    elif GATE == 1:
+        decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
+        return mm(xa, tl.trans(xb), OP, PREC, ACC) * decay
+    else:
+        if CHUNK_ONLY:
+            out = mm(_start_decay(xa, ga, valid_a), tl.trans(_start_decay(xb, -gb, valid_b)), OP, PREC, ACC)
+        elif _chunk_within_bound(gb, valid_b, OP):  # exp(Ga - Gb) = exp(Ga) exp(-Gb): one product
+            out = mm(_start_decay(xa, ga, valid_a), tl.trans(_start_decay(xb, -gb, valid_b)), OP, PREC, ACC)
+        else:
+            out = _sub_chunk_scores(xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_xb, stride_xb, p_g, stride_g, n_sub,
+                                    STRICT, NH, BT, SC, K, BK, ACC, OP, PREC, k0)
+        return tl.where(mask, out, 0.0)
+
+
+@triton.jit
+def apply_left(
+    m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b,
+    p_xb, stride_xb, p_g, stride_g, n_sub,
+    GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0=0,
+    CHUNK_ONLY: tl.constexpr = False,
+):
+    """`out[a] = sum_b m[a, b] exp(Ga_a - Gb_b) * xb[b]` (`m` zero outside the causal pairs)."""
+    if GATE == 0:
+        return mm(m, xb, OP, PREC, ACC)
+    elif GATE == 1:
+        mask = causal_mask(pos_a, valid_a, pos_b, valid_b, False)
+        decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
+        return mm(m * decay, xb, OP, PREC, ACC)
+    else:  # as in `scores` (one assignment per branch: Triton returns once, after a runtime branch)
+        if CHUNK_ONLY:
+            out = _start_decay(mm(m, _start_decay(xb, -gb, valid_b), OP, PREC, ACC), ga, valid_a)
+        elif _chunk_within_bound(gb, valid_b, OP):
+            out = _start_decay(mm(m, _start_decay(xb, -gb, valid_b), OP, PREC, ACC), ga, valid_a)
+        else:
+            out = _sub_chunk_left(m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b, p_xb, stride_xb, p_g, stride_g, n_sub,
+                                  NH, BT, SC, K, BK, ACC, OP, PREC, k0)
+        return out
+
+
+@triton.jit
+def apply_right(
+    m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b,
+    p_xa, stride_xa, p_g, stride_g, n_sub, n_a,
+    A_STEP: tl.constexpr, GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0=0,
+    CHUNK_ONLY: tl.constexpr = False,
+):
+    """`out[b] = sum_a m[a, b] exp(Ga_a - Gb_b) * xa[a]` (`m` zero outside the causal pairs).
+
+    `A_STEP` is 1 when rows `a` are sub-steps and `NH` when they are query tokens; `n_a`
+    is the number of valid rows `a`.
+    """
+    if GATE == 0:
+        return mm(tl.trans(m), xa, OP, PREC, ACC)
+    elif GATE == 1:
+        mask = causal_mask(pos_a, valid_a, pos_b, valid_b, False)
+        decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
+        return mm(tl.trans(m * decay), xa, OP, PREC, ACC)
+    else:  # as in `scores`
+        if CHUNK_ONLY:
+            out = _start_decay(mm(tl.trans(m), _start_decay(xa, ga, valid_a), OP, PREC, ACC), -gb, valid_b)
+        elif _chunk_within_bound(gb, valid_b, OP):
+            out = _start_decay(mm(tl.trans(m), _start_decay(xa, ga, valid_a), OP, PREC, ACC), -gb, valid_b)
+        else:
+            out = _sub_chunk_right(m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b, p_xa, stride_xa, p_g, stride_g, n_sub, n_a,
+                                   A_STEP, NH, BT, SC, K, BK, ACC, OP, PREC, k0)
+        return out

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_of_program
-from .decay import decay_rows, load_gate, load_rows, mm, scores, store_rows
+from .decay import decay_rows, load_gate, load_rows, mm, runs_in_pass, scores, store_rows
 
 
 @triton.jit
@@ -24,7 +24,7 @@ def query_scores(
     q, w, e, G, tok0, n_tok, i_h, scale,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BQ: tl.constexpr,
     NH: tl.constexpr, SC: tl.constexpr, MODE: tl.constexpr, GATE: tl.constexpr,
-    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, CHUNK_ONLY: tl.constexpr = False,
 ):
     """`(Q~, M_E, M_W)` of one chunk (`M_E`/`M_W` are zeros where the path has none)."""
     i_sub = tl.arange(0, BT)
@@ -48,11 +48,11 @@ def query_scores(
         p_e = (w if MODE == 1 else e) + row_k
         ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, OP)
         m_e = scores(qq, gq, pos_q, valid_q, ee, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
-                     False, GATE, NH, BT, SC, K, BK, ACC, OP, PREC) * scale
+                     False, GATE, NH, BT, SC, K, BK, ACC, OP, PREC, CHUNK_ONLY=CHUNK_ONLY) * scale
     if MODE != 1:
         ww = load_rows(w + row_k, i_sub, valid, H * K, offs_k, K, OP)
         m_w = scores(qq, gq, pos_q, valid_q, ww, gk, i_sub, valid, w + row_k, H * K, p_g, stride_g, n_sub,
-                     False, GATE, NH, BT, SC, K, BK, ACC, OP, PREC) * scale
+                     False, GATE, NH, BT, SC, K, BK, ACC, OP, PREC, CHUNK_ONLY=CHUNK_ONLY) * scale
     return decay_rows(qq, gq, GATE) * scale, m_e, m_w
 
 
@@ -63,6 +63,7 @@ def output_kernel(
     BT: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, IS_VARLEN: tl.constexpr,
     ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, BVO: tl.constexpr,
+    CHANNEL_PASS: tl.constexpr = 0,
 ):
     """`O` of one chunk's `BVO` value columns (program axis 2): the scores are formed once
     per program, so a cheap score (no channel gate) is formed again by each column group
@@ -71,31 +72,34 @@ def output_kernel(
     _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
     tok0 = bos + c * TC
     n_tok = tl.minimum(TC, seq_len - c * TC)
-    qt, m_e, m_w = query_scores(q, w, e, G, tok0, n_tok, i_h, scale, H, K, BK, BT, BQ, NH, SC, MODE, GATE, ACC, OP, PREC)
-    i_sub = tl.arange(0, BT)
-    i_q = tl.arange(0, BQ)
-    valid = i_sub < n_tok * NH
-    valid_q = i_q < n_tok
-    offs_k = tl.arange(0, BK)
-    row_v = tok0 * NH * H * V + i_h * V
-    if MODE != 1 and HAS_BETA:
-        bb = tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)
-    # the dot operands rounded to OP once, here and at each load, as `mm` would at every use
-    qt, m_e, m_w = qt.to(OP), m_e.to(OP), m_w.to(OP)
-    for i_v in range(tl.cdiv(BVO, BV)):
-        offs_v = i_vo * BVO + i_v * BV + tl.arange(0, BV)
-        h = tl.load(h_all + (i_chunk * H + i_h) * K * V + offs_k[:, None] * V + offs_v[None, :],
-                    mask=(offs_k[:, None] < K) & (offs_v[None, :] < V), other=0.0).to(OP)
-        out = mm(qt, h, OP, PREC, ACC)
-        if MODE != 0:
-            y = load_rows(Y + row_v, i_sub, valid, H * V, offs_v, V, OP)
-            out += mm(m_e, y, OP, PREC, ACC)
-        if MODE != 1:
-            u = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)
-            if HAS_BETA:
-                u *= bb[:, None]
-            out += mm(m_w, u, OP, PREC, ACC)
-        store_rows(o + tok0 * H * V + i_h * V, out, i_q, valid_q, H * V, offs_v, V)
+    if runs_in_pass(G + tok0 * (H * K if GATE == 2 else H) + (i_h * K if GATE == 2 else i_h), n_tok * NH,
+                    H * K if GATE == 2 else H, NH, K, BK, GATE, CHANNEL_PASS, OP, ACC):
+        qt, m_e, m_w = query_scores(q, w, e, G, tok0, n_tok, i_h, scale, H, K, BK, BT, BQ, NH, SC, MODE, GATE, ACC, OP, PREC,
+                                       CHUNK_ONLY=CHANNEL_PASS == 1)
+        i_sub = tl.arange(0, BT)
+        i_q = tl.arange(0, BQ)
+        valid = i_sub < n_tok * NH
+        valid_q = i_q < n_tok
+        offs_k = tl.arange(0, BK)
+        row_v = tok0 * NH * H * V + i_h * V
+        if MODE != 1 and HAS_BETA:
+            bb = tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)
+        # the dot operands rounded to OP once, here and at each load, as `mm` would at every use
+        qt, m_e, m_w = qt.to(OP), m_e.to(OP), m_w.to(OP)
+        for i_v in range(tl.cdiv(BVO, BV)):
+            offs_v = i_vo * BVO + i_v * BV + tl.arange(0, BV)
+            h = tl.load(h_all + (i_chunk * H + i_h) * K * V + offs_k[:, None] * V + offs_v[None, :],
+                        mask=(offs_k[:, None] < K) & (offs_v[None, :] < V), other=0.0).to(OP)
+            out = mm(qt, h, OP, PREC, ACC)
+            if MODE != 0:
+                y = load_rows(Y + row_v, i_sub, valid, H * V, offs_v, V, OP)
+                out += mm(m_e, y, OP, PREC, ACC)
+            if MODE != 1:
+                u = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)
+                if HAS_BETA:
+                    u *= bb[:, None]
+                out += mm(m_w, u, OP, PREC, ACC)
+            store_rows(o + tok0 * H * V + i_h * V, out, i_q, valid_q, H * V, offs_v, V)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -105,22 +109,26 @@ def output_backward_kernel(
     BT: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
     ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+    CHANNEL_PASS: tl.constexpr = 0,
 ):
     """`dY = M_E^T dO` and `dU = M_W^T dO` (the within-chunk parts)."""
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
     _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
     tok0 = bos + c * TC
     n_tok = tl.minimum(TC, seq_len - c * TC)
-    _, m_e, m_w = query_scores(q, w, e, G, tok0, n_tok, i_h, scale, H, K, BK, BT, BQ, NH, SC, MODE, GATE, ACC, OP, PREC)
-    i_sub = tl.arange(0, BT)
-    i_q = tl.arange(0, BQ)
-    valid = i_sub < n_tok * NH
-    valid_q = i_q < n_tok
-    row_v = tok0 * NH * H * V + i_h * V
-    for i_v in range(tl.cdiv(V, BV)):
-        offs_v = i_v * BV + tl.arange(0, BV)
-        d_o = load_rows(do + tok0 * H * V + i_h * V, i_q, valid_q, H * V, offs_v, V, ACC)
-        if MODE != 0:
-            store_rows(dY + row_v, mm(tl.trans(m_e), d_o, OP, PREC, ACC), i_sub, valid, H * V, offs_v, V)
-        if MODE != 1:
-            store_rows(dU + row_v, mm(tl.trans(m_w), d_o, OP, PREC, ACC), i_sub, valid, H * V, offs_v, V)
+    if runs_in_pass(G + tok0 * (H * K if GATE == 2 else H) + (i_h * K if GATE == 2 else i_h), n_tok * NH,
+                    H * K if GATE == 2 else H, NH, K, BK, GATE, CHANNEL_PASS, OP, ACC):
+        _qt, m_e, m_w = query_scores(q, w, e, G, tok0, n_tok, i_h, scale, H, K, BK, BT, BQ, NH, SC, MODE, GATE, ACC, OP, PREC,
+                                       CHUNK_ONLY=CHANNEL_PASS == 1)
+        i_sub = tl.arange(0, BT)
+        i_q = tl.arange(0, BQ)
+        valid = i_sub < n_tok * NH
+        valid_q = i_q < n_tok
+        row_v = tok0 * NH * H * V + i_h * V
+        for i_v in range(tl.cdiv(V, BV)):
+            offs_v = i_v * BV + tl.arange(0, BV)
+            d_o = load_rows(do + tok0 * H * V + i_h * V, i_q, valid_q, H * V, offs_v, V, ACC)
+            if MODE != 0:
+                store_rows(dY + row_v, mm(tl.trans(m_e), d_o, OP, PREC, ACC), i_sub, valid, H * V, offs_v, V)
+            if MODE != 1:
+                store_rows(dU + row_v, mm(tl.trans(m_w), d_o, OP, PREC, ACC), i_sub, valid, H * V, offs_v, V)

@@ -108,8 +108,19 @@ _OUTPUT_SPLIT = os.environ.get("ARCHSPEC_TRITON_OUTPUT_SPLIT")
 _OUTPUT_WARPS = os.environ.get("ARCHSPEC_TRITON_OUTPUT_WARPS")
 
 
-def _output_warps(p: Plan) -> int:
-    return int(_OUTPUT_WARPS) if _OUTPUT_WARPS else 4 if p.gate != 2 else p.warps
+def _output_warps(p: Plan, channel_pass: int = 0) -> int:
+    # 4 for a channel gate's first pass too, except RWKV-7's (two score matrices: 112 B of spills offline)
+    return int(_OUTPUT_WARPS) if _OUTPUT_WARPS else 4 if (p.gate != 2 or (channel_pass == 1 and p.mode != 2)) else p.warps
+
+
+# A channel gate's read-out kernels run in two launches (`decay.runs_in_pass`): the chunks
+# within decay.py's bound, compiled without the slower paths, then the others; as one
+# kernel every chunk paid the registers of the slowest path. ARCHSPEC_TRITON_CHANNEL_PASSES=0: one launch.
+_CHANNEL_PASSES = os.environ.get("ARCHSPEC_TRITON_CHANNEL_PASSES", "1") != "0"
+
+
+def _channel_passes(p: Plan) -> tuple[int, ...]:
+    return (1, 2) if (p.gate == 2 and _CHANNEL_PASSES) else (0,)
 
 
 # warps of `prepare_kernel` alone: 4 for the householder plans without a channel gate,
@@ -323,12 +334,13 @@ class ChunkRecurrence(torch.autograd.Function):
         # H=16 K=V=128 bf16) the split took DeltaNet's read-out from 0.23 to 0.19 ms but
         # Gated DeltaNet's from 0.24 to 0.30 (its decay matrix formed twice).
         bvo = p.BV if (p.gate == 0 if _OUTPUT_SPLIT is None else _OUTPUT_SPLIT == "1") else _cdiv(p.V, p.BV) * p.BV
-        output_kernel[(p.n_chunks, p.H, _cdiv(p.V, bvo))](
-            q, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
-            dummy if Y is None else Y, h_all, o, cu_seqlens, table, p.T, p.NT, scale,
-            BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, BVO=bvo,
-            num_warps=_output_warps(p), num_stages=_STAGES, **_common(p),
-        )
+        for channel_pass in _channel_passes(p):
+            output_kernel[(p.n_chunks, p.H, _cdiv(p.V, bvo))](
+                q, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
+                dummy if Y is None else Y, h_all, o, cu_seqlens, table, p.T, p.NT, scale,
+                BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, BVO=bvo,
+                CHANNEL_PASS=channel_pass, num_warps=_output_warps(p, channel_pass), num_stages=_STAGES, **_common(p),
+            )
         ctx.save_for_backward(q, k, v, beta, w, e, G, Tinv, P, Y, h_all, cu_seqlens, table, offsets)
         ctx.plan, ctx.scale, ctx.tied = p, scale, write_key is None
         ctx.has_h0 = initial_state is not None
@@ -352,10 +364,12 @@ class ChunkRecurrence(torch.autograd.Function):
         e_ = dummy if e is None else e
         G_ = dummy if G is None else G
         beta_ = dummy if beta is None else beta
-        output_backward_kernel[(p.n_chunks, p.H)](
-            q, w, e_, G_, do, dummy if dY is None else dY, dummy if dU is None else dU, cu_seqlens, table, p.T, p.NT, scale,
-            BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, num_warps=p.warps, num_stages=_STAGES, **_common(p),
-        )
+        for channel_pass in _channel_passes(p):
+            output_backward_kernel[(p.n_chunks, p.H)](
+                q, w, e_, G_, do, dummy if dY is None else dY, dummy if dU is None else dU, cu_seqlens, table, p.T, p.NT, scale,
+                BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, CHANNEL_PASS=channel_pass,
+                num_warps=p.warps, num_stages=_STAGES, **_common(p),
+            )
         dh_all = torch.empty(h_all.shape, device=dev, dtype=p.op)
         dh0 = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if ctx.has_h0 else None
         state_backward_kernel[(_cdiv(p.V, p.BVS), p.n_seq * p.H)](
@@ -402,14 +416,17 @@ def _channel_backward(p: Plan, args: tuple, grads: tuple, cu_seqlens, table, sca
                                   if used else q)
     s_a, s_kw, s_me, s_mw = scratch(p.BT, p.mode != 0), scratch(p.BT, p.mode == 2), scratch(p.BQ, p.mode != 0), scratch(p.BQ, p.mode != 1)
     dummy = k
-    chunk_pairs_kernel[(p.n_chunks, p.H)](
-        k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dummy if dbeta is None else dbeta,
-        s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, **flags,
-    )
-    chunk_channels_kernel[(_cdiv(p.K, flags["BKS"]), p.n_chunks, p.H)](
-        q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dummy if dw is None else dw, dummy if de is None else de, dg,
-        s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, scale, TIED=tied, **flags,
-    )
+    for channel_pass in _channel_passes(p):  # each chunk's pass decided the same way in both kernels
+        chunk_pairs_kernel[(p.n_chunks, p.H)](
+            k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dummy if dbeta is None else dbeta,
+            s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, BKG=p.BK, CHANNEL_PASS=channel_pass, **flags,
+        )
+    for channel_pass in _channel_passes(p):
+        chunk_channels_kernel[(_cdiv(p.K, flags["BKS"]), p.n_chunks, p.H)](
+            q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dummy if dw is None else dw,
+            dummy if de is None else de, dg, s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, scale, TIED=tied,
+            BKG=p.BK, CHANNEL_PASS=channel_pass, **flags,
+        )
 
 
 def linear_recurrence_triton(

@@ -357,7 +357,7 @@ def scores(
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(xa, tl.trans(xb), OP, PREC, ACC) * decay
     else:
-        if CHUNK_ONLY:
+        if CHUNK_ONLY:  # noqa: SIM114 (a constexpr branch: the other paths are not compiled)
             out = mm(_start_decay(xa, ga, valid_a), tl.trans(_start_decay(xb, -gb, valid_b)), OP, PREC, ACC)
         elif _chunk_within_bound(gb, valid_b, OP):  # exp(Ga - Gb) = exp(Ga) exp(-Gb): one product
             out = mm(_start_decay(xa, ga, valid_a), tl.trans(_start_decay(xb, -gb, valid_b)), OP, PREC, ACC)
@@ -383,7 +383,7 @@ def apply_left(
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(m * decay, xb, OP, PREC, ACC)
     else:  # as in `scores` (one assignment per branch: Triton returns once, after a runtime branch)
-        if CHUNK_ONLY:
+        if CHUNK_ONLY:  # noqa: SIM114 (a constexpr branch: the other paths are not compiled)
             out = _start_decay(mm(m, _start_decay(xb, -gb, valid_b), OP, PREC, ACC), ga, valid_a)
         elif _chunk_within_bound(gb, valid_b, OP):
             out = _start_decay(mm(m, _start_decay(xb, -gb, valid_b), OP, PREC, ACC), ga, valid_a)
@@ -413,7 +413,7 @@ def apply_right(
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(tl.trans(m * decay), xa, OP, PREC, ACC)
     else:  # as in `scores`
-        if CHUNK_ONLY:
+        if CHUNK_ONLY:  # noqa: SIM114 (a constexpr branch: the other paths are not compiled)
             out = _start_decay(mm(tl.trans(m), _start_decay(xa, ga, valid_a), OP, PREC, ACC), -gb, valid_b)
         elif _chunk_within_bound(gb, valid_b, OP):
             out = _start_decay(mm(tl.trans(m), _start_decay(xa, ga, valid_a), OP, PREC, ACC), -gb, valid_b)

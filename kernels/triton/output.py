@@ -16,7 +16,15 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_of_program
-from .decay import decay_rows, load_gate, load_rows, mm, runs_in_pass, scores, store_rows
+from .decay import (
+    decay_rows,
+    load_gate,
+    load_rows,
+    mm,
+    runs_in_pass,
+    scores,
+    store_rows,
+)
 
 
 @triton.jit

@@ -23,7 +23,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 from .backward import chunk_backward_kernel

@@ -14,7 +14,8 @@
 #
 # Every result lands flat in $OUT (at most 8 files come back, no deeper than $OUT/a/b).
 # BUDGET_S overrides the call's budget in seconds (the whole command, installs included);
-# RUN_S overrides call 3's training time per run; GAPS_S the budget of the --gaps check (calls 1, 8); CHECK_S call 7's check. DRY_CPU=1 rehearses a call on a machine
+# RUN_S overrides call 3's training time per run; GAPS_S the budget of the --gaps check (calls 1, 8); CHECK_S call 7's check,
+# CHECK_BT its B,T (default 4,4096). DRY_CPU=1 rehearses a call on a machine
 # without a GPU: no installs, the scripts' --smoke modes, runs of a few steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -109,7 +110,8 @@ case $call in
   ;;
 7)
   say "correctness check under the defaults: ${CHECK:?CHECK=plans}"
-  timeout $((${CHECK_S:-180} + 20)) python3 benchmarks/triton_gpu_check.py --plans "$CHECK" --out "$OUT" --budget-s "${CHECK_S:-180}" $smoke 2>&1 |
+  timeout $((${CHECK_S:-180} + 20)) python3 benchmarks/triton_gpu_check.py --plans "$CHECK" --out "$OUT" --budget-s "${CHECK_S:-180}" \
+    ${CHECK_BT:+--batch-tokens "$CHECK_BT"} $smoke 2>&1 |
     tee "$OUT/check.log" | tail -22
   s=$(($(left) - ${VARIANTS_S:-100} - 20))
   say "every plan, ours only (fla and torch from benchmarks/results/kernels.json), budget ${s}s"

@@ -230,7 +230,7 @@ def checks_for(args) -> list[Check]:
         out += [Check("path", p, "float16", B, T) for p in FP16_PLANS]
         out += [Check("path", p, d, B, T) for p in NH_PLANS for d in ("bfloat16", "float32")]
     else:
-        B, T, T_naive = (1, 64, 32) if args.smoke else (4, 4096, 512)
+        B, T, T_naive = (1, 64, 32) if args.smoke else (*args.batch_tokens, 512)
         names = args.plans.split(",") if args.plans else CHECK_PLANS
         out = []
         for p in names:
@@ -246,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--plans", default="")
+    parser.add_argument("--batch-tokens", type=lambda x: tuple(int(v) for v in x.split(",")), default=(4, 4096),
+                        help="B,T of the default suite's path checks (the benchmark's shape; smaller for a quick recheck)")
     parser.add_argument("--gaps", action="store_true", help="packed batches, float16, n_h 4 and 8 (see above)")
     parser.add_argument("--budget-s", type=float, default=1e9, help="wall-clock budget; checks that do not fit are listed as not run")
     parser.add_argument("--check-limit-s", type=float, default=120, help="most seconds one check may take")

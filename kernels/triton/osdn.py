@@ -75,12 +75,13 @@ SCAN_WARPS = int(os.environ.get("ARCHSPEC_TRITON_OSDN_WARPS", "1"))
 # SASS) no loaded value is read in the iteration that loads it at PREFETCH 8; each step
 # then waits only on its dot product (`docs/kernel.md`, "OSDN phase 1").
 PREFETCH = int(os.environ.get("ARCHSPEC_TRITON_OSDN_PREFETCH", "8"))
-# With AHEAD, opt-in until checked on the GPU (timed there: OSDN-DeltaNet forward+backward
-# 4.89 -> 4.29 ms, OSDN-APF-GDN 4.95 -> 4.94): the forward also stores each step's `|k|^2` and `<d, s>`
+# With AHEAD, the default since session 5 (timed on the H200 in session 3: OSDN-DeltaNet
+# forward+backward 4.89 -> 4.29 ms, OSDN-APF-GDN 4.95 -> 4.94; ARCHSPEC_TRITON_OSDN_STATS=0
+# turns it off): the forward also stores each step's `|k|^2` and `<d, s>`
 # (two floats; they do not depend on the step's result), so that the backward reads them
 # instead of reducing them again: two of its four dot products per step, the second of
 # which (`<d, s>`) the mask of the step's critical path waits on.
-STATS = os.environ.get("ARCHSPEC_TRITON_OSDN_STATS", "0") == "1"
+STATS = os.environ.get("ARCHSPEC_TRITON_OSDN_STATS", "1") == "1"
 
 
 @triton.jit

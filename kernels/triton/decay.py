@@ -77,7 +77,7 @@ import triton
 import triton.language as tl
 
 # The factorization bound of the inner sub-chunk pairs (module docstring), bfloat16 / float32
-# operands; ARCHSPEC_TRITON_DECAY_BOUND=-1 turns the factorized path off (the exact loop only).
+# operands; ARCHSPEC_TRITON_DECAY_BOUND=-1 turns both factorized paths off (the exact loop only).
 DECAY_BOUND = tl.constexpr(float(os.environ.get("ARCHSPEC_TRITON_DECAY_BOUND", "40")))
 
 

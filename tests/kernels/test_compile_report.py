@@ -1,0 +1,37 @@
+"""The offline sm_90 compile report (`kernels/triton/compile_report.py`), run as a user would.
+
+It is the only view of registers and spills before device time is spent, so it must
+compile what the GPU launcher compiles: pointers and integers divisible by 16 are
+specialized as such, which is what lets a row load become one 16-byte vector load per
+thread. Without that every load compiled to 2-byte scalar loads and the report's register
+and spill figures were not the GPU's (session 5). A separate process: the report rebinds
+the kernels' launchers for the whole process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_report_compiles_deltanet_with_vector_loads(tmp_path: Path) -> None:
+    env = {**os.environ, "ARCHSPEC_DUMP": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "archspec.kernels.triton.compile_report", "deltanet"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = re.findall(r"^deltanet\s+(\w+)\s+regs\s+(\d+)\s+stack\s+(\d+)", proc.stdout, re.M)
+    kernels = {name for name, _, _ in rows}
+    assert {"inverse_kernel", "prepare_kernel", "state_forward_kernel", "output_kernel",
+            "state_backward_kernel", "chunk_backward_kernel"} <= kernels, proc.stdout
+    assert all(0 < int(regs) <= 255 for _, regs, _ in rows)
+    # the read-out's bf16 rows of q, Y and the states: 16-byte vector loads (4 x b32), not
+    # one 2-byte load per element
+    ptx = (tmp_path / "output_kernel.ptx").read_text()
+    assert re.search(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx), "no 16-byte vector loads"
+    assert not re.search(r"ld\.global(?:\.\w+)*\.b16", ptx), "2-byte scalar loads"

@@ -301,7 +301,7 @@ class ChunkRecurrence(torch.autograd.Function):
             Y = torch.empty_like(X)
             # a channel gate: the chunks within decay.py's bound first (ungated warps), then the rest
             slow = torch.empty(p.n_chunks * p.H, device=dev, dtype=torch.int8) if p.gate == 2 else dummy
-            for channel_pass in ((1, 2) if p.gate == 2 else (0,)):
+            for channel_pass in _channel_passes(p):
                 inverse_kernel[(p.n_chunks, p.H)](
                     k, w, dummy if e is None else e, dummy if beta is None else beta, dummy if G is None else G,
                     Tinv, slow, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=p.BK,

@@ -672,6 +672,23 @@ def targets(results: dict) -> list[dict]:
     return out
 
 
+HOST_WAIT = 1.1  # wall over kernel time above which a call is reported as waiting on the host
+
+
+def host_waits(profiled: list[tuple[str, dict]]) -> list[tuple[str, str, str, float, float]]:
+    """`(plan, impl, pass, wall ms, kernels ms)` where do_bench's wall time exceeds the sum
+    of the call's kernel times (torch.profiler) by more than `HOST_WAIT`: a short call
+    whose GPU idles between launches (do_bench times the events around each call)."""
+    out = []
+    for name, row in profiled:
+        for key, label, _ in PASSES:
+            kernels = dict(row["kernels"].get("forward" if key == "fwd_ms" else "forward_backward", []))
+            gpu, wall = kernels.get("(sum of all kernels)"), row.get(key)
+            if gpu and wall and wall > HOST_WAIT * gpu:
+                out.append((name, row["impl"], label, wall, gpu))
+    return out
+
+
 def markdown(results: dict) -> str:
     m = results["machine"]
     lines = [
@@ -712,6 +729,12 @@ def markdown(results: dict) -> str:
                   "| target | measured | limit | met |", "|---|---|---|---|"]
         lines += [f"| {t['target']} | {fmt(t['ratio'])} | {t['limit']} | {'yes' if t['met'] else 'no'} |" for t in rows if t["ratio"] is not None]
     profiled = [(name, row) for name in order for row in results["plans"][name]["rows"] if row.get("kernels")]
+    waits = host_waits(profiled)
+    if waits:
+        lines += ["", "Calls that waited on the host (wall time over the GPU time of their kernels by more than "
+                  f"{HOST_WAIT - 1:.0%}: the launches, not the kernels, set the wall time; it varies with the host):", "",
+                  "| plan | pass | wall ms | kernels ms |", "|---|---|---|---|"]
+        lines += [f"| {name} / {impl} | {label} | {wall:.3f} | {gpu:.3f} |" for name, impl, label, wall, gpu in waits]
     if profiled:
         lines += ["", "Where the time goes (forward+backward, GPU ms per kernel, torch.profiler; the largest five):", ""]
         for name, row in profiled:

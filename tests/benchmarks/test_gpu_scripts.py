@@ -164,3 +164,15 @@ def test_adopted_variant_rows_replace_ours_and_say_where_from(scripts, tmp_path:
         adopt.main([str(variants_file), "8,8", "kda", "--setting", "x", "--results", str(tmp_path)])
     with pytest.raises(SystemExit, match="no timing of 'deltanet'"):
         adopt.main([str(variants_file), "8,4:output_warps=4@kda", "deltanet", "--setting", "x", "--results", str(tmp_path)])
+
+
+def test_table_reports_calls_that_waited_on_the_host(scripts) -> None:
+    """A row whose wall time exceeds its kernels' GPU time by more than 10% is listed with
+    both numbers (the session-5 table: scalar GLA 0.349 ms wall for 0.222 of kernels); one
+    within 10% is not."""
+    bench, _ = scripts
+    row = lambda impl, fwd, fwd_gpu: {"impl": impl, "fwd_ms": fwd, "fwdbwd_ms": 2.0, "error": "",  # noqa: E731
+                                      "kernels": {"forward": [["a", fwd_gpu], ["(sum of all kernels)", fwd_gpu]],
+                                                  "forward_backward": [["(sum of all kernels)", 1.95]]}}
+    waits = bench.host_waits([("gla-scalar", row("triton", 0.349, 0.222)), ("deltanet", row("triton", 0.502, 0.4955))])
+    assert waits == [("gla-scalar", "triton", "forward", 0.349, 0.222)]

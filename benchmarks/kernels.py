@@ -269,6 +269,26 @@ def _bench(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def host_ms(fn, calls: int = 20) -> float | None:
+    """The host's time to issue one call, ms. The calls are queued behind a GPU sleep, so the
+    GPU never waits on them and the CPU clock measures only the launches and the Python
+    around them (20 forward+backward calls of ~25 launches stay inside CUDA's launch queue).
+    Beside do_bench's wall time and the kernels' GPU time it says whether a short call is
+    host-bound: when it exceeds the kernels' time, the GPU idles between calls."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if not torch.cuda.is_available() or sleep is None:
+        return None
+    fn()
+    torch.cuda.synchronize()
+    sleep(200_000_000)  # GPU cycles: ~0.1 s at the H200's clock, longer than the 20 calls' issue
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e3
+    torch.cuda.synchronize()
+    return round(host, 4)
+
+
 def kernel_breakdown(step, repeats: int = 3, top: int = 10) -> list[list]:
     """GPU time per kernel of one `step()` (mean over `repeats`, ms), largest first: where
     an implementation spends its time, to set beside the floors and the peer's kernels."""
@@ -515,6 +535,8 @@ class Row:
     first_call_s: float | None = None  # compile (or cache load) and autotuning
     error: str = ""
     kernels: dict | None = None  # GPU ms per kernel, forward and forward+backward (--profile)
+    host_fwd_ms: float | None = None  # the host's time to issue one call (`host_ms`, --profile)
+    host_fwdbwd_ms: float | None = None
 
 
 def cut_short(error: str) -> bool:
@@ -547,6 +569,7 @@ def measure_impl(plan: PlanSpec, impl: str, inputs: dict, seconds: float, profil
             if profile and torch.cuda.is_available():
                 step = "profile"
                 row.kernels = {"forward": kernel_breakdown(fn), "forward_backward": kernel_breakdown(fb)}
+                row.host_fwd_ms, row.host_fwdbwd_ms = host_ms(fn), host_ms(fb)
     except ImportError as err:
         row.error = f"not installed: {err}"
     except OutOfTime as err:
@@ -675,17 +698,18 @@ def targets(results: dict) -> list[dict]:
 HOST_WAIT = 1.1  # wall over kernel time above which a call is reported as waiting on the host
 
 
-def host_waits(profiled: list[tuple[str, dict]]) -> list[tuple[str, str, str, float, float]]:
-    """`(plan, impl, pass, wall ms, kernels ms)` where do_bench's wall time exceeds the sum
-    of the call's kernel times (torch.profiler) by more than `HOST_WAIT`: a short call
-    whose GPU idles between launches (do_bench times the events around each call)."""
+def host_waits(profiled: list[tuple[str, dict]]) -> list[tuple[str, str, str, float, float, float | None]]:
+    """`(plan, impl, pass, wall ms, kernels ms, host ms)` where do_bench's wall time exceeds
+    the sum of the call's kernel times (torch.profiler) by more than `HOST_WAIT`: a short
+    call whose GPU idles between launches (do_bench times the events around each call);
+    host ms is the time the host took to issue one call (`host_ms`; None in older runs)."""
     out = []
     for name, row in profiled:
         for key, label, _ in PASSES:
             kernels = dict(row["kernels"].get("forward" if key == "fwd_ms" else "forward_backward", []))
             gpu, wall = kernels.get("(sum of all kernels)"), row.get(key)
             if gpu and wall and wall > HOST_WAIT * gpu:
-                out.append((name, row["impl"], label, wall, gpu))
+                out.append((name, row["impl"], label, wall, gpu, row.get("host_" + key)))
     return out
 
 
@@ -733,8 +757,9 @@ def markdown(results: dict) -> str:
     if waits:
         lines += ["", "Calls that waited on the host (wall time over the GPU time of their kernels by more than "
                   f"{HOST_WAIT - 1:.0%}: the launches, not the kernels, set the wall time; it varies with the host):", "",
-                  "| plan | pass | wall ms | kernels ms |", "|---|---|---|---|"]
-        lines += [f"| {name} / {impl} | {label} | {wall:.3f} | {gpu:.3f} |" for name, impl, label, wall, gpu in waits]
+                  "| plan | pass | wall ms | kernels ms | host ms per call |", "|---|---|---|---|---|"]
+        lines += [f"| {name} / {impl} | {label} | {wall:.3f} | {gpu:.3f} | {fmt(host)} |"
+                  for name, impl, label, wall, gpu, host in waits]
     if profiled:
         lines += ["", "Where the time goes (forward+backward, GPU ms per kernel, torch.profiler; the largest five):", ""]
         for name, row in profiled:

@@ -175,4 +175,8 @@ def test_table_reports_calls_that_waited_on_the_host(scripts) -> None:
                                       "kernels": {"forward": [["a", fwd_gpu], ["(sum of all kernels)", fwd_gpu]],
                                                   "forward_backward": [["(sum of all kernels)", 1.95]]}}
     waits = bench.host_waits([("gla-scalar", row("triton", 0.349, 0.222)), ("deltanet", row("triton", 0.502, 0.4955))])
-    assert waits == [("gla-scalar", "triton", "forward", 0.349, 0.222)]
+    assert waits == [("gla-scalar", "triton", "forward", 0.349, 0.222, None)]
+    table = bench.markdown({"machine": {"torch": "x", "date": "d"}, "shape": dict(B=1, T=1, H=1, K=1, V=1), "dtype": "bf16",
+                            "plans": {"gla-scalar": {"floors": {"floor_fwd_ms": 0.1, "floor_fwdbwd_ms": 0.2},
+                                                     "rows": [{**row("triton", 0.349, 0.222), "host_fwd_ms": 0.31}]}}})
+    assert "| gla-scalar / triton | forward | 0.349 | 0.222 | 0.310 |" in table

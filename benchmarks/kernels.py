@@ -285,8 +285,9 @@ def host_ms(fn, calls: int = 20) -> float | None:
     for _ in range(calls):
         fn()
     host = (time.perf_counter() - t0) / calls * 1e3
+    still_asleep = not torch.cuda.current_stream().query()  # else a call waited on the GPU: no figure
     torch.cuda.synchronize()
-    return round(host, 4)
+    return round(host, 4) if still_asleep else None
 
 
 def kernel_breakdown(step, repeats: int = 3, top: int = 10) -> list[list]:

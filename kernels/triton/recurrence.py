@@ -81,6 +81,16 @@ def _backward_maxnreg(p: Plan) -> int:
 # a channel gate's backward runs as two kernels, the second one program per slice
 # (`backward_channel.py`); ARCHSPEC_TRITON_CHANNEL_SPLIT=0 runs it in the one kernel instead
 _CHANNEL_SPLIT = os.environ.get("ARCHSPEC_TRITON_CHANNEL_SPLIT", "1") != "0"
+# Opt-in, not yet timed: the same two kernels without a gate (DeltaNet, DeltaProduct), on
+# 64-column slices, so that two programs share each chunk's per-channel phases. DeltaNet's
+# one-kernel backward takes 0.86 ms on the H200 at one 8-warp program per SM, where fla's
+# three kernels for the same step take 0.54; a scalar gate's dg sums over the slices, so
+# it keeps the one kernel.
+_SPLIT_UNGATED = os.environ.get("ARCHSPEC_TRITON_SPLIT_UNGATED", "0") == "1"
+
+
+def _split_backward(p: Plan) -> bool:
+    return _CHANNEL_SPLIT and (p.gate == 2 or (p.gate == 0 and _SPLIT_UNGATED))
 # Slice width, default: all of K in one slice without a channel gate (on the H200 DeltaNet
 # took 2.50 ms forward+backward with it, 3.11 with slices of 32, each slice repeating the
 # one-kernel backward's loops over V); with one, slices of 64 for the delta rules and 32 for GLA.
@@ -96,6 +106,8 @@ _BACKWARD_BK = os.environ.get("ARCHSPEC_TRITON_BACKWARD_BK")
 def _backward_bk(p: Plan) -> int:
     if _BACKWARD_BK:
         return min(int(_BACKWARD_BK), p.BK)
+    if p.gate == 0 and _split_backward(p):
+        return min(64, p.BK)
     return p.BK if p.gate != 2 else min(64 if p.mode != 0 else 32, p.BK)
 
 
@@ -394,7 +406,7 @@ class ChunkRecurrence(torch.autograd.Function):
                  "num_warps": _BACKWARD_WARPS, "num_stages": _STAGES}
         if _backward_maxnreg(p):
             flags["maxnreg"] = _backward_maxnreg(p)
-        if p.gate == 2 and _CHANNEL_SPLIT:
+        if _split_backward(p):
             _channel_backward(p, args, (dq, dk, dw, de, dv, dbeta, dg), cu_seqlens, table, scale, ctx.tied, flags)
         else:
             chunk_backward_kernel[(p.n_chunks, p.H)](

@@ -143,6 +143,34 @@ def test_backward_in_k_slices(monkeypatch, K: int, slice_k: int, paths: list[Cas
         _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
 
 
+@pytest.mark.parametrize("K,slice_k", [(32, None), (48, 16)], ids=["two-64-or-one", "K48-3slices"])
+def test_ungated_backward_in_two_kernels(monkeypatch, K: int, slice_k: int | None) -> None:
+    """`ARCHSPEC_TRITON_SPLIT_UNGATED=1` (opt-in): DeltaNet, DeltaProduct and an ungated
+    RWKV-7 run the backward's last step as `chunk_pairs_kernel` + `chunk_channels_kernel`,
+    one program per K slice, like a channel gate."""
+    from archspec.kernels.triton import recurrence
+
+    launches = []
+
+    class Counted:  # the pairs kernel's launches, to see that the split path ran
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(recurrence, "_SPLIT_UNGATED", True)
+    monkeypatch.setattr(recurrence, "_BACKWARD_BK", slice_k)
+    monkeypatch.setattr(recurrence, "chunk_pairs_kernel", Counted(recurrence.chunk_pairs_kernel))
+    for case in (Case(gate="none", transition="householder", initial_state=True),
+                 Case(gate="none", transition="householder", n_h=3, beta_scale=2.0),
+                 Case(gate="none", transition="rwkv7", write_key="untied")):
+        inputs = make_inputs(case, B=1, T=20, H=2, K=K, V=16, device=DEVICE, seed=12)
+        _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
+    assert len(launches) == 3
+
+
 def test_channel_backward_in_one_kernel(monkeypatch) -> None:
     """`ARCHSPEC_TRITON_CHANNEL_SPLIT=0`: the channel-gate backward in `chunk_backward_kernel`
     (the whole of K in one program), kept for comparison on the GPU."""

@@ -28,6 +28,7 @@ import triton.language as tl
 from .backward import chunk_backward_kernel
 from .backward_channel import chunk_channels_kernel, chunk_pairs_kernel
 from .chunks import chunk_tables
+from . import decay
 from .gate import gate_cumsum_kernel
 from .output import output_backward_kernel, output_kernel
 from .prepare import inverse_kernel, prepare_kernel
@@ -297,7 +298,9 @@ class ChunkRecurrence(torch.autograd.Function):
         dummy = k  # stands in for absent optional tensors (never read: its flag is off)
 
         G = None
-        if p.gate:
+        if p.gate == 1 and decay.INLINE_SCALAR_GATE.value:  # the kernels sum the raw gate themselves
+            G = g
+        elif p.gate:
             G = torch.empty_like(g, dtype=p.acc)
             bkc = min(p.BK, 32) if p.gate == 2 else p.BK
             gate_cumsum_kernel[(p.n_chunks, p.H, _cdiv(p.K, bkc) if p.gate == 2 else 1)](

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .chunks import sequence_of_program
-from .decay import load_gate, load_rows, mm, store_rows
+from .decay import load_gate, load_rows, mm, scalar_gate_total, store_rows
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE: tl.constexpr, NH
         gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
         return g_last, tl.where(valid[:, None], g_last[None, :] - gk, 0.0)
     elif GATE == 1:
-        g_last = tl.load(p_g + (n_tok - 1) * stride_g).to(ACC)
+        g_last = scalar_gate_total(p_g, n_tok, stride_g, i_sub.shape[0], ACC)
         gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
         return g_last, tl.where(valid, g_last - gk, 0.0)
     else:

@@ -171,6 +171,36 @@ def test_ungated_backward_in_two_kernels(monkeypatch, K: int, slice_k: int | Non
     assert len(launches) == 3
 
 
+def test_scalar_gate_summed_in_the_kernels(monkeypatch) -> None:
+    """`ARCHSPEC_TRITON_INLINE_SCALAR_GATE=1` (opt-in): no cumulative-gate launch; every
+    kernel sums the raw scalar gate of its chunk where it reads it. Every scalar-gate path
+    (n_h 1-3, rwkv7, GLA, a packed batch with a short and an empty sequence), forward and
+    backward, against the token loop."""
+    import triton.language as tl
+
+    from archspec.kernels.triton import decay, recurrence
+
+    launches = []
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            raise AssertionError("gate_cumsum_kernel launched")
+
+    monkeypatch.setattr(decay, "INLINE_SCALAR_GATE", tl.constexpr(True))
+    monkeypatch.setattr(recurrence, "gate_cumsum_kernel", Counted())
+    for case in SCALAR_PATHS[1:] + [Case(gate="scalar", transition="householder", n_h=3, initial_state=True)]:
+        inputs = make_inputs(case, B=2, T=21, H=2, K=16, V=16, device=DEVICE, seed=13)
+        _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
+    case = Case(gate="scalar", transition="householder", n_h=2, initial_state=True)
+    inputs, cu = _packed(case, [13, 0, 30], seed=14)
+    got = _run(lambda a: linear_recurrence_triton(**a, output_final_state=True, cu_seqlens=cu, chunk_size=16), inputs)
+    ref = {k: (v.detach().double().cpu().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    want = _run(lambda a: linear_recurrence(**a, output_final_state=True, cu_seqlens=cu.cpu(), backend="naive"), ref)
+    _assert_close(got, want, tol=1e-9)
+    assert not launches
+
+
 def test_channel_backward_in_one_kernel(monkeypatch) -> None:
     """`ARCHSPEC_TRITON_CHANNEL_SPLIT=0`: the channel-gate backward in `chunk_backward_kernel`
     (the whole of K in one program), kept for comparison on the GPU."""

@@ -32,8 +32,7 @@ import triton
 import triton.language as tl
 
 from .backward import channel_grads, pair_grads
-from .chunks import chunk_of_program
-from .decay import runs_in_pass
+from .decay import chunk_in_pass
 
 
 @triton.jit
@@ -56,10 +55,10 @@ def chunk_pairs_kernel(
     BKG: tl.constexpr = 16, CHANNEL_PASS: tl.constexpr = 0,
 ):
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
-    _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
-    tok0 = bos + c * TC
-    n_tok = tl.minimum(TC, seq_len - c * TC)
-    if runs_in_pass(G + tok0 * H * K + i_h * K, n_tok * NH, H * K, NH, K, BKG, GATE, CHANNEL_PASS, OP, ACC):
+    # the pass is decided on all K columns (BKG of them) in both kernels
+    tok0, n_tok, runs = chunk_in_pass(G, i_chunk, i_h, T, NT, cu_seqlens, chunk_table, H, K, BKG, TC, NH, GATE, CHANNEL_PASS,
+                                      IS_VARLEN, OP, ACC)
+    if runs:
         dm_e, dm_w, da, ds_kw = pair_grads(k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dbeta,
                                            i_chunk, i_h, tok0, n_tok, H, K, V, BKS, BV, BT, BQ, NH, SC,
                                            MODE, GATE, HAS_BETA, ACC, OP, PREC, CHUNK_ONLY=CHANNEL_PASS == 1)
@@ -85,11 +84,10 @@ def chunk_channels_kernel(
     BKG: tl.constexpr = 16, CHANNEL_PASS: tl.constexpr = 0,
 ):
     i_k, i_chunk, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
-    tok0 = bos + c * TC
-    n_tok = tl.minimum(TC, seq_len - c * TC)
-    # the pass is decided on all K columns (BKG of them), as in chunk_pairs_kernel
-    if runs_in_pass(G + tok0 * H * K + i_h * K, n_tok * NH, H * K, NH, K, BKG, GATE, CHANNEL_PASS, OP, ACC):
+    # the pass is decided on all K columns (BKG of them) in both kernels
+    tok0, n_tok, runs = chunk_in_pass(G, i_chunk, i_h, T, NT, cu_seqlens, chunk_table, H, K, BKG, TC, NH, GATE, CHANNEL_PASS,
+                                      IS_VARLEN, OP, ACC)
+    if runs:
         o_tile = (i_chunk * H + i_h) * BT  # the matrices are loaded where channel_grads uses them
         da, ds_kw, dm_e, dm_w = s_a + o_tile * BT, s_kw + o_tile * BT, s_me + o_tile * BQ, s_mw + o_tile * BQ
         channel_grads(q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dw, de, dg,

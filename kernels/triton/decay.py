@@ -76,6 +76,8 @@ import os
 import triton
 import triton.language as tl
 
+from .chunks import chunk_of_program
+
 # The factorization bound of the inner sub-chunk pairs (module docstring), bfloat16 / float32
 # operands; ARCHSPEC_TRITON_DECAY_BOUND=-1 turns both factorized paths off (the exact loop only).
 DECAY_BOUND = tl.constexpr(float(os.environ.get("ARCHSPEC_TRITON_DECAY_BOUND", "40")))
@@ -198,6 +200,20 @@ def runs_in_pass(p_g, n_sub, stride_g, NH: tl.constexpr, K: tl.constexpr, BK: tl
         return fast == (CHANNEL_PASS == 1)
     else:
         return True
+
+
+@triton.jit
+def chunk_in_pass(G, i_chunk, i_h, T, NT, cu_seqlens, chunk_table, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                  TC: tl.constexpr, NH: tl.constexpr, GATE: tl.constexpr, CHANNEL_PASS: tl.constexpr,
+                  IS_VARLEN: tl.constexpr, OP: tl.constexpr, ACC: tl.constexpr):
+    """`(tok0, n_tok, runs)` of a chunk-parallel program: its chunk's first token and number
+    of tokens, and whether the chunk is this launch's (`runs_in_pass`)."""
+    _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
+    tok0 = bos + c * TC
+    n_tok = tl.minimum(TC, seq_len - c * TC)
+    stride_g = H * K if GATE == 2 else H
+    p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
+    return tok0, n_tok, runs_in_pass(p_g, n_tok * NH, stride_g, NH, K, BK, GATE, CHANNEL_PASS, OP, ACC)
 
 
 @triton.jit

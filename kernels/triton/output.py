@@ -15,13 +15,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunks import chunk_of_program
 from .decay import (
+    chunk_in_pass,
     decay_rows,
     load_gate,
     load_rows,
     mm,
-    runs_in_pass,
     scores,
     store_rows,
 )
@@ -77,11 +76,9 @@ def output_kernel(
     per program, so a cheap score (no channel gate) is formed again by each column group
     in exchange for more, smaller programs (`recurrence.py` chooses `BVO`)."""
     i_chunk, i_h, i_vo = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
-    tok0 = bos + c * TC
-    n_tok = tl.minimum(TC, seq_len - c * TC)
-    if runs_in_pass(G + tok0 * (H * K if GATE == 2 else H) + (i_h * K if GATE == 2 else i_h), n_tok * NH,
-                    H * K if GATE == 2 else H, NH, K, BK, GATE, CHANNEL_PASS, OP, ACC):
+    tok0, n_tok, runs = chunk_in_pass(G, i_chunk, i_h, T, NT, cu_seqlens, chunk_table, H, K, BK, TC, NH, GATE, CHANNEL_PASS,
+                                      IS_VARLEN, OP, ACC)
+    if runs:
         qt, m_e, m_w = query_scores(q, w, e, G, tok0, n_tok, i_h, scale, H, K, BK, BT, BQ, NH, SC, MODE, GATE, ACC, OP, PREC,
                                        CHUNK_ONLY=CHANNEL_PASS == 1)
         i_sub = tl.arange(0, BT)
@@ -121,11 +118,9 @@ def output_backward_kernel(
 ):
     """`dY = M_E^T dO` and `dU = M_W^T dO` (the within-chunk parts)."""
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
-    _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
-    tok0 = bos + c * TC
-    n_tok = tl.minimum(TC, seq_len - c * TC)
-    if runs_in_pass(G + tok0 * (H * K if GATE == 2 else H) + (i_h * K if GATE == 2 else i_h), n_tok * NH,
-                    H * K if GATE == 2 else H, NH, K, BK, GATE, CHANNEL_PASS, OP, ACC):
+    tok0, n_tok, runs = chunk_in_pass(G, i_chunk, i_h, T, NT, cu_seqlens, chunk_table, H, K, BK, TC, NH, GATE, CHANNEL_PASS,
+                                      IS_VARLEN, OP, ACC)
+    if runs:
         _qt, m_e, m_w = query_scores(q, w, e, G, tok0, n_tok, i_h, scale, H, K, BK, BT, BQ, NH, SC, MODE, GATE, ACC, OP, PREC,
                                        CHUNK_ONLY=CHANNEL_PASS == 1)
         i_sub = tl.arange(0, BT)

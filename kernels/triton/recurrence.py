@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from . import decay
 from .backward import chunk_backward_kernel
 from .backward_channel import chunk_channels_kernel, chunk_pairs_kernel
 from .chunks import chunk_tables
-from . import decay
 from .gate import gate_cumsum_kernel
 from .output import output_backward_kernel, output_kernel
 from .prepare import inverse_kernel, prepare_kernel

@@ -15,15 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decay import (
-    chunk_in_pass,
-    decay_rows,
-    load_gate,
-    load_rows,
-    mm,
-    scores,
-    store_rows,
-)
+from .decay import chunk_in_pass, decay_rows, load_gate, load_rows, mm, scores, store_rows
 
 
 @triton.jit

@@ -26,16 +26,7 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_of_program
-from .decay import (
-    causal_mask,
-    decay_bound,
-    decay_rows,
-    load_gate,
-    load_rows,
-    mm,
-    scores,
-    store_rows,
-)
+from .decay import causal_mask, decay_bound, decay_rows, load_gate, load_rows, mm, scores, store_rows
 from .solve import unit_lower_inverse
 
 

@@ -15,7 +15,7 @@
 # Every result lands flat in $OUT (at most 8 files come back, no deeper than $OUT/a/b).
 # BUDGET_S overrides the call's budget in seconds (the whole command, installs included);
 # RUN_S overrides call 3's training time per run; GAPS_S the budget of the --gaps check (calls 1, 8); CHECK_S call 7's check,
-# CHECK_BT its B,T (default 4,4096). DRY_CPU=1 rehearses a call on a machine
+# CHECK_BT the B,T of calls 7 and 8's check (default 4,4096). DRY_CPU=1 rehearses a call on a machine
 # without a GPU: no installs, the scripts' --smoke modes, runs of a few steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -126,10 +126,11 @@ case $call in
   say "correctness gaps (cu_seqlens, float16, n_h 4 and 8)"
   timeout $((${GAPS_S:-200} + 20)) python3 benchmarks/triton_gpu_check.py --gaps --out "$OUT" --budget-s "${GAPS_S:-200}" $smoke 2>&1 |
     tee "$OUT/check-gaps.log" | tail -34
-  s=$(($(left) - 20)); [ "$s" -le 180 ] || s=180
+  s=$(($(left) - 20)); [ "$s" -le "${CHECK_S:-180}" ] || s=${CHECK_S:-180}
   if [ "$s" -ge 90 ]; then
     say "correctness check: ${CHECK:-the default suite}, budget ${s}s"
-    timeout $((s + 20)) python3 benchmarks/triton_gpu_check.py ${CHECK:+--plans "$CHECK"} --out "$OUT" --budget-s "$s" $smoke 2>&1 |
+    timeout $((s + 20)) python3 benchmarks/triton_gpu_check.py ${CHECK:+--plans "$CHECK"} --out "$OUT" --budget-s "$s" $smoke \
+      ${CHECK_BT:+--batch-tokens "$CHECK_BT"} 2>&1 |
       tee "$OUT/check.log" | tail -20
   else
     say "no time left for the check suite (${s}s)"

@@ -106,12 +106,13 @@ def offline(fn_module_kernels: list) -> None:
 
 def main() -> None:
     os.environ.pop("TRITON_INTERPRET", None)
-    from . import backward, backward_channel, gate, osdn, output, prepare, state
+    from . import backward, backward_channel, gate, osdn, osdn_blocked, output, prepare, state
     from .recurrence import linear_recurrence_triton
     offline([gate.gate_cumsum_kernel, prepare.inverse_kernel, prepare.prepare_kernel, state.state_forward_kernel, state.state_backward_kernel,
              output.output_kernel, output.output_backward_kernel, backward.chunk_backward_kernel,
              backward_channel.chunk_pairs_kernel, backward_channel.chunk_channels_kernel,
-             osdn.osdn_forward_kernel, osdn.osdn_backward_kernel])
+             osdn.osdn_forward_kernel, osdn.osdn_backward_kernel,
+             osdn_blocked.osdn_block_prepare_kernel, osdn_blocked.osdn_block_forward_kernel])
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     B, T, H, K, V = 1, 128, 2, 128, 128
     dtype = getattr(torch, os.environ.get("ARCHSPEC_DTYPE", "bfloat16"))

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .osdn_blocked import block_forward
+
 Tensor = torch.Tensor
 
 
@@ -82,6 +84,10 @@ PREFETCH = int(os.environ.get("ARCHSPEC_TRITON_OSDN_PREFETCH", "8"))
 # instead of reducing them again: two of its four dot products per step, the second of
 # which (`<d, s>`) the mask of the step's critical path waits on.
 STATS = os.environ.get("ARCHSPEC_TRITON_OSDN_STATS", "1") == "1"
+# Opt-in (untimed): the forward in blocks of sub-steps, one dot-product round per block
+# (`osdn_blocked.py`); its program's warps. It stores the same trajectory and stats.
+BLOCKED = os.environ.get("ARCHSPEC_TRITON_OSDN_BLOCKED", "0") == "1"
+BLOCKED_WARPS = int(os.environ.get("ARCHSPEC_TRITON_OSDN_BLOCKED_WARPS", "4"))  # 2 spills offline; 8 does not compile (Triton 3.6)
 
 
 @triton.jit
@@ -388,12 +394,16 @@ class OsdnScan(torch.autograd.Function):
                     ACC=tl.float64 if acc == torch.float64 else tl.float32, AHEAD=AHEAD,
                     PREFETCH=PREFETCH)
         k_words, meta["PACKED"] = _packed(k)
-        meta["STATS"] = AHEAD and STATS
-        stats = torch.empty(B, TN, H, 2, device=k.device, dtype=acc) if meta["STATS"] else traj
-        osdn_forward_kernel[(n_seq * H,)](
-            k_words, beta_, retain_, d0_, w, traj, stats, d_final, cu_seqlens, T, eta, d_min, d_max, eps, D0_MODE=d0_mode,
-            num_warps=SCAN_WARPS, **meta,
-        )
+        meta["STATS"] = AHEAD and (STATS or BLOCKED)  # the blocked forward always stores them
+        stats = torch.empty(B, TN, H, 2, device=k.device, dtype=acc) if meta["STATS"] or BLOCKED else traj
+        if BLOCKED:
+            block_forward(k, beta_, retain_, d0_, w, traj, stats, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
+                          n_seq=n_seq, d0_mode=d0_mode, warps=BLOCKED_WARPS, meta=meta)
+        else:
+            osdn_forward_kernel[(n_seq * H,)](
+                k_words, beta_, retain_, d0_, w, traj, stats, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
+                D0_MODE=d0_mode, num_warps=SCAN_WARPS, **meta,
+            )
         ctx.save_for_backward(k, beta, retain, traj, stats, cu_seqlens)
         ctx.meta, ctx.args = meta, (T, eta, d_min, d_max, eps, n_seq, d0_mode)
         ctx.d0_dtype = None if d0 is None else d0.dtype

@@ -132,3 +132,61 @@ def test_osdn_loads_ahead_queue_lengths(monkeypatch, prefetch: int, stats: bool)
         want = _run({k: v.detach().double().requires_grad_() for k, v in low.items()}, "naive", eta=0.3)
         got = _run(low, "triton", eta=0.3)
         _compare(got, want, ["write_key", "d_final", "d_k", "d_beta", "d_retain"], tol=tol)
+
+
+def _blocked(monkeypatch) -> list[torch.Tensor]:
+    """Turn on the blocked forward (`osdn.BLOCKED`); returns the list that collects each
+    call's count of blocks the clip made run step by step (`osdn_blocked.block_forward`)."""
+    from archspec.kernels.triton import osdn
+
+    stepped: list[torch.Tensor] = []
+    forward = osdn.block_forward
+    monkeypatch.setattr(osdn, "BLOCKED", True)
+    monkeypatch.setattr(osdn, "block_forward", lambda *a, **kw: stepped.append(forward(*a, **kw)) or stepped[-1])
+    return stepped
+
+
+@pytest.mark.parametrize(
+    "n_h,beta_aware,retain,d0",
+    [(1, True, False, "ones"), (1, True, True, "shared"), (2, False, True, "per_sequence"), (3, True, True, "ones"),
+     (5, True, False, "shared")],
+)
+def test_osdn_blocked_forward_matches_naive(monkeypatch, n_h: int, beta_aware: bool, retain: bool, d0: str) -> None:
+    """The forward in blocks of 16 sub-steps (`osdn_blocked.py`), with the backward that
+    reads its trajectory: bounds the scan never reaches (every block affine, none stepped),
+    and the paper's bounds with a large `eta`, where some blocks clip and run step by step
+    and others do not (retain gates below 1 pull `d` onto `d_min` and keep it there: with
+    them every block clips). 37 tokens: the last block is partial for every n_h. The bounds
+    are binary fractions: the kernels take them as float32 scalars, also in a float64 scan."""
+    stepped = _blocked(monkeypatch)
+    inputs = _inputs(2, 37, 2, 16, n_h, retain=retain, d0=d0, seed=3 + n_h)
+    names = ["write_key", "d_final"] + ["d_" + n for n in inputs]
+    blocks = 2 * 2 * -(-37 // max(1, 16 // n_h))  # sequences x heads x blocks per sequence
+    clipping = (1, blocks) if retain else (1, blocks - 1)
+    for options, stepped_range in ((dict(eta=0.5, d_min=0.01, d_max=100.0), (0, 0)),
+                                   (dict(eta=1.0, d_min=0.75, d_max=1.375), clipping)):
+        options["beta_aware"] = beta_aware
+        _compare(_run(inputs, "triton", **options), _run(inputs, "naive", **options), names, tol=1e-10)
+        count = int(stepped[-1].sum())
+        assert stepped_range[0] <= count <= stepped_range[1], (options, count, blocks)
+
+
+def test_osdn_blocked_forward_packed_and_low_precision(monkeypatch) -> None:
+    """The blocked forward on packed sequences (empty, one token, several blocks), and with
+    float32, bfloat16 and float16 keys against the token loop on the same rounded inputs."""
+    stepped = _blocked(monkeypatch)
+    inputs = _inputs(1, 45, 2, 16, 2, retain=True, d0="none", seed=9)
+    gen = torch.Generator().manual_seed(10)
+    inputs["d0"] = (0.6 + 1.2 * torch.rand(4, 2, 16, generator=gen, dtype=torch.float64)).to(DEVICE).requires_grad_()
+    cu = torch.tensor([0, 7, 7, 8, 45], dtype=torch.int32, device=DEVICE)
+    for options in (dict(eta=1.0, d_min=0.75, d_max=1.375, cu_seqlens=cu), dict(eta=0.5, d_min=0.01, d_max=100.0, cu_seqlens=cu)):
+        names = ["write_key", "d_final"] + ["d_" + n for n in inputs]
+        _compare(_run(inputs, "triton", **options), _run(inputs, "naive", **options), names, tol=1e-10)
+    assert int(stepped[-1].sum()) == 0 and int(stepped[-2].sum()) > 0
+    inputs = _inputs(1, 40, 2, 32, 1, retain=True, d0="none", seed=12)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)):
+        low = {k: v.detach().to(dtype).requires_grad_() for k, v in inputs.items()}
+        want = _run({k: v.detach().double().requires_grad_() for k, v in low.items()}, "naive", eta=0.01)
+        got = _run(low, "triton", eta=0.01)
+        assert got[0].dtype == dtype
+        _compare(got, want, ["write_key", "d_final", "d_k", "d_beta", "d_retain"], tol=tol)

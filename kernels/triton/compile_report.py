@@ -117,7 +117,7 @@ def main() -> None:
     B, T, H, K, V = 1, 128, 2, 128, 128
     dtype = getattr(torch, os.environ.get("ARCHSPEC_DTYPE", "bfloat16"))
     plans = [dict(name="deltanet", beta=True), dict(name="gdn", beta=True, gate="scalar"),
-             dict(name="kda", beta=True, gate="channel"), dict(name="gla", gate="channel"),
+             dict(name="kda", beta=True, gate="channel"), dict(name="gla", gate="channel"), dict(name="gla-scalar", gate="scalar"),
              dict(name="rwkv7", erase=True, gate="channel", untied=True), dict(name="dp3-gated", beta=True, gate="scalar", n_h=3)]
     only = set(sys.argv[1].split(",")) if len(sys.argv) > 1 else None
     for plan in plans:

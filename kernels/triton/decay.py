@@ -114,36 +114,13 @@ def store_rows(p, x, rows, ok, stride, offs_k, K: tl.constexpr):
     tl.store(ptrs, x.to(p.dtype.element_ty), mask=ok[:, None] & (offs_k[None, :] < K))
 
 
-# Opt-in, not yet timed on the GPU: a scalar gate's within-chunk cumulative sum formed where
-# it is read (`load_gate`, `scalar_gate_total`) from the raw gate, so that the forward has no
-# `gate_cumsum_kernel` launch (Gated DeltaNet 5 -> 4, scalar GLA 3 -> 2): short forwards
-# wait on the host's launches (scalar GLA on the H200: 0.349 ms wall for 0.222 of kernels).
-INLINE_SCALAR_GATE = tl.constexpr(os.environ.get("ARCHSPEC_TRITON_INLINE_SCALAR_GATE", "0") == "1")
-
-
-@triton.jit
-def scalar_gate_total(p_g, n_tok, stride_g, TT: tl.constexpr, ACC: tl.constexpr):
-    """A scalar gate's cumulative log-gate at the chunk's last token (of `n_tok`)."""
-    if INLINE_SCALAR_GATE:
-        t = tl.arange(0, TT)
-        return tl.sum(tl.load(p_g + t * stride_g, mask=t < n_tok, other=0.0).to(ACC), 0)
-    else:
-        return tl.load(p_g + (n_tok - 1) * stride_g).to(ACC)
-
-
 @triton.jit
 def load_gate(p_g, rows, ok, stride_g, offs_k, GATE: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr):
     """Cumulative log-gate of token rows `rows`: `[R, BK]` (channel), `[R]` (scalar), or 0."""
     if GATE == 2:
         return load_rows(p_g, rows, ok, stride_g, offs_k, K, ACC)
     elif GATE == 1:
-        if INLINE_SCALAR_GATE:  # `p_g` is the raw gate: sum its tokens up to each row's
-            t = tl.arange(0, rows.shape[0])  # a chunk's tokens never outnumber the rows asked for
-            last = tl.max(tl.where(ok, rows, 0), 0)
-            g = tl.load(p_g + t * stride_g, mask=t <= last, other=0.0).to(ACC)
-            return tl.where(ok, tl.sum(tl.where(t[None, :] <= rows[:, None], g[None, :], 0.0), 1), 0.0)
-        else:
-            return tl.load(p_g + rows * stride_g, mask=ok, other=0.0).to(ACC)
+        return tl.load(p_g + rows * stride_g, mask=ok, other=0.0).to(ACC)
     else:
         return tl.zeros([rows.shape[0]], dtype=ACC)
 

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .chunks import chunk_of_program
 from .decay import causal_mask, decay_bound, decay_rows, load_gate, load_rows, mm, scores, store_rows
+from .gate import chunk_scalar_gate
 from .solve import unit_lower_inverse
 
 
@@ -47,11 +48,11 @@ def _chunk_rows(i_chunk, i_h, G, cu_seqlens, chunk_table, T, NT, H: tl.constexpr
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def inverse_kernel(
-    k, w, e, beta, G, Tinv, slow, cu_seqlens, chunk_table, T, NT,
+    k, w, e, beta, g, G, Tinv, slow, cu_seqlens, chunk_table, T, NT,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKI: tl.constexpr, BT: tl.constexpr, TC: tl.constexpr,
     NH: tl.constexpr, SC: tl.constexpr, MODE: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
     ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr, DOUBLING: tl.constexpr,
-    CHANNEL_PASS: tl.constexpr = 0,
+    CHANNEL_PASS: tl.constexpr = 0, FORM_G: tl.constexpr = False,
 ):
     """`Tinv = (I + A)^{-1}` of one chunk, `A = diag(c) strictly_lower(K~ E~^T)`.
 
@@ -62,10 +63,16 @@ def inverse_kernel(
     rows (`decay.scores`: sub-chunks, the exact loop) and leaves the rest at once. As one
     kernel, every chunk paid the registers of the slowest path (255 and spills with 4
     warps, Triton 3.6): KDA's took 0.315 ms on the H200 against DeltaNet's 0.122.
+
+    `FORM_G` (a scalar gate): the chunk's cumulative gate is formed here from the raw `g`
+    and stored in `G` (`gate.chunk_scalar_gate`), for this kernel and those after it.
     """
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
     tok0, n_sub, i_sub, valid, row_k, stride_g, p_g = _chunk_rows(i_chunk, i_h, G, cu_seqlens, chunk_table, T, NT,
                                                                    H, K, BT, TC, NH, GATE, IS_VARLEN)
+    if FORM_G:
+        chunk_scalar_gate(g, G, tok0, n_sub // NH, i_h, H, BT, ACC, True)
+        tl.debug_barrier()  # the rows just stored are read below by other threads of this program
     offs_k = tl.arange(0, BK)
     p_e = w + row_k if MODE == 1 else e + row_k
     o_t = (i_chunk * H + i_h) * BT * BT

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from . import decay
 from .backward import chunk_backward_kernel
 from .backward_channel import chunk_channels_kernel, chunk_pairs_kernel
 from .chunks import chunk_tables
@@ -129,6 +128,20 @@ def _output_warps(p: Plan, channel_pass: int = 0) -> int:
 # within decay.py's bound, compiled without the slower paths, then the others; as one
 # kernel every chunk paid the registers of the slowest path. ARCHSPEC_TRITON_CHANNEL_PASSES=0: one launch.
 _CHANNEL_PASSES = os.environ.get("ARCHSPEC_TRITON_CHANNEL_PASSES", "1") != "0"
+# Opt-in (untimed): a scalar gate's within-chunk cumulative sum formed by the forward's first
+# kernel that reads it (the inverse of a delta rule, the state pass of a diagonal one), which
+# stores it for the rest, instead of `gate_cumsum_kernel`'s own launch: one launch fewer
+# (Gated DeltaNet 5 -> 4, scalar GLA 3 -> 2). The H200 issued about 0.09 ms of host time per
+# launch (`kernels.py host_ms`, session 6), and scalar GLA's forward is host-bound: 0.349 ms
+# wall for 0.222 of kernels. (Session 5's form summed the gate in every kernel that read
+# it, an O(rows^2) masked sum each time: its kernels were slower, GDN 0.488 -> 0.612.)
+_GATE_IN_FIRST = os.environ.get("ARCHSPEC_TRITON_GATE_IN_FIRST", "0") == "1"
+
+
+def _forms_gate_in_first_kernel(p: Plan) -> bool:
+    """With `_GATE_IN_FIRST`: a scalar gate, formed by the inverse (delta rules) or by the
+    state pass (diagonal, one sub-step per token: its rows are the chunk's tokens)."""
+    return _GATE_IN_FIRST and p.gate == 1 and (p.mode != 0 or p.n_h == 1)
 
 
 def _channel_passes(p: Plan) -> tuple[int, ...]:
@@ -298,10 +311,10 @@ class ChunkRecurrence(torch.autograd.Function):
         dummy = k  # stands in for absent optional tensors (never read: its flag is off)
 
         G = None
-        if p.gate == 1 and decay.INLINE_SCALAR_GATE.value:  # the kernels sum the raw gate themselves
-            G = g
-        elif p.gate:
+        form_g = _forms_gate_in_first_kernel(p)
+        if p.gate:
             G = torch.empty_like(g, dtype=p.acc)
+        if p.gate and not form_g:
             bkc = min(p.BK, 32) if p.gate == 2 else p.BK
             gate_cumsum_kernel[(p.n_chunks, p.H, _cdiv(p.K, bkc) if p.gate == 2 else 1)](
                 g, G, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=bkc, TC=p.TC, BQ=p.BQ,
@@ -318,12 +331,14 @@ class ChunkRecurrence(torch.autograd.Function):
             slow = torch.empty(p.n_chunks * p.H, device=dev, dtype=torch.int8) if p.gate == 2 else dummy
             for channel_pass in _channel_passes(p):
                 inverse_kernel[(p.n_chunks, p.H)](
-                    k, w, dummy if e is None else e, dummy if beta is None else beta, dummy if G is None else G,
+                    k, w, dummy if e is None else e, dummy if beta is None else beta, dummy if g is None else g,
+                    dummy if G is None else G,
                     Tinv, slow, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=p.BK,
                     BKI=min(p.BK, 16 if channel_pass == 1 else 32),  # 16: the gated slices' 166 registers at 2 warps, not 246
                     BT=p.BT, TC=p.TC, NH=p.n_h, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, ACC=p.tl_acc, OP=p.tl_op, PREC=p.prec,
                     INV_PREC="ieee" if p.acc == torch.float64 else "tf32x3", DOUBLING=_SOLVE == "doubling",
-                    CHANNEL_PASS=channel_pass, num_warps=_inverse_warps(0 if channel_pass == 1 else p.gate), num_stages=_STAGES,
+                    CHANNEL_PASS=channel_pass, FORM_G=form_g, num_warps=_inverse_warps(0 if channel_pass == 1 else p.gate),
+                    num_stages=_STAGES,
                 )
             prepare_kernel[(p.n_chunks, p.H)](
                 k, w, dummy if beta is None else beta, v, dummy if G is None else G,
@@ -335,12 +350,13 @@ class ChunkRecurrence(torch.autograd.Function):
         final = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if output_final_state else None
         bvf = _state_forward_bv(p)
         state_forward_kernel[(_cdiv(p.V, bvf), p.n_seq * p.H)](
-            k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
+            k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if g is None else g,
+            dummy if G is None else G,
             dummy if P is None else P, dummy if X is None else X, dummy if Y is None else Y,
             h_all, dummy if initial_state is None else initial_state.contiguous(), dummy if final is None else final,
             cu_seqlens, offsets, p.T, p.NT, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta,
-            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen, num_warps=p.state_warps, num_stages=_state_stages(p),
-            **{**_common(p, state=True), "BV": bvf},
+            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen, FORM_G=form_g and p.mode == 0,
+            num_warps=p.state_warps, num_stages=_state_stages(p), **{**_common(p, state=True), "BV": bvf},
         )
         o = torch.empty(p.B, p.T, p.H, p.V, device=dev, dtype=v.dtype)
         # value columns per program: one V block without a gate (its scores are one cheap

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from .chunks import sequence_of_program
-from .decay import load_gate, load_rows, mm, scalar_gate_total, store_rows
+from .decay import load_gate, load_rows, mm, store_rows
+from .gate import chunk_scalar_gate
 
 
 @triton.jit
@@ -33,7 +34,7 @@ def end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE: tl.constexpr, NH
         gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
         return g_last, tl.where(valid[:, None], g_last[None, :] - gk, 0.0)
     elif GATE == 1:
-        g_last = scalar_gate_total(p_g, n_tok, stride_g, i_sub.shape[0], ACC)
+        g_last = tl.load(p_g + (n_tok - 1) * stride_g).to(ACC)
         gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
         return g_last, tl.where(valid, g_last - gk, 0.0)
     else:
@@ -85,13 +86,16 @@ def value_decay(x, gamma, GATE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def state_forward_kernel(
-    k, w, e, beta, v, G, P, X, Y, h_all, h0, ht, cu_seqlens, chunk_offsets, T, NT,
+    k, w, e, beta, v, g, G, P, X, Y, h_all, h0, ht, cu_seqlens, chunk_offsets, T, NT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, TC: tl.constexpr, NH: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, FORM_G: tl.constexpr = False,
 ):
+    """`FORM_G` (a scalar gate, one sub-step per token): each chunk's cumulative gate is
+    formed here from the raw `g` (`gate.chunk_scalar_gate`), and stored in `G` for the
+    kernels after this one by the programs of the first V block."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     n, i_h = i_nh // H, i_nh % H
     bos, seq_len, first, count = sequence_of_program(n, T, NT, cu_seqlens, chunk_offsets, IS_VARLEN)
@@ -113,7 +117,12 @@ def state_forward_kernel(
         row_k = tok0 * NH * H * K + i_h * K
         row_v = tok0 * NH * H * V + i_h * V
         p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
-        g_last, to_end = end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE, NH, K, ACC)
+        if FORM_G:
+            G_rows = chunk_scalar_gate(g, G, tok0, n_tok, i_h, H, BT, ACC, i_v == 0)
+            g_last = tl.sum(tl.where(i_sub == n_tok - 1, G_rows, 0.0), 0)
+            to_end = tl.where(valid, g_last - G_rows, 0.0)
+        else:
+            g_last, to_end = end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE, NH, K, ACC)
         if MODE != 0:  # the erase read-outs first: after them the old state is dead (registers)
             pp = load_rows(P + row_k, i_sub, valid, H * K, offs_k, K, OP)
             y = load_rows(X + row_v, i_sub, valid, H * V, offs_v, V, ACC)

@@ -171,23 +171,24 @@ def test_ungated_backward_in_two_kernels(monkeypatch, K: int, slice_k: int | Non
     assert len(launches) == 3
 
 
-def test_scalar_gate_summed_in_the_kernels(monkeypatch) -> None:
-    """`ARCHSPEC_TRITON_INLINE_SCALAR_GATE=1` (opt-in): no cumulative-gate launch; every
-    kernel sums the raw scalar gate of its chunk where it reads it. Every scalar-gate path
-    (n_h 1-3, rwkv7, GLA, a packed batch with a short and an empty sequence), forward and
-    backward, against the token loop."""
-    import triton.language as tl
-
-    from archspec.kernels.triton import decay, recurrence
+def test_scalar_gate_formed_in_the_first_kernel(monkeypatch) -> None:
+    """`ARCHSPEC_TRITON_GATE_IN_FIRST=1` (opt-in): no cumulative-gate launch for a scalar
+    gate; the inverse (delta rules) or the state pass (diagonal) forms it and stores it for
+    the kernels after it and the backward. Every scalar-gate path (n_h 1-3, rwkv7, GLA, a
+    packed batch with a short and an empty sequence), forward and backward, against the
+    token loop; and the gate's launch still made where the state pass cannot form it (a
+    diagonal transition with sub-steps) and for a channel gate."""
+    from archspec.kernels.triton import recurrence
 
     launches = []
+    cumsum = recurrence.gate_cumsum_kernel
 
     class Counted:
         def __getitem__(self, grid):
             launches.append(grid)
-            raise AssertionError("gate_cumsum_kernel launched")
+            return cumsum[grid]
 
-    monkeypatch.setattr(decay, "INLINE_SCALAR_GATE", tl.constexpr(True))
+    monkeypatch.setattr(recurrence, "_GATE_IN_FIRST", True)
     monkeypatch.setattr(recurrence, "gate_cumsum_kernel", Counted())
     for case in SCALAR_PATHS[1:] + [Case(gate="scalar", transition="householder", n_h=3, initial_state=True)]:
         inputs = make_inputs(case, B=2, T=21, H=2, K=16, V=16, device=DEVICE, seed=13)
@@ -198,7 +199,16 @@ def test_scalar_gate_summed_in_the_kernels(monkeypatch) -> None:
     ref = {k: (v.detach().double().cpu().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
     want = _run(lambda a: linear_recurrence(**a, output_final_state=True, cu_seqlens=cu.cpu(), backend="naive"), ref)
     _assert_close(got, want, tol=1e-9)
+    inputs, cu = _packed(Case(gate="scalar", transition="diagonal"), [13, 0, 30], seed=15)
+    got = _run(lambda a: linear_recurrence_triton(**a, output_final_state=True, cu_seqlens=cu, chunk_size=16), inputs)
+    ref = {k: (v.detach().double().cpu().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    want = _run(lambda a: linear_recurrence(**a, output_final_state=True, cu_seqlens=cu.cpu(), backend="naive"), ref)
+    _assert_close(got, want, tol=1e-9)
     assert not launches
+    for case in (Case(gate="scalar", transition="diagonal", n_h=2), Case(gate="channel", transition="householder")):
+        inputs = make_inputs(case, B=1, T=21, H=2, K=16, V=16, device=DEVICE, seed=16)
+        _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
+    assert len(launches) == 2
 
 
 def test_channel_backward_in_one_kernel(monkeypatch) -> None:

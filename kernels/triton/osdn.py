@@ -87,7 +87,7 @@ STATS = os.environ.get("ARCHSPEC_TRITON_OSDN_STATS", "1") == "1"
 # Opt-in (untimed): the forward in blocks of sub-steps, one dot-product round per block
 # (`osdn_blocked.py`); its program's warps. It stores the same trajectory and stats.
 BLOCKED = os.environ.get("ARCHSPEC_TRITON_OSDN_BLOCKED", "0") == "1"
-BLOCKED_WARPS = int(os.environ.get("ARCHSPEC_TRITON_OSDN_BLOCKED_WARPS", "4"))  # 2 spills offline; 8 does not compile (Triton 3.6)
+BLOCKED_WARPS = int(os.environ.get("ARCHSPEC_TRITON_OSDN_BLOCKED_WARPS", "2"))  # offline: 1 spills (APF), 2 and 4 do not
 
 
 @triton.jit

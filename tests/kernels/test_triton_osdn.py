@@ -152,7 +152,7 @@ def _blocked(monkeypatch) -> list[torch.Tensor]:
      (5, True, False, "shared")],
 )
 def test_osdn_blocked_forward_matches_naive(monkeypatch, n_h: int, beta_aware: bool, retain: bool, d0: str) -> None:
-    """The forward in blocks of 16 sub-steps (`osdn_blocked.py`), with the backward that
+    """The forward in blocks of 8 sub-steps (`osdn_blocked.py`), with the backward that
     reads its trajectory: bounds the scan never reaches (every block affine, none stepped),
     and the paper's bounds with a large `eta`, where some blocks clip and run step by step
     and others do not (retain gates below 1 pull `d` onto `d_min` and keep it there: with
@@ -161,9 +161,11 @@ def test_osdn_blocked_forward_matches_naive(monkeypatch, n_h: int, beta_aware: b
     stepped = _blocked(monkeypatch)
     inputs = _inputs(2, 37, 2, 16, n_h, retain=retain, d0=d0, seed=3 + n_h)
     names = ["write_key", "d_final"] + ["d_" + n for n in inputs]
-    blocks = 2 * 2 * -(-37 // max(1, 16 // n_h))  # sequences x heads x blocks per sequence
+    from archspec.kernels.triton.osdn_blocked import block_tokens
+
+    blocks = 2 * 2 * -(-37 // block_tokens(n_h))  # sequences x heads x blocks per sequence
     clipping = (1, blocks) if retain else (1, blocks - 1)
-    for options, stepped_range in ((dict(eta=0.5, d_min=0.01, d_max=100.0), (0, 0)),
+    for options, stepped_range in ((dict(eta=0.5, d_min=2.0**-7, d_max=128.0), (0, 0)),
                                    (dict(eta=1.0, d_min=0.75, d_max=1.375), clipping)):
         options["beta_aware"] = beta_aware
         _compare(_run(inputs, "triton", **options), _run(inputs, "naive", **options), names, tol=1e-10)
@@ -179,10 +181,16 @@ def test_osdn_blocked_forward_packed_and_low_precision(monkeypatch) -> None:
     gen = torch.Generator().manual_seed(10)
     inputs["d0"] = (0.6 + 1.2 * torch.rand(4, 2, 16, generator=gen, dtype=torch.float64)).to(DEVICE).requires_grad_()
     cu = torch.tensor([0, 7, 7, 8, 45], dtype=torch.int32, device=DEVICE)
-    for options in (dict(eta=1.0, d_min=0.75, d_max=1.375, cu_seqlens=cu), dict(eta=0.5, d_min=0.01, d_max=100.0, cu_seqlens=cu)):
+    for options in (dict(eta=1.0, d_min=0.75, d_max=1.375, cu_seqlens=cu), dict(eta=0.5, d_min=2.0**-7, d_max=128.0, cu_seqlens=cu)):
         names = ["write_key", "d_final"] + ["d_" + n for n in inputs]
         _compare(_run(inputs, "triton", **options), _run(inputs, "naive", **options), names, tol=1e-10)
     assert int(stepped[-1].sum()) == 0 and int(stepped[-2].sum()) > 0
+    # retain gates below osdn_blocked.RETAIN_FLOOR: every block with a token start steps
+    small = dict(inputs, retain=(0.05 * inputs["retain"]).detach().requires_grad_())
+    names = ["write_key", "d_final"] + ["d_" + n for n in small]
+    options = dict(eta=0.5, d_min=2.0**-7, d_max=128.0, cu_seqlens=cu)
+    _compare(_run(small, "triton", **options), _run(small, "naive", **options), names, tol=1e-10)
+    assert int(stepped[-1].sum()) == 2 * (-(-7 // 4) + 1 + -(-37 // 4))  # heads x blocks (n_h 2: 4 tokens each)
     inputs = _inputs(1, 40, 2, 32, 1, retain=True, d0="none", seed=12)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)):
         low = {k: v.detach().to(dtype).requires_grad_() for k, v in inputs.items()}

@@ -64,7 +64,7 @@ def _block_loads(k, beta, retain, coef, Z, bos, seq_len, c, i_h, H: tl.constexpr
     """Block `c`'s loads, as stored (nothing outside the sequence is read): keys `[BM, BK]`,
     beta and retain gates `[BM]` (0 and 1 where unused), and with PREPARED the prepass's
     `a0` `[BM]` and `Z` `[BM, BK]`."""
-    m, j, rows, ok = _block_rows(bos, seq_len, c, NH, RT, BM)
+    _, j, rows, ok = _block_rows(bos, seq_len, c, NH, RT, BM)
     o = tl.arange(0, BK)
     tile = ok[:, None] & (o[None, :] < K)
     kk = tl.load(k + (rows[:, None] * H + i_h) * K + o[None, :], mask=tile, other=0.0)

@@ -10,7 +10,8 @@ compile (`python -m archspec.kernels.triton.compile_report`) shows register spil
 move with the warp count (the state pass: 456 B of stack with 4 warps, 16 B with 8; the
 channel-gate backward: 4.9 KB with 8 warps, 2.9 KB with 16), and only the GPU can say
 which setting is faster; `--check PLANS` runs the GPU correctness check of those plans
-under each setting first (half its time, at least 90 s), since a setting is adopted only if it is right too. Writes `DIR/variants.json` and `DIR/variants.md`: forward and
+under each setting first (half its time, at least 90 s; only the plans the setting times,
+and none for the defaults `8,4`), since a setting is adopted only if it is right too. Writes `DIR/variants.json` and `DIR/variants.md`: forward and
 forward+backward ms per plan and setting, and each setting's per-kernel times.
 A variant is written as `WARPS[/STAGES[/STATE_BV]][:name=value...]`, e.g. `8,8`, `8,4/2` or
 `8,4:solve=doubling:osdn_ahead=1`, and `@plan,plan` after it times that setting on those
@@ -86,6 +87,17 @@ def run_variant(variant: str, plans: str, work: Path, seconds: float, smoke: boo
     return result
 
 
+def plans_to_check(setting: str, only: str, check: str) -> str:
+    """The plans of `check` to check under a variant: none for the defaults (`8,4` alone,
+    checked by the calls that time them), else those the variant times (all of `check`
+    when it names none)."""
+    if setting == "8,4" or not check:
+        return ""
+    if not only:
+        return check
+    return ",".join(p for p in check.split(",") if p in only.split(","))
+
+
 def markdown(results: list[dict], plans: list[str]) -> str:
     ms = lambda x: "—" if x is None else f"{x:.3f}"
     lines = ["| plan | " + " | ".join(f"{r['variant']} fwd | {r['variant']} f+b" for r in results) + " |",
@@ -128,7 +140,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             results.append({"variant": variant, "error": "out of budget"})
             continue
         setting, _, only = variant.partition("@")  # "8,4:osdn_stats=1@osdn-deltanet": that setting on those plans
-        results.append(run_variant(setting, only or args.plans, Path(args.work), share - 10, args.smoke, args.check))
+        results.append(run_variant(setting, only or args.plans, Path(args.work), share - 10, args.smoke,
+                                   plans_to_check(setting, only, args.check)))
         results[-1]["variant"] = variant
         print(f"[{time.monotonic() - start:6.1f}s] {variant}: " + ", ".join(
             f"{p} {r.get('fwd_ms')}/{r.get('fwdbwd_ms')}" for p, r in results[-1].get("plans", {}).items()), flush=True)

@@ -16,8 +16,8 @@ with `a0` and `Z = Mx s` (`[M, K]`) free of `d`: `osdn_block_prepare_kernel` for
 every block at once (parallel). The scan then spends, per block, one reduction over K for
 `a` (no layout change: `a` lands in the rows of the block's tiles), a scan down the block's
 rows for the `p_j`, and one reduction for the clip check; with one warp and 8 sub-steps per
-block a block's rows lie in each lane's registers, so the scan and the next `d` are
-in-register. If any `p_j` leaves `[d_min, d_max]` the clip acts inside the block and the
+block the float32 tiles hold a block's rows in each lane, so the row scan and the next `d`
+are in registers. If any `p_j` leaves `[d_min, d_max]` the clip acts inside the block and the
 affine form no longer holds: that block runs step by step from its start instead
 (`_block_steps`, the sequential scan's operations on the block's rows already loaded).
 Either way the block stores the write keys, trajectory and stats (`|k|^2`, `<d, s>`) that

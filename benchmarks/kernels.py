@@ -538,6 +538,27 @@ class Row:
     kernels: dict | None = None  # GPU ms per kernel, forward and forward+backward (--profile)
     host_fwd_ms: float | None = None  # the host's time to issue one call (`host_ms`, --profile)
     host_fwdbwd_ms: float | None = None
+    autotuned: dict | None = None  # a peer's autotuned kernels: the configuration each picked here
+
+
+def autotuned_configs(package: str = "fla") -> dict:
+    """`{kernel: config}` for every Triton autotuner in `package`'s loaded modules that has
+    picked one (`best_config`): which launch settings the peer ran at on this machine, so
+    that ours can be timed at the same ones."""
+    import sys
+
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == package or name.startswith(package + ".")):
+            continue
+        for attr, obj in list(vars(module).items()):
+            best = getattr(obj, "best_config", None)
+            while best is None and hasattr(obj, "fn") and obj is not getattr(obj, "fn"):
+                obj = obj.fn  # a heuristics wrapper around the autotuner
+                best = getattr(obj, "best_config", None)
+            if best is not None:
+                found[f"{name}.{attr}"] = str(best)
+    return found
 
 
 def cut_short(error: str) -> bool:
@@ -571,6 +592,8 @@ def measure_impl(plan: PlanSpec, impl: str, inputs: dict, seconds: float, profil
                 step = "profile"
                 row.kernels = {"forward": kernel_breakdown(fn), "forward_backward": kernel_breakdown(fb)}
                 row.host_fwd_ms, row.host_fwdbwd_ms = host_ms(fn), host_ms(fb)
+            if impl == "fla":
+                row.autotuned = autotuned_configs() or None
     except ImportError as err:
         row.error = f"not installed: {err}"
     except OutOfTime as err:

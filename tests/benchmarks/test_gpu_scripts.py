@@ -195,3 +195,22 @@ def test_table_reports_calls_that_waited_on_the_host(scripts) -> None:
                             "plans": {"gla-scalar": {"floors": {"floor_fwd_ms": 0.1, "floor_fwdbwd_ms": 0.2},
                                                      "rows": [{**row("triton", 0.349, 0.222), "host_fwd_ms": 0.31}]}}})
     assert "| gla-scalar / triton | forward | 0.349 | 0.222 | 0.310 |" in table
+
+
+def test_autotuned_configs_of_a_peer(scripts, monkeypatch) -> None:
+    """`kernels.autotuned_configs` reads the configuration each loaded autotuner picked,
+    through a heuristics wrapper, and skips those that have not run."""
+    import types
+
+    bench, _ = scripts
+    picked = types.SimpleNamespace(best_config="BV: 64, num_warps: 4, num_stages: 3")
+    unpicked = types.SimpleNamespace(best_config=None)
+    wrapped = types.SimpleNamespace(fn=picked)
+    module = types.ModuleType("peerpkg.ops.h")
+    module.kernel_h, module.kernel_o, module.wrapped = picked, unpicked, wrapped
+    monkeypatch.setitem(sys.modules, "peerpkg.ops.h", module)
+    assert bench.autotuned_configs("peerpkg") == {
+        "peerpkg.ops.h.kernel_h": "BV: 64, num_warps: 4, num_stages: 3",
+        "peerpkg.ops.h.wrapped": "BV: 64, num_warps: 4, num_stages: 3",
+    }
+    assert bench.autotuned_configs("nothing-loaded") == {}

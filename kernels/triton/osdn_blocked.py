@@ -18,7 +18,10 @@ every block at once (parallel). The scan then spends, per block, one reduction o
 rows for the `p_j`, and one reduction for the clip check; with one warp and 8 sub-steps per
 block the float32 tiles hold a block's rows in each lane, so the row scan and the next `d`
 are in registers. If any `p_j` leaves `[d_min, d_max]` the clip acts inside the block and the
-affine form no longer holds: that block runs step by step from its start instead
+affine form no longer holds. If instead every coordinate of `d` sits at a bound that each
+of the block's steps pushes it past, `d` is held through the block (checked from the same
+dot products `X`): with APF's retain gates this is the usual case, since they pull `d` onto
+`d_min` and hold it there. Otherwise the block runs step by step from its start
 (`_block_steps`, the sequential scan's operations on the block's rows already loaded).
 Either way the block stores the write keys, trajectory and stats (`|k|^2`, `<d, s>`) that
 the sequential forward stores, so the backward is unchanged. Each block's loads are issued
@@ -183,13 +186,13 @@ def _block_steps(d, kk, s, sq, c, cb, rho, rows, count, i_h, w, traj, stats, d_m
 
 @triton.jit(do_not_specialize=["T"])
 def osdn_block_forward_kernel(
-    k, beta, retain, d0, coef, Z, w, traj, stats, d_final, stepped_blocks, cu_seqlens, T, eta, d_min, d_max, eps,
+    k, beta, retain, d0, coef, Z, w, traj, stats, d_final, block_counts, cu_seqlens, T, eta, d_min, d_max, eps,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NH: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr,
     BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, D0_MODE: tl.constexpr, IS_VARLEN: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """The scan, one program per (sequence, head); `stepped_blocks` counts its blocks that
-    the clip made run step by step."""
+    """The scan, one program per (sequence, head); `block_counts` gets how many of its
+    blocks ran step by step (the clip acted and moved `d`) and how many held `d`."""
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -207,6 +210,7 @@ def osdn_block_forward_kernel(
         d = tl.load(d0 + i_nh * K + o, mask=mk, other=0.0).to(ACC)
     L = seq_len * NH
     stepped = 0
+    held = 0
     ahead = _block_loads(k, beta, retain, coef, Z, bos, seq_len, 0, i_h, H, K, BK, NH, RT, BM, BETA_AWARE,
                          HAS_RETAIN, True)
     for c in range(tl.cdiv(seq_len, RT)):
@@ -225,19 +229,31 @@ def osdn_block_forward_kernel(
             p = R * d[None, :] + V
         else:
             p = d[None, :] + tl.cumsum(a[:, None] * s, 0)
-        outside = ok[:, None] & mk[None, :] & ((p < d_min) | (p > d_max))
+        tile = ok[:, None] & mk[None, :]
+        outside = tile & ((p < d_min) | (p > d_max))
         clipped = tl.max(tl.where(outside, 1, 0))
         if HAS_RETAIN:
             clipped += tl.max(tl.where(ok & (rho < RETAIN_FLOOR), 1, 0))
-        if clipped > 0:
+        # the other exact case: d held where it is, each coordinate at a bound that every
+        # step pushes it past (APF's retain gates hold d at d_min; `docs/kernel.md`)
+        X = tl.sum(s * d[None, :], 1)
+        pc = rho[:, None] * d[None, :] + (cc - cb * X)[:, None] * s
+        moved = tl.max(tl.where(tile & (tl.minimum(tl.maximum(pc, d_min), d_max) != d[None, :]), 1, 0))
+        if clipped > 0 and moved > 0:
             d = _block_steps(d, kk, s, sq, cc, cb, rho, rows, count, i_h, w, traj, stats, d_min, d_max, H, K, BK, BM)
             stepped += 1
+        elif clipped > 0:  # held: every d_j is d
+            out = (rows[:, None] * H + i_h) * K + o[None, :]
+            tl.store(w + out, (d[None, :] * kk).to(w.dtype.element_ty), mask=tile)
+            tl.store(traj + out, (d[None, :] + tl.zeros_like(kk)).to(traj.dtype.element_ty), mask=tile)
+            tl.store(stats + (rows * H + i_h) * 2, sq.to(stats.dtype.element_ty), mask=ok)
+            tl.store(stats + (rows * H + i_h) * 2 + 1, X.to(stats.dtype.element_ty), mask=ok)
+            held += 1
         else:
             # the trajectory: d_j = (p_j - a_j s_j) / rho_j, the state before step j
             D = p - a[:, None] * s
             if HAS_RETAIN:
                 D = D / rho[:, None]
-            tile = ok[:, None] & mk[None, :]
             out = (rows[:, None] * H + i_h) * K + o[None, :]
             tl.store(w + out, (D * kk).to(w.dtype.element_ty), mask=tile)
             tl.store(traj + out, D.to(traj.dtype.element_ty), mask=tile)
@@ -245,7 +261,8 @@ def osdn_block_forward_kernel(
             tl.store(stats + (rows * H + i_h) * 2 + 1, tl.sum(D * s, 1).to(stats.dtype.element_ty), mask=ok)
             d = tl.sum(tl.where((m == count - 1)[:, None], p, 0.0), 0)
     tl.store(d_final + i_nh * K + o, d.to(d_final.dtype.element_ty), mask=mk)
-    tl.store(stepped_blocks + i_nh, stepped)
+    tl.store(block_counts + i_nh * 2, stepped)
+    tl.store(block_counts + i_nh * 2 + 1, held)
 
 
 def block_forward(k: Tensor, beta: Tensor, retain: Tensor, d0: Tensor, w: Tensor, traj: Tensor, stats: Tensor,
@@ -253,7 +270,8 @@ def block_forward(k: Tensor, beta: Tensor, retain: Tensor, d0: Tensor, w: Tensor
                   eps: float, *, n_seq: int, d0_mode: int, warps: int, meta: dict) -> Tensor:
     """Fill `w`, `traj`, `stats` and `d_final` as the sequential forward does (`meta`: its
     H, K, BK, NH, BETA_AWARE, HAS_RETAIN, IS_VARLEN and ACC); returns, per (sequence,
-    head), how many blocks ran step by step because the clip acted in them."""
+    head), how many blocks ran step by step because the clip acted in them and moved `d`
+    (`[..., 0]`), and how many held `d` at its bounds (`[..., 1]`)."""
     B, TN, H, K = k.shape
     n_h = meta["NH"]
     rt = block_tokens(n_h)
@@ -272,9 +290,9 @@ def block_forward(k: Tensor, beta: Tensor, retain: Tensor, d0: Tensor, w: Tensor
             k, beta, retain, coef, Z, cu_seqlens, table, T, nt, eta, eps, RT=rt, BM=BLOCK_STEPS,
             LOG2_BM=BLOCK_STEPS.bit_length() - 1, num_warps=4, **shared,
         )
-    stepped = torch.zeros(n_seq, H, device=k.device, dtype=torch.int32)
+    counts = torch.zeros(n_seq, H, 2, device=k.device, dtype=torch.int32)
     osdn_block_forward_kernel[(n_seq * H,)](
-        k, beta, retain, d0, coef, Z, w, traj, stats, d_final, stepped, cu_seqlens, T, eta, d_min, d_max, eps,
+        k, beta, retain, d0, coef, Z, w, traj, stats, d_final, counts, cu_seqlens, T, eta, d_min, d_max, eps,
         RT=rt, BM=BLOCK_STEPS, D0_MODE=d0_mode, num_warps=warps, **shared,
     )
-    return stepped
+    return counts

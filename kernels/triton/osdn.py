@@ -26,8 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .osdn_blocked import block_forward
-
 Tensor = torch.Tensor
 
 
@@ -154,12 +152,12 @@ def _ahead_terms(kk, b_i, eps, eta, BETA_AWARE: tl.constexpr):
     one fma after the dot product; the backward forms the same `p` from the same terms."""
     s = kk * kk
     sq = tl.sum(s, 0)
-    rn, en, c, cb = _ahead_coefficients(sq, b_i, eps, eta, BETA_AWARE)
+    rn, en, c, cb = step_coefficients(sq, b_i, eps, eta, BETA_AWARE)
     return s, sq, rn, en, c, cb
 
 
 @triton.jit
-def _ahead_coefficients(sq, b_i, eps, eta, BETA_AWARE: tl.constexpr):
+def step_coefficients(sq, b_i, eps, eta, BETA_AWARE: tl.constexpr):
     """`1/n`, `eta/n`, `c` and `c b` from `|k|^2`."""
     rn = 1.0 / tl.maximum(sq, eps)
     en = eta * rn
@@ -205,7 +203,7 @@ def _backward_step(dd, kk, b_i, rho, d, w_bar, sq, align, eps, eta, d_min, d_max
         s = kk * kk
         sq = sq.to(ACC)
         align = align.to(ACC)
-        rn, en, c, cb = _ahead_coefficients(sq, b_i, eps, eta, BETA_AWARE)
+        rn, en, c, cb = step_coefficients(sq, b_i, eps, eta, BETA_AWARE)
     else:
         s, sq, rn, en, c, cb = _ahead_terms(kk, b_i, eps, eta, BETA_AWARE)
         align = tl.sum(d * s, 0)
@@ -397,6 +395,8 @@ class OsdnScan(torch.autograd.Function):
         meta["STATS"] = AHEAD and (STATS or BLOCKED)  # the blocked forward always stores them
         stats = torch.empty(B, TN, H, 2, device=k.device, dtype=acc) if meta["STATS"] or BLOCKED else traj
         if BLOCKED:
+            from .osdn_blocked import block_forward  # here: it imports this module's step
+
             block_forward(k, beta_, retain_, d0_, w, traj, stats, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
                           n_seq=n_seq, d0_mode=d0_mode, warps=BLOCKED_WARPS, meta=meta)
         else:

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_of_program, chunk_tables
+from .osdn import step_coefficients
 
 Tensor = torch.Tensor
 
@@ -83,17 +84,11 @@ def _block_loads(k, beta, retain, coef, Z, bos, seq_len, c, i_h, H: tl.constexpr
 
 @triton.jit
 def _coefficients(kk, b, eps, eta, BETA_AWARE: tl.constexpr):
-    """`s = k*k`, `|k|^2`, `c` and `cb` of a block's rows, with the sequential scan's
-    operations (`osdn._ahead_coefficients`)."""
+    """`s = k*k`, `|k|^2`, `c` and `cb` of a block's rows, by the sequential scan's
+    `osdn.step_coefficients`."""
     s = kk * kk
     sq = tl.sum(s, 1)
-    en = eta * (1.0 / tl.maximum(sq, eps))
-    if BETA_AWARE:
-        c = en * b
-        cb = c * b
-    else:
-        c = en
-        cb = en
+    _, _, c, cb = step_coefficients(sq, b, eps, eta, BETA_AWARE)
     return s, sq, c, cb
 
 

@@ -137,12 +137,12 @@ def test_osdn_loads_ahead_queue_lengths(monkeypatch, prefetch: int, stats: bool)
 def _blocked(monkeypatch) -> list[torch.Tensor]:
     """Turn on the blocked forward (`osdn.BLOCKED`); returns the list that collects each
     call's counts of blocks stepped and held, `[N, H, 2]` (`osdn_blocked.block_forward`)."""
-    from archspec.kernels.triton import osdn
+    from archspec.kernels.triton import osdn, osdn_blocked
 
     stepped: list[torch.Tensor] = []
-    forward = osdn.block_forward
+    forward = osdn_blocked.block_forward
     monkeypatch.setattr(osdn, "BLOCKED", True)
-    monkeypatch.setattr(osdn, "block_forward", lambda *a, **kw: stepped.append(forward(*a, **kw)) or stepped[-1])
+    monkeypatch.setattr(osdn_blocked, "block_forward", lambda *a, **kw: stepped.append(forward(*a, **kw)) or stepped[-1])
     return stepped
 
 

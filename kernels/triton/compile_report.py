@@ -112,7 +112,8 @@ def main() -> None:
              output.output_kernel, output.output_backward_kernel, backward.chunk_backward_kernel,
              backward_channel.chunk_pairs_kernel, backward_channel.chunk_channels_kernel,
              osdn.osdn_forward_kernel, osdn.osdn_backward_kernel,
-             osdn_blocked.osdn_block_prepare_kernel, osdn_blocked.osdn_block_forward_kernel])
+             osdn_blocked.osdn_block_prepare_kernel, osdn_blocked.osdn_block_forward_kernel,
+             osdn_blocked.osdn_block_backward_prepare_kernel, osdn_blocked.osdn_block_backward_kernel])
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     B, T, H, K, V = 1, 128, 2, 128, 128
     dtype = getattr(torch, os.environ.get("ARCHSPEC_DTYPE", "bfloat16"))

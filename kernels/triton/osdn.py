@@ -82,10 +82,11 @@ PREFETCH = int(os.environ.get("ARCHSPEC_TRITON_OSDN_PREFETCH", "8"))
 # instead of reducing them again: two of its four dot products per step, the second of
 # which (`<d, s>`) the mask of the step's critical path waits on.
 STATS = os.environ.get("ARCHSPEC_TRITON_OSDN_STATS", "1") == "1"
-# Opt-in (untimed): the forward in blocks of sub-steps, one dot-product round per block
-# (`osdn_blocked.py`); its program's warps. It stores the same trajectory and stats.
+# Opt-in (untimed): the forward and the backward in blocks of sub-steps, one dot-product
+# round per block (`osdn_blocked.py`); their programs' warps. The forward stores the same
+# trajectory and stats; the backward reads them.
 BLOCKED = os.environ.get("ARCHSPEC_TRITON_OSDN_BLOCKED", "0") == "1"
-BLOCKED_WARPS = int(os.environ.get("ARCHSPEC_TRITON_OSDN_BLOCKED_WARPS", "2"))  # offline: 1 spills (APF), 2 and 4 do not
+BLOCKED_WARPS = int(os.environ.get("ARCHSPEC_TRITON_OSDN_BLOCKED_WARPS", "4"))  # offline: 1 spills, 2 leaves the backward at 255 registers
 
 
 @triton.jit
@@ -395,7 +396,7 @@ class OsdnScan(torch.autograd.Function):
         meta["STATS"] = AHEAD and (STATS or BLOCKED)  # the blocked forward always stores them
         stats = torch.empty(B, TN, H, 2, device=k.device, dtype=acc) if meta["STATS"] or BLOCKED else traj
         if BLOCKED:
-            from .osdn_blocked import block_forward  # here: it imports this module's step
+            from .osdn_blocked import block_forward  # imported here: it imports this module
 
             block_forward(k, beta_, retain_, d0_, w, traj, stats, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
                           n_seq=n_seq, d0_mode=d0_mode, warps=BLOCKED_WARPS, meta=meta)
@@ -420,6 +421,15 @@ class OsdnScan(torch.autograd.Function):
         dbeta = None if beta is None else torch.zeros(beta.shape, device=k.device, dtype=acc)
         dretain = None if retain is None else torch.zeros(retain.shape, device=k.device, dtype=acc)
         dd0 = torch.empty(n_seq, H, K, device=k.device, dtype=acc)
+        if BLOCKED and meta["STATS"]:
+            from .osdn_blocked import block_backward
+
+            block_backward(k, k if beta is None else beta, k if retain is None else retain, traj, stats,
+                           k if dw is None else dw.contiguous(), k if dd_final is None else dd_final.contiguous(),
+                           dk, k if dbeta is None else dbeta, k if dretain is None else dretain, dd0, cu_seqlens,
+                           T, eta, d_min, d_max, eps, n_seq=n_seq, has_dw=dw is not None,
+                           has_dd=dd_final is not None, warps=BLOCKED_WARPS, meta=meta)
+            return OsdnScan._gradients(ctx, k, beta, retain, dk, dbeta, dretain, dd0, d0_mode)
         dw_words, packed_dw = _packed(None if dw is None else dw.contiguous())
         osdn_backward_kernel[(n_seq * H,)](
             _packed(k)[0], k if beta is None else beta, k if retain is None else retain, traj, stats,
@@ -428,6 +438,12 @@ class OsdnScan(torch.autograd.Function):
             T, eta, d_min, d_max, eps, HAS_DW=dw is not None, HAS_DD=dd_final is not None, PACKED_DW=packed_dw,
             num_warps=SCAN_WARPS, **meta,
         )
+        return OsdnScan._gradients(ctx, k, beta, retain, dk, dbeta, dretain, dd0, d0_mode)
+
+    @staticmethod
+    def _gradients(ctx, k, beta, retain, dk, dbeta, dretain, dd0, d0_mode):
+        """`backward`'s return: each gradient in its input's dtype, `d0`'s summed over the
+        sequences when one `d0` was shared."""
         dd0_out = None
         if d0_mode == 1:
             dd0_out = dd0.sum(0).to(ctx.d0_dtype)

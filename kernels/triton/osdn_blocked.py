@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_of_program, chunk_tables
-from .osdn import step_coefficients
+from .osdn import _backward_step, step_coefficients
 
 Tensor = torch.Tensor
 
@@ -289,5 +289,226 @@ def block_forward(k: Tensor, beta: Tensor, retain: Tensor, d0: Tensor, w: Tensor
     osdn_block_forward_kernel[(n_seq * H,)](
         k, beta, retain, d0, coef, Z, w, traj, stats, d_final, counts, cu_seqlens, T, eta, d_min, d_max, eps,
         RT=rt, BM=BLOCK_STEPS, D0_MODE=d0_mode, num_warps=warps, **shared,
+    )
+    return counts
+
+
+# ---------------------------------------------------------------------------------------
+# The backward in blocks. Reverse steps (`osdn._backward_step`), with `m` the clip's mask
+# of the step and `pbar = m dbar'`:
+#
+#     ps_j = <dbar_{j+1}, m s_j>,   dbar_j = rho_j pbar_j + wbar_j k_j - cb_j ps_j s_j
+#
+# A block whose masks are all true (no coordinate clipped) is affine in the `dbar` after it:
+# `ps = b0 + Zb dbar` with `b0`, `Zb` from `osdn_block_backward_prepare_kernel` (the
+# forward's algebra reversed: `(I + U) ps = A o Y + r`, `U` strictly upper); a block whose
+# masks are all false (`d` held at its bounds) passes no gradient through `d`:
+# `pbar = 0`, `ps = 0`, `dbar_j = wbar_j k_j`; any other block runs the reverse steps.
+# Either way every row's gradients are the reverse step's formulas.
+
+
+@triton.jit
+def _mm_small_t(x, y):
+    """`x @ y^T` for small blocks (`[BM, N] x [BM', N] -> [BM, BM']`) as a broadcast sum."""
+    return tl.sum(x[:, None, :] * y[None, :, :], 2)
+
+
+@triton.jit(do_not_specialize=["T"])
+def osdn_block_backward_prepare_kernel(
+    k, beta, retain, stats, dw, coef, Z, cu_seqlens, table, T, NT, eta, eps,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NH: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr,
+    LOG2_BM: tl.constexpr, BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, HAS_DW: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
+):
+    """Per block and head: `b0` (`coef[row, h]`) and `Zb` (`Z[row, h, :]`), free of `dbar`."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    _, bos, seq_len, c = chunk_of_program(i_c, T, NT, cu_seqlens, table, IS_VARLEN)
+    m, _, rows, ok = _block_rows(bos, seq_len, c, NH, RT, BM)
+    kk, b, rho, _, _ = _block_loads(k, beta, retain, coef, Z, bos, seq_len, c, i_h, H, K, BK, NH, RT, BM,
+                                    BETA_AWARE, HAS_RETAIN, False)
+    kk = kk.to(ACC)
+    s = kk * kk
+    sq = tl.load(stats + (rows * H + i_h) * 2, mask=ok, other=1.0).to(ACC)
+    _, _, _, cb = step_coefficients(sq, b.to(ACC), eps, eta, BETA_AWARE)
+    cb = tl.where(ok, cb, 0.0)
+    o = tl.arange(0, BK)
+    tile = ok[:, None] & (o[None, :] < K)
+    upper = m[:, None] < m[None, :]
+    if HAS_RETAIN:
+        # A_j = prod_{j<i<BM} rho_i, B_jl = prod_{j<i<l} rho_i (l > j), from sums of logarithms
+        lr = tl.log(tl.maximum(rho.to(ACC), 1e-30))  # floored inside the logarithm only: log 0 = -inf
+        incl = tl.cumsum(lr, 0)
+        A = tl.exp(tl.sum(lr, 0) - incl)
+        Bm = tl.where(upper, tl.exp((incl - lr)[None, :] - incl[:, None]), 0.0)
+    else:
+        A = tl.full(sq.shape, 1.0, ACC)
+        Bm = tl.where(upper, 1.0, 0.0).to(ACC)
+    r = tl.zeros([BM], dtype=ACC)
+    if HAS_DW:
+        wbar = tl.load(dw + (rows[:, None] * H + i_h) * K + o[None, :], mask=tile, other=0.0).to(ACC)
+        r = tl.sum(Bm * _mm_small_t(s, wbar * kk), 1)  # sum_{l>j} B_jl <wbar_l k_l, s_j>
+    U = Bm * _mm_small_t(s, s) * cb[None, :]
+    eye = tl.where(m[:, None] == m[None, :], 1.0, 0.0).to(ACC)
+    inv = eye - U
+    power = U
+    for _ in tl.static_range(LOG2_BM - 1):
+        power = _mm_small(power, power)
+        inv = _mm_small(inv, eye + power)
+    b0 = tl.sum(inv * r[None, :], 1)
+    zb = _mm_small(inv * A[None, :], s)
+    tl.store(coef + rows * H + i_h, b0.to(coef.dtype.element_ty), mask=ok)
+    tl.store(Z + (rows[:, None] * H + i_h) * K + o[None, :], zb.to(Z.dtype.element_ty), mask=tile)
+
+
+@triton.jit
+def _block_backward_loads(k, beta, retain, traj, stats, dw, coef, Z, bos, seq_len, c, i_h, H: tl.constexpr,
+                          K: tl.constexpr, BK: tl.constexpr, NH: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr,
+                          BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, HAS_DW: tl.constexpr):
+    """Block `c`'s loads for the backward: the forward's (`_block_loads`, with `b0`, `Zb`),
+    the trajectory rows, the stats and the write key's gradient (0 without one)."""
+    kk, b, rho, b0, zb = _block_loads(k, beta, retain, coef, Z, bos, seq_len, c, i_h, H, K, BK, NH, RT, BM,
+                                      BETA_AWARE, HAS_RETAIN, True)
+    _, _, rows, ok = _block_rows(bos, seq_len, c, NH, RT, BM)
+    o = tl.arange(0, BK)
+    tile = ok[:, None] & (o[None, :] < K)
+    D = tl.load(traj + (rows[:, None] * H + i_h) * K + o[None, :], mask=tile, other=0.0)
+    wbar = tl.load(dw + (rows[:, None] * H + i_h) * K + o[None, :], mask=tile & HAS_DW, other=0.0)
+    sq = tl.load(stats + (rows * H + i_h) * 2, mask=ok, other=1.0)
+    align = tl.load(stats + (rows * H + i_h) * 2 + 1, mask=ok, other=0.0)
+    return kk, b, rho, b0, zb, D, wbar, sq, align
+
+
+@triton.jit(do_not_specialize=["T"])
+def osdn_block_backward_kernel(
+    k, beta, retain, traj, stats, dw, dd_final, coef, Z, dk, dbeta, dretain, dd0, block_counts, cu_seqlens, T,
+    eta, d_min, d_max, eps,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NH: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr,
+    BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, HAS_DW: tl.constexpr, HAS_DD: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
+):
+    """The reverse scan over blocks, one program per (sequence, head); `block_counts` gets
+    how many of its blocks ran step by step and how many passed no gradient through `d`."""
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        seq_len = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+    else:
+        bos, seq_len = i_n * T, T
+    o = tl.arange(0, BK)
+    mk = o < K
+    dd = tl.zeros([BK], dtype=ACC)
+    if HAS_DD:
+        dd += tl.load(dd_final + i_nh * K + o, mask=mk, other=0.0).to(ACC)
+    L = seq_len * NH
+    n_blocks = tl.cdiv(seq_len, RT)
+    stepped = 0
+    held = 0
+    ahead = _block_backward_loads(k, beta, retain, traj, stats, dw, coef, Z, bos, seq_len, n_blocks - 1, i_h, H, K,
+                                  BK, NH, RT, BM, BETA_AWARE, HAS_RETAIN, HAS_DW)
+    for cc_ in range(n_blocks):
+        c = n_blocks - 1 - cc_
+        kk, b, rho, b0, zb, D, wbar, sq, align = ahead
+        ahead = _block_backward_loads(k, beta, retain, traj, stats, dw, coef, Z, bos, seq_len, c - 1, i_h, H, K,
+                                      BK, NH, RT, BM, BETA_AWARE, HAS_RETAIN, HAS_DW)
+        m, j, rows, ok = _block_rows(bos, seq_len, c, NH, RT, BM)
+        count = tl.minimum(RT * NH, L - c * RT * NH)
+        kk, b, rho, D, wbar = kk.to(ACC), b.to(ACC), rho.to(ACC), D.to(ACC), wbar.to(ACC)
+        sq, align = sq.to(ACC), align.to(ACC)
+        s = kk * kk
+        rn, en, cc, cb = step_coefficients(sq, b, eps, eta, BETA_AWARE)
+        # the forward's p of every row, as the reverse step forms it, and its clip mask
+        p = (rho[:, None] * D + cc[:, None] * s) - (cb[:, None] * s) * align[:, None]
+        tile = ok[:, None] & mk[None, :]
+        inside = (p >= d_min) & (p <= d_max)
+        some_out = tl.max(tl.where(tile & ~inside, 1, 0))
+        some_in = tl.max(tl.where(tile & inside, 1, 0))
+        if BETA_AWARE:
+            g = 1 - b * align
+        else:
+            g = 1 - align
+        e = tl.where(sq >= eps, -(cc * rn) * g, 0.0)  # the eps clamp passes no gradient
+        if some_out > 0 and some_in > 0:
+            for u in tl.static_range(BM):
+                jj = BM - 1 - u
+                if jj < count:
+                    pick = (m == jj)[:, None]
+                    at = m == jj
+                    dd, dkk, dbeta_i, dretain_i = _backward_step(
+                        dd, tl.sum(tl.where(pick, kk, 0.0), 0), tl.sum(tl.where(at, b, 0.0), 0),
+                        tl.sum(tl.where(at, rho, 0.0), 0), tl.sum(tl.where(pick, D, 0.0), 0),
+                        tl.sum(tl.where(pick, wbar, 0.0), 0), tl.sum(tl.where(at, sq, 0.0), 0),
+                        tl.sum(tl.where(at, align, 0.0), 0), eps, eta, d_min, d_max, mk, BK, BETA_AWARE, HAS_RETAIN,
+                        HAS_DW, 0, 0, ACC, True)
+                    i = tl.sum(tl.where(at, rows, 0), 0)
+                    j_u = tl.sum(tl.where(at, j, 0), 0)
+                    tl.store(dk + (i * H + i_h) * K + o, dkk.to(dk.dtype.element_ty), mask=mk)
+                    if BETA_AWARE:
+                        tl.store(dbeta + i * H + i_h, dbeta_i.to(dbeta.dtype.element_ty))
+                    if HAS_RETAIN:
+                        tl.store(dretain + (bos + j_u // NH) * H + i_h, dretain_i.to(dretain.dtype.element_ty),
+                                 mask=j_u % NH == 0)
+            stepped += 1
+        else:
+            if some_out > 0:  # held: no gradient through d, dbar_j = wbar_j k_j
+                pbar = tl.zeros_like(s)
+                ps = tl.zeros_like(sq)
+                dd = tl.sum(tl.where((m == 0)[:, None], wbar * kk, 0.0), 0)
+                held += 1
+            else:  # affine
+                ps = b0.to(ACC) + tl.sum(zb.to(ACC) * dd[None, :], 1)
+                v = wbar * kk - (cb * ps)[:, None] * s
+                if HAS_RETAIN:
+                    # dbar_{j+1} = A_j dbar + sum_{l>j} B_jl v_l
+                    lr = tl.log(tl.maximum(rho, 1e-30))
+                    incl = tl.cumsum(lr, 0)
+                    A = tl.exp(tl.sum(lr, 0) - incl)
+                    Bm = tl.where(m[:, None] < m[None, :], tl.exp((incl - lr)[None, :] - incl[:, None]), 0.0)
+                    pbar = A[:, None] * dd[None, :] + _mm_small(Bm, v)
+                else:
+                    pbar = dd[None, :] + (tl.cumsum(v, 0, reverse=True) - v)
+                dd = tl.sum(tl.where((m == 0)[:, None], rho[:, None] * pbar + v, 0.0), 0)
+            dkk = (kk + kk) * (((cc * g)[:, None] * pbar + (e * ps)[:, None]) - (cb * ps)[:, None] * D) + wbar * D
+            out = (rows[:, None] * H + i_h) * K + o[None, :]
+            tl.store(dk + out, dkk.to(dk.dtype.element_ty), mask=tile)
+            if BETA_AWARE:
+                tl.store(dbeta + rows * H + i_h, (ps * (g * en - cc * align)).to(dbeta.dtype.element_ty), mask=ok)
+            if HAS_RETAIN:
+                tl.store(dretain + (bos + j // NH) * H + i_h, tl.sum(pbar * D, 1).to(dretain.dtype.element_ty),
+                         mask=ok & (j % NH == 0))
+    tl.store(dd0 + i_nh * K + o, dd.to(dd0.dtype.element_ty), mask=mk)
+    tl.store(block_counts + i_nh * 2, stepped)
+    tl.store(block_counts + i_nh * 2 + 1, held)
+
+
+def block_backward(k: Tensor, beta: Tensor, retain: Tensor, traj: Tensor, stats: Tensor, dw: Tensor,
+                   dd_final: Tensor, dk: Tensor, dbeta: Tensor, dretain: Tensor, dd0: Tensor,
+                   cu_seqlens: Tensor | None, T: int, eta: float, d_min: float, d_max: float, eps: float, *,
+                   n_seq: int, has_dw: bool, has_dd: bool, warps: int, meta: dict) -> Tensor:
+    """Fill `dk`, `dbeta`, `dretain` and `dd0` as the sequential backward does, from the
+    forward's trajectory and stats (either forward's); returns, per (sequence, head), how
+    many blocks ran step by step (`[..., 0]`) and how many passed no gradient through `d`
+    (`[..., 1]`)."""
+    B, TN, H, K = k.shape
+    rt = block_tokens(meta["NH"])
+    if cu_seqlens is None:
+        nt = triton.cdiv(T, rt)
+        table, count = k, B * nt  # no table: any tensor fills the pointer argument
+    else:
+        nt = 0
+        table, _, count = chunk_tables(cu_seqlens, rt)
+    acc = traj.dtype
+    coef = torch.empty(B, TN, H, device=k.device, dtype=acc)
+    Z = torch.empty(B, TN, H, K, device=k.device, dtype=acc)
+    shared = {name: meta[name] for name in ("H", "K", "BK", "NH", "BETA_AWARE", "HAS_RETAIN", "IS_VARLEN", "ACC")}
+    if count:
+        osdn_block_backward_prepare_kernel[(count, H)](
+            k, beta, retain, stats, dw, coef, Z, cu_seqlens, table, T, nt, eta, eps, RT=rt, BM=BLOCK_STEPS,
+            LOG2_BM=BLOCK_STEPS.bit_length() - 1, HAS_DW=has_dw, num_warps=4, **shared,
+        )
+    counts = torch.zeros(n_seq, H, 2, device=k.device, dtype=torch.int32)
+    osdn_block_backward_kernel[(n_seq * H,)](
+        k, beta, retain, traj, stats, dw, dd_final, coef, Z, dk, dbeta, dretain, dd0, counts, cu_seqlens, T,
+        eta, d_min, d_max, eps, RT=rt, BM=BLOCK_STEPS, HAS_DW=has_dw, HAS_DD=has_dd, num_warps=warps, **shared,
     )
     return counts

@@ -134,16 +134,21 @@ def test_osdn_loads_ahead_queue_lengths(monkeypatch, prefetch: int, stats: bool)
         _compare(got, want, ["write_key", "d_final", "d_k", "d_beta", "d_retain"], tol=tol)
 
 
-def _blocked(monkeypatch) -> list[torch.Tensor]:
-    """Turn on the blocked forward (`osdn.BLOCKED`); returns the list that collects each
-    call's counts of blocks stepped and held, `[N, H, 2]` (`osdn_blocked.block_forward`)."""
+def _blocked(monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Turn on the blocked forward and backward (`osdn.BLOCKED`); returns the lists that
+    collect each call's counts of blocks stepped and held, `[N, H, 2]`
+    (`osdn_blocked.block_forward`, `block_backward`)."""
     from archspec.kernels.triton import osdn, osdn_blocked
 
-    stepped: list[torch.Tensor] = []
-    forward = osdn_blocked.block_forward
+    forward_counts: list[torch.Tensor] = []
+    backward_counts: list[torch.Tensor] = []
+    forward, backward = osdn_blocked.block_forward, osdn_blocked.block_backward
     monkeypatch.setattr(osdn, "BLOCKED", True)
-    monkeypatch.setattr(osdn_blocked, "block_forward", lambda *a, **kw: stepped.append(forward(*a, **kw)) or stepped[-1])
-    return stepped
+    monkeypatch.setattr(osdn_blocked, "block_forward",
+                        lambda *a, **kw: forward_counts.append(forward(*a, **kw)) or forward_counts[-1])
+    monkeypatch.setattr(osdn_blocked, "block_backward",
+                        lambda *a, **kw: backward_counts.append(backward(*a, **kw)) or backward_counts[-1])
+    return forward_counts, backward_counts
 
 
 @pytest.mark.parametrize(
@@ -151,14 +156,14 @@ def _blocked(monkeypatch) -> list[torch.Tensor]:
     [(1, True, False, "ones"), (1, True, True, "shared"), (2, False, True, "per_sequence"), (3, True, True, "ones"),
      (5, True, False, "shared")],
 )
-def test_osdn_blocked_forward_matches_naive(monkeypatch, n_h: int, beta_aware: bool, retain: bool, d0: str) -> None:
-    """The forward in blocks of 8 sub-steps (`osdn_blocked.py`), with the backward that
-    reads its trajectory: bounds the scan never reaches (every block affine, none stepped),
-    and the paper's bounds with a large `eta`, where some blocks clip and run step by step
+def test_osdn_blocked_scan_matches_naive(monkeypatch, n_h: int, beta_aware: bool, retain: bool, d0: str) -> None:
+    """The forward and backward in blocks of 8 sub-steps (`osdn_blocked.py`): bounds the
+    scan never reaches (every block affine, none stepped), and bounds with a large `eta`,
+    where some blocks clip and run step by step
     and others do not (retain gates below 1 pull `d` onto `d_min` and keep it there: with
     them every block clips). 37 tokens: the last block is partial for every n_h. The bounds
     are binary fractions: the kernels take them as float32 scalars, also in a float64 scan."""
-    stepped = _blocked(monkeypatch)
+    stepped, backward = _blocked(monkeypatch)
     inputs = _inputs(2, 37, 2, 16, n_h, retain=retain, d0=d0, seed=3 + n_h)
     names = ["write_key", "d_final"] + ["d_" + n for n in inputs]
     from archspec.kernels.triton.osdn_blocked import block_tokens
@@ -171,6 +176,9 @@ def test_osdn_blocked_forward_matches_naive(monkeypatch, n_h: int, beta_aware: b
         _compare(_run(inputs, "triton", **options), _run(inputs, "naive", **options), names, tol=1e-10)
         count = int(stepped[-1][..., 0].sum())
         assert stepped_range[0] <= count <= stepped_range[1], (options, count, blocks)
+        # the backward: every block affine without a clip; with one, some step
+        count = int(backward[-1][..., 0].sum())
+        assert stepped_range[0] <= count <= stepped_range[1], (options, count, blocks)
     # APF with the paper's eta and bounds: the retain gates pull d onto d_min and hold it
     # there (updates of ~eta/K against a decay of (1 - rho) d_min), so most blocks are held
     # (with n_h > 1 the sub-steps after a token's first lift d off the bound between gates:
@@ -179,14 +187,15 @@ def test_osdn_blocked_forward_matches_naive(monkeypatch, n_h: int, beta_aware: b
         held_inputs = dict(inputs, retain=(0.5 + 0.0 * inputs["retain"]).detach().requires_grad_())
         options = dict(beta_aware=beta_aware)
         _compare(_run(held_inputs, "triton", **options), _run(held_inputs, "naive", **options), names, tol=1e-10)
-        stepped_n, held_n = stepped[-1].sum((0, 1)).tolist()
-        assert stepped_n + held_n <= blocks and (held_n >= blocks // 2 or n_h > 1), (stepped_n, held_n, blocks)
+        for counts in (stepped[-1], backward[-1]):  # held in the forward: no gradient through d
+            stepped_n, held_n = counts.sum((0, 1)).tolist()
+            assert stepped_n + held_n <= blocks and (held_n >= blocks // 2 or n_h > 1), (stepped_n, held_n, blocks)
 
 
-def test_osdn_blocked_forward_packed_and_low_precision(monkeypatch) -> None:
-    """The blocked forward on packed sequences (empty, one token, several blocks), and with
+def test_osdn_blocked_scan_packed_and_low_precision(monkeypatch) -> None:
+    """The blocked scan on packed sequences (empty, one token, several blocks), and with
     float32, bfloat16 and float16 keys against the token loop on the same rounded inputs."""
-    stepped = _blocked(monkeypatch)
+    stepped, backward = _blocked(monkeypatch)
     inputs = _inputs(1, 45, 2, 16, 2, retain=True, d0="none", seed=9)
     gen = torch.Generator().manual_seed(10)
     inputs["d0"] = (0.6 + 1.2 * torch.rand(4, 2, 16, generator=gen, dtype=torch.float64)).to(DEVICE).requires_grad_()
@@ -195,6 +204,7 @@ def test_osdn_blocked_forward_packed_and_low_precision(monkeypatch) -> None:
         names = ["write_key", "d_final"] + ["d_" + n for n in inputs]
         _compare(_run(inputs, "triton", **options), _run(inputs, "naive", **options), names, tol=1e-10)
     assert int(stepped[-1].sum()) == 0 and int(stepped[-2][..., 0].sum()) > 0
+    assert int(backward[-1].sum()) == 0 and int(backward[-2][..., 0].sum()) > 0
     # retain gates below osdn_blocked.RETAIN_FLOOR: no block is affine
     small = dict(inputs, retain=(0.05 * inputs["retain"]).detach().requires_grad_())
     names = ["write_key", "d_final"] + ["d_" + n for n in small]

@@ -30,12 +30,27 @@ Tensor = torch.Tensor
 
 
 @triton.jit
-def _sequence(i_n, T, cu_seqlens, IS_VARLEN: tl.constexpr):
+def sequence_of(i_n, T, cu_seqlens, IS_VARLEN: tl.constexpr):
+    """`(bos, seq_len)` of sequence `i_n`."""
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int32)
         return bos, tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
     else:
         return i_n * T, T
+
+
+@triton.jit
+def initial_d(d0, i_nh, i_h, K: tl.constexpr, BK: tl.constexpr, D0_MODE: tl.constexpr, ACC: tl.constexpr):
+    """`d` before a sequence's first sub-step: ones (`D0_MODE` 0), a shared `[H, K]` (1) or
+    a per-sequence `[N, H, K]` (2) `d0`; 0 past K."""
+    o = tl.arange(0, BK)
+    mk = o < K
+    if D0_MODE == 0:
+        return tl.where(mk, 1.0, 0.0).to(ACC)
+    elif D0_MODE == 1:
+        return tl.load(d0 + i_h * K + o, mask=mk, other=0.0).to(ACC)
+    else:
+        return tl.load(d0 + i_nh * K + o, mask=mk, other=0.0).to(ACC)
 
 
 @triton.jit
@@ -255,15 +270,10 @@ def osdn_forward_kernel(
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, seq_len = _sequence(i_n, T, cu_seqlens, IS_VARLEN)
+    bos, seq_len = sequence_of(i_n, T, cu_seqlens, IS_VARLEN)
     offs = tl.arange(0, BK)
     mk = offs < K
-    if D0_MODE == 0:  # ones
-        d = tl.where(mk, 1.0, 0.0).to(ACC)
-    elif D0_MODE == 1:  # shared [H, K]
-        d = tl.load(d0 + i_h * K + offs, mask=mk, other=0.0).to(ACC)
-    else:  # per sequence [N, H, K]
-        d = tl.load(d0 + i_nh * K + offs, mask=mk, other=0.0).to(ACC)
+    d = initial_d(d0, i_nh, i_h, K, BK, D0_MODE, ACC)
     L = seq_len * NH
     if AHEAD:
         # a queue of the next PREFETCH steps' loads, in a loop unrolled by PREFETCH (see PREFETCH)
@@ -304,7 +314,7 @@ def osdn_backward_kernel(
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, seq_len = _sequence(i_n, T, cu_seqlens, IS_VARLEN)
+    bos, seq_len = sequence_of(i_n, T, cu_seqlens, IS_VARLEN)
     offs = tl.arange(0, BK)
     mk = offs < K
     dd = tl.zeros([BK], dtype=ACC)

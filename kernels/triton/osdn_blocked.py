@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_of_program, chunk_tables
-from .osdn import _backward_step, step_coefficients
+from .osdn import _backward_step, initial_d, sequence_of, step_coefficients
 
 Tensor = torch.Tensor
 
@@ -190,19 +190,10 @@ def osdn_block_forward_kernel(
     blocks ran step by step (the clip acted and moved `d`) and how many held `d`."""
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-        seq_len = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
-    else:
-        bos, seq_len = i_n * T, T
+    bos, seq_len = sequence_of(i_n, T, cu_seqlens, IS_VARLEN)
     o = tl.arange(0, BK)
     mk = o < K
-    if D0_MODE == 0:  # ones
-        d = tl.where(mk, 1.0, 0.0).to(ACC)
-    elif D0_MODE == 1:  # shared [H, K]
-        d = tl.load(d0 + i_h * K + o, mask=mk, other=0.0).to(ACC)
-    else:  # per sequence [N, H, K]
-        d = tl.load(d0 + i_nh * K + o, mask=mk, other=0.0).to(ACC)
+    d = initial_d(d0, i_nh, i_h, K, BK, D0_MODE, ACC)
     L = seq_len * NH
     stepped = 0
     held = 0
@@ -260,6 +251,24 @@ def osdn_block_forward_kernel(
     tl.store(block_counts + i_nh * 2 + 1, held)
 
 
+def _blocks(k: Tensor, cu_seqlens: Tensor | None, T: int, acc: torch.dtype, meta: dict) -> tuple:
+    """The blocks of a call: tokens per block, blocks per sequence (0 when packed), the
+    packed batch's block table, how many blocks, the prepass's `[B, TN, H]` and
+    `[B, TN, H, K]` outputs, and the constexprs every blocked kernel takes from `meta`."""
+    B, TN, H, K = k.shape
+    rt = block_tokens(meta["NH"])
+    if cu_seqlens is None:
+        nt = triton.cdiv(T, rt)
+        table, count = k, B * nt  # no table: any tensor fills the pointer argument
+    else:
+        nt = 0
+        table, _, count = chunk_tables(cu_seqlens, rt)
+    coef = torch.empty(B, TN, H, device=k.device, dtype=acc)
+    Z = torch.empty(B, TN, H, K, device=k.device, dtype=acc)
+    shared = {name: meta[name] for name in ("H", "K", "BK", "NH", "BETA_AWARE", "HAS_RETAIN", "IS_VARLEN", "ACC")}
+    return rt, nt, table, count, coef, Z, shared
+
+
 def block_forward(k: Tensor, beta: Tensor, retain: Tensor, d0: Tensor, w: Tensor, traj: Tensor, stats: Tensor,
                   d_final: Tensor, cu_seqlens: Tensor | None, T: int, eta: float, d_min: float, d_max: float,
                   eps: float, *, n_seq: int, d0_mode: int, warps: int, meta: dict) -> Tensor:
@@ -267,19 +276,8 @@ def block_forward(k: Tensor, beta: Tensor, retain: Tensor, d0: Tensor, w: Tensor
     H, K, BK, NH, BETA_AWARE, HAS_RETAIN, IS_VARLEN and ACC); returns, per (sequence,
     head), how many blocks ran step by step because the clip acted in them and moved `d`
     (`[..., 0]`), and how many held `d` at its bounds (`[..., 1]`)."""
-    B, TN, H, K = k.shape
-    n_h = meta["NH"]
-    rt = block_tokens(n_h)
-    if cu_seqlens is None:
-        nt = triton.cdiv(T, rt)
-        table, count = k, B * nt  # no table: any tensor fills the pointer argument
-    else:
-        nt = 0
-        table, _, count = chunk_tables(cu_seqlens, rt)
-    acc = traj.dtype
-    coef = torch.empty(B, TN, H, device=k.device, dtype=acc)
-    Z = torch.empty(B, TN, H, K, device=k.device, dtype=acc)
-    shared = {name: meta[name] for name in ("H", "K", "BK", "NH", "BETA_AWARE", "HAS_RETAIN", "IS_VARLEN", "ACC")}
+    H = k.shape[2]
+    rt, nt, table, count, coef, Z, shared = _blocks(k, cu_seqlens, T, traj.dtype, meta)
     if count:
         osdn_block_prepare_kernel[(count, H)](
             k, beta, retain, coef, Z, cu_seqlens, table, T, nt, eta, eps, RT=rt, BM=BLOCK_STEPS,
@@ -390,11 +388,7 @@ def osdn_block_backward_kernel(
     how many of its blocks ran step by step and how many passed no gradient through `d`."""
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-        seq_len = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
-    else:
-        bos, seq_len = i_n * T, T
+    bos, seq_len = sequence_of(i_n, T, cu_seqlens, IS_VARLEN)
     o = tl.arange(0, BK)
     mk = o < K
     dd = tl.zeros([BK], dtype=ACC)
@@ -489,18 +483,8 @@ def block_backward(k: Tensor, beta: Tensor, retain: Tensor, traj: Tensor, stats:
     forward's trajectory and stats (either forward's); returns, per (sequence, head), how
     many blocks ran step by step (`[..., 0]`) and how many passed no gradient through `d`
     (`[..., 1]`)."""
-    B, TN, H, K = k.shape
-    rt = block_tokens(meta["NH"])
-    if cu_seqlens is None:
-        nt = triton.cdiv(T, rt)
-        table, count = k, B * nt  # no table: any tensor fills the pointer argument
-    else:
-        nt = 0
-        table, _, count = chunk_tables(cu_seqlens, rt)
-    acc = traj.dtype
-    coef = torch.empty(B, TN, H, device=k.device, dtype=acc)
-    Z = torch.empty(B, TN, H, K, device=k.device, dtype=acc)
-    shared = {name: meta[name] for name in ("H", "K", "BK", "NH", "BETA_AWARE", "HAS_RETAIN", "IS_VARLEN", "ACC")}
+    H = k.shape[2]
+    rt, nt, table, count, coef, Z, shared = _blocks(k, cu_seqlens, T, traj.dtype, meta)
     if count:
         osdn_block_backward_prepare_kernel[(count, H)](
             k, beta, retain, stats, dw, coef, Z, cu_seqlens, table, T, nt, eta, eps, RT=rt, BM=BLOCK_STEPS,

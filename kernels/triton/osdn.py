@@ -40,6 +40,16 @@ def sequence_of(i_n, T, cu_seqlens, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def final_dbar(dd_final, i_nh, K: tl.constexpr, BK: tl.constexpr, HAS_DD: tl.constexpr, ACC: tl.constexpr):
+    """The gradient of the final `d` that the reverse scan starts from (0 without one)."""
+    o = tl.arange(0, BK)
+    dd = tl.zeros([BK], dtype=ACC)
+    if HAS_DD:
+        dd += tl.load(dd_final + i_nh * K + o, mask=o < K, other=0.0).to(ACC)
+    return dd
+
+
+@triton.jit
 def initial_d(d0, i_nh, i_h, K: tl.constexpr, BK: tl.constexpr, D0_MODE: tl.constexpr, ACC: tl.constexpr):
     """`d` before a sequence's first sub-step: ones (`D0_MODE` 0), a shared `[H, K]` (1) or
     a per-sequence `[N, H, K]` (2) `d0`; 0 past K."""
@@ -317,9 +327,7 @@ def osdn_backward_kernel(
     bos, seq_len = sequence_of(i_n, T, cu_seqlens, IS_VARLEN)
     offs = tl.arange(0, BK)
     mk = offs < K
-    dd = tl.zeros([BK], dtype=ACC)
-    if HAS_DD:
-        dd += tl.load(dd_final + i_nh * K + offs, mask=mk, other=0.0).to(ACC)
+    dd = final_dbar(dd_final, i_nh, K, BK, HAS_DD, ACC)
     L = seq_len * NH
     if AHEAD:  # as in the forward, with the steps in reverse
         q = ()

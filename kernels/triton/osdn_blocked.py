@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_of_program, chunk_tables
-from .osdn import _backward_step, initial_d, sequence_of, step_coefficients
+from .osdn import _backward_step, final_dbar, initial_d, sequence_of, step_coefficients
 
 Tensor = torch.Tensor
 
@@ -99,6 +99,19 @@ def _mm_small(x, y):
     return tl.sum(x[:, :, None] * y[None, :, :], 1)
 
 
+@triton.jit
+def _unit_triangular_inverse(A, m, LOG2_BM: tl.constexpr, ACC: tl.constexpr):
+    """`(I + A)^-1` for a strictly triangular `[BM, BM]` `A` (`m`: `arange(BM)`), as
+    `(I - A)(I + A^2)(I + A^4)...`: `A^BM = 0`."""
+    eye = tl.where(m[:, None] == m[None, :], 1.0, 0.0).to(ACC)
+    inv = eye - A
+    power = A
+    for _ in tl.static_range(LOG2_BM - 1):
+        power = _mm_small(power, power)
+        inv = _mm_small(inv, eye + power)
+    return inv
+
+
 @triton.jit(do_not_specialize=["T"])
 def osdn_block_prepare_kernel(
     k, beta, retain, coef, Z, cu_seqlens, table, T, NT, eta, eps,
@@ -128,14 +141,7 @@ def osdn_block_prepare_kernel(
     else:
         P = tl.full(cc.shape, 1.0, ACC)
         Q = tl.where(lower, 1.0, 0.0).to(ACC)
-    A = cb[:, None] * (Q * G)
-    # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: A is strictly lower, so A^BM = 0
-    eye = tl.where(m[:, None] == m[None, :], 1.0, 0.0).to(ACC)
-    inv = eye - A
-    power = A
-    for _ in tl.static_range(LOG2_BM - 1):
-        power = _mm_small(power, power)
-        inv = _mm_small(inv, eye + power)
+    inv = _unit_triangular_inverse(cb[:, None] * (Q * G), m, LOG2_BM, ACC)
     a0 = tl.sum(inv * cc[None, :], 1)
     z = _mm_small(inv * (cb * P)[None, :], s)
     o = tl.arange(0, BK)
@@ -345,13 +351,7 @@ def osdn_block_backward_prepare_kernel(
     if HAS_DW:
         wbar = tl.load(dw + (rows[:, None] * H + i_h) * K + o[None, :], mask=tile, other=0.0).to(ACC)
         r = tl.sum(Bm * _mm_small_t(s, wbar * kk), 1)  # sum_{l>j} B_jl <wbar_l k_l, s_j>
-    U = Bm * _mm_small_t(s, s) * cb[None, :]
-    eye = tl.where(m[:, None] == m[None, :], 1.0, 0.0).to(ACC)
-    inv = eye - U
-    power = U
-    for _ in tl.static_range(LOG2_BM - 1):
-        power = _mm_small(power, power)
-        inv = _mm_small(inv, eye + power)
+    inv = _unit_triangular_inverse(Bm * _mm_small_t(s, s) * cb[None, :], m, LOG2_BM, ACC)
     b0 = tl.sum(inv * r[None, :], 1)
     zb = _mm_small(inv * A[None, :], s)
     tl.store(coef + rows * H + i_h, b0.to(coef.dtype.element_ty), mask=ok)
@@ -391,9 +391,7 @@ def osdn_block_backward_kernel(
     bos, seq_len = sequence_of(i_n, T, cu_seqlens, IS_VARLEN)
     o = tl.arange(0, BK)
     mk = o < K
-    dd = tl.zeros([BK], dtype=ACC)
-    if HAS_DD:
-        dd += tl.load(dd_final + i_nh * K + o, mask=mk, other=0.0).to(ACC)
+    dd = final_dbar(dd_final, i_nh, K, BK, HAS_DD, ACC)
     L = seq_len * NH
     n_blocks = tl.cdiv(seq_len, RT)
     stepped = 0

@@ -130,7 +130,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    variants, plans = args.variants.split(), args.plans.split(",")
+    variants = args.variants.split()
+    # the table's rows: every plan some variant times (`@plans`, else --plans), in first-seen order
+    plans = list(dict.fromkeys(p for v in variants for p in (v.partition("@")[2] or args.plans).split(",")))
     start, results = time.monotonic(), []
     n_plans = [len((v.partition("@")[2] or args.plans).split(",")) for v in variants]
     for i, variant in enumerate(variants):

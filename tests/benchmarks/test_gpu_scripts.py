@@ -137,6 +137,19 @@ def test_variants_smoke_runs_each_setting_in_its_own_process(tmp_path: Path) -> 
     assert "| deltanet |" in (out / "variants.md").read_text()
 
 
+def test_variants_table_lists_the_plans_each_setting_times(tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        variants = importlib.import_module("variants")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    out = tmp_path / "out"
+    variants.main(["--smoke", "--plans", "deltanet", "--variants", "8,4 8,4:osdn_stats=1@osdn-deltanet",
+                   "--out", str(out), "--work", str(tmp_path / "work"), "--budget-s", "200"])
+    table = (out / "variants.md").read_text()
+    assert "| deltanet |" in table and "| osdn-deltanet |" in table
+
+
 def test_variants_check_only_the_plans_a_setting_times() -> None:
     sys.path.insert(0, str(BENCHMARKS))
     try:

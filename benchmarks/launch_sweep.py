@@ -1,0 +1,155 @@
+"""Launch settings of our forward kernels, swept inside one process, and where the host's
+time of a forward goes.
+
+    python benchmarks/launch_sweep.py --plans gdn,gla-scalar \
+        --grid "state_warps=2,4 state_stages=2,3,4 state_forward_bv=32,64" [--out DIR] [--budget-s S]
+
+`benchmarks/variants.py` runs each setting in its own process (the knobs of
+`kernels/triton/recurrence.py` are read from the environment at import), which costs a
+process start and a full compile per setting. The launch-only knobs (warps, stages, the
+state passes' V block) are read again at every call, so here they are set on the module
+between calls (`recurrence._plan_of` is cleared, since a plan carries the warps) and
+every combination of `--grid` is timed in one process: the forward's wall time
+(`do_bench`, median) and each kernel's GPU time (`torch.profiler`). Each setting's output
+is compared with the defaults' (same inputs): a launch setting changes no arithmetic
+beyond the order of float sums, so a relative difference above 1e-2 marks a miscompile.
+That screen is not the correctness check; a setting is adopted only after
+`triton_gpu_check.py` passes under it (`docs/gpu-session.md`).
+
+`--host-profile` adds, per plan, cProfile's view of the host time of 50 forward calls
+queued behind a GPU sleep (so no call waits on the GPU): which Python functions the
+launches spend it in. Session 6 measured about 0.09 ms of host time per launch on the
+lent machine, where Triton's launch path is reported at about 12 us on other hosts
+(triton-lang/triton PR 3648; tritonbench PR 1005).
+
+Writes `DIR/launch_sweep.json` after each plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import itertools
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import _bench, kernel_breakdown, machine, make_inputs, plan_named, run_plan  # noqa: E402
+
+SHAPE = (4, 4096, 16, 128, 128)
+
+
+def settings_of(grid: str) -> list[dict[str, str]]:
+    """`"a=1,2 b=3"` -> [{a: 1, b: 3}, {a: 2, b: 3}]: every combination."""
+    axes = [(name, values.split(",")) for name, _, values in (item.partition("=") for item in grid.split())]
+    return [dict(zip([n for n, _ in axes], combo)) for combo in itertools.product(*(v for _, v in axes))]
+
+
+def apply(setting: dict[str, str]) -> dict:
+    """Set the recurrence module's launch knobs; returns the previous values to restore."""
+    from archspec.kernels.triton import recurrence as rec
+
+    previous = {}
+    for name, value in setting.items():
+        if name in ("warps", "state_warps"):
+            chunk, state = rec._WARPS
+            previous["_WARPS"] = rec._WARPS
+            rec._WARPS = (int(value), state) if name == "warps" else (chunk, int(value))
+            continue
+        attr = "_" + name.upper()
+        if not hasattr(rec, attr):
+            raise SystemExit(f"--grid: recurrence.py has no knob {attr} (from {name!r})")
+        current = getattr(rec, attr)
+        previous[attr] = current
+        setattr(rec, attr, type(current)(value) if current is not None else value)
+    rec._plan_of.cache_clear()
+    return previous
+
+
+def restore(previous: dict) -> None:
+    from archspec.kernels.triton import recurrence as rec
+
+    for attr, value in previous.items():
+        setattr(rec, attr, value)
+    rec._plan_of.cache_clear()
+
+
+def host_profile(fn, calls: int = 50, top: int = 25) -> str:
+    """cProfile of `calls` forward calls issued while the GPU sleeps (none waits on it)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    per_call_ms = (time.perf_counter() - t0) / calls * 1e3
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return f"{per_call_ms:.4f} ms per call under cProfile\n" + text.getvalue()
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plans", default="gdn,gla-scalar")
+    parser.add_argument("--grid", default="state_warps=2,4 state_stages=2,3,4 state_forward_bv=32,64")
+    parser.add_argument("--out", default="/tmp/launch-sweep")
+    parser.add_argument("--budget-s", type=float, default=300)
+    parser.add_argument("--host-profile", action="store_true")
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"machine": machine(), "shape": SHAPE, "grid": args.grid, "plans": {}}
+    settings = [{}] + settings_of(args.grid)  # the defaults first: the reference output
+    for name in args.plans.split(","):
+        plan = plan_named(name)
+        inputs = make_inputs(plan, *SHAPE, torch.bfloat16, "cuda")
+        fn = lambda: run_plan(plan, inputs, "triton")  # noqa: E731
+        entry: dict = {"settings": []}
+        results["plans"][name] = entry
+        reference = fn()[0].detach().clone()
+        if args.host_profile:
+            entry["host_profile"] = host_profile(fn)
+            print(f"== {name}: host profile\n{entry['host_profile']}", flush=True)
+        for setting in settings:
+            if time.monotonic() - start > args.budget_s:
+                entry["settings"].append({"setting": setting, "error": "out of budget"})
+                continue
+            previous = apply(setting)
+            row: dict = {"setting": setting}
+            try:
+                t0 = time.monotonic()
+                o = fn()[0]
+                torch.cuda.synchronize()
+                row["first_call_s"] = round(time.monotonic() - t0, 2)
+                row["rel_diff"] = relative_difference(o, reference)
+                row["fwd_ms"] = round(_bench(fn), 4)
+                row["kernels"] = kernel_breakdown(fn)
+            except Exception as err:  # a setting that fails to compile (shared memory) is a result
+                row["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+            finally:
+                restore(previous)
+            entry["settings"].append(row)
+            kern = ", ".join(f"{k} {t:.4f}" for k, t in row.get("kernels", [])[:6])
+            print(f"[{time.monotonic() - start:6.1f}s] {name} {setting or 'defaults'}: fwd {row.get('fwd_ms')} "
+                  f"diff {row.get('rel_diff', 0):.1e} {row.get('error', '')} | {kern}", flush=True)
+            (out / "launch_sweep.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import itertools
 import json
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import _bench, kernel_breakdown, machine, make_inputs, plan_named, run_plan  # noqa: E402
+from kernels import _bench, kernel_breakdown, machine, make_inputs, plan_named, run_plan
 
 SHAPE = (4, 4096, 16, 128, 128)
 
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.plans.split(","):
         plan = plan_named(name)
         inputs = make_inputs(plan, *SHAPE, torch.bfloat16, "cuda")
-        fn = lambda: run_plan(plan, inputs, "triton")  # noqa: E731
+        fn = functools.partial(run_plan, plan, inputs, "triton")
         entry: dict = {"settings": []}
         results["plans"][name] = entry
         reference = fn()[0].detach().clone()
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row["rel_diff"] = relative_difference(o, reference)
                 row["fwd_ms"] = round(_bench(fn), 4)
                 row["kernels"] = kernel_breakdown(fn)
-            except Exception as err:  # a setting that fails to compile (shared memory) is a result
+            except Exception as err:  # noqa: BLE001 - a setting that fails to compile (shared memory) is a result
                 row["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
             finally:
                 restore(previous)

@@ -41,15 +41,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import _bench, kernel_breakdown, machine, make_inputs, plan_named, run_plan
+from kernels import _bench, _forward_and_backward, kernel_breakdown, machine, make_inputs, plan_named, run_plan
 
 SHAPE = (4, 4096, 16, 128, 128)
 
 
 def settings_of(grid: str) -> list[dict[str, str]]:
-    """`"a=1,2 b=3"` -> [{a: 1, b: 3}, {a: 2, b: 3}]: every combination."""
-    axes = [(name, values.split(",")) for name, _, values in (item.partition("=") for item in grid.split())]
-    return [dict(zip([n for n, _ in axes], combo)) for combo in itertools.product(*(v for _, v in axes))]
+    """`"a=1,2 b=3; c=4"` -> [{a: 1, b: 3}, {a: 2, b: 3}, {c: 4}]: every combination of
+    each `;`-separated grid, one grid after the other."""
+    settings = []
+    for part in grid.split(";"):
+        axes = [(name, values.split(",")) for name, _, values in (item.partition("=") for item in part.split())]
+        settings += [dict(zip([n for n, _ in axes], combo)) for combo in itertools.product(*(v for _, v in axes))]
+    return settings
 
 
 def apply(setting: dict[str, str]) -> dict:
@@ -110,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="/tmp/launch-sweep")
     parser.add_argument("--budget-s", type=float, default=300)
     parser.add_argument("--host-profile", action="store_true")
+    parser.add_argument("--backward", action="store_true", help="time forward+backward (the kernels of both)")
     args = parser.parse_args(argv)
     start = time.monotonic()
     out = Path(args.out)
@@ -119,12 +124,13 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.plans.split(","):
         plan = plan_named(name)
         inputs = make_inputs(plan, *SHAPE, torch.bfloat16, "cuda")
-        fn = functools.partial(run_plan, plan, inputs, "triton")
+        forward = functools.partial(run_plan, plan, inputs, "triton")
+        fn = _forward_and_backward(forward, inputs) if args.backward else forward
         entry: dict = {"settings": []}
         results["plans"][name] = entry
-        reference = fn()[0].detach().clone()
+        reference = forward()[0].detach().clone()
         if args.host_profile:
-            entry["host_profile"] = host_profile(fn)
+            entry["host_profile"] = host_profile(forward)
             print(f"== {name}: host profile\n{entry['host_profile']}", flush=True)
         for setting in settings:
             if time.monotonic() - start > args.budget_s:
@@ -134,11 +140,12 @@ def main(argv: list[str] | None = None) -> dict:
             row: dict = {"setting": setting}
             try:
                 t0 = time.monotonic()
-                o = fn()[0]
+                o = forward()[0]
+                fn()
                 torch.cuda.synchronize()
                 row["first_call_s"] = round(time.monotonic() - t0, 2)
                 row["rel_diff"] = relative_difference(o, reference)
-                row["fwd_ms"] = round(_bench(fn), 4)
+                row["fwdbwd_ms" if args.backward else "fwd_ms"] = round(_bench(fn), 4)
                 row["kernels"] = kernel_breakdown(fn)
             except Exception as err:  # noqa: BLE001 - a setting that fails to compile (shared memory) is a result
                 row["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
@@ -146,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
                 restore(previous)
             entry["settings"].append(row)
             kern = ", ".join(f"{k} {t:.4f}" for k, t in row.get("kernels", [])[:6])
-            print(f"[{time.monotonic() - start:6.1f}s] {name} {setting or 'defaults'}: fwd {row.get('fwd_ms')} "
+            print(f"[{time.monotonic() - start:6.1f}s] {name} {setting or 'defaults'}: ms {row.get('fwd_ms', row.get('fwdbwd_ms'))} "
                   f"diff {row.get('rel_diff', 0):.1e} {row.get('error', '')} | {kern}", flush=True)
             (out / "launch_sweep.json").write_text(json.dumps(results, indent=1))
     return results

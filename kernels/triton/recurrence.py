@@ -53,6 +53,14 @@ _STATE_STAGES = os.environ.get("ARCHSPEC_TRITON_STATE_STAGES")
 
 def _state_stages(p: Plan) -> int:
     return int(_STATE_STAGES) if _STATE_STAGES else 2 if p.op in (torch.float16, torch.bfloat16) else 1
+
+
+# the backward state pass's alone (default: `_state_stages`), for tuning apart from the forward's
+_STATE_BACKWARD_STAGES = os.environ.get("ARCHSPEC_TRITON_STATE_BACKWARD_STAGES")
+
+
+def _state_backward_stages(p: Plan) -> int:
+    return int(_STATE_BACKWARD_STAGES) if _STATE_BACKWARD_STAGES else _state_stages(p)
 # 64: Triton 3.6 on an H200 miscompiled the state backward with 32-wide V blocks and 8-warp
 # chunk kernels (compute-sanitizer: invalid shared-memory read in a wgmma); 64 ran clean.
 _STATE_BV = int(os.environ.get("ARCHSPEC_TRITON_STATE_BV", "64"))
@@ -406,8 +414,8 @@ class ChunkRecurrence(torch.autograd.Function):
             q, w, e_, beta_, G_, dummy if P is None else P, dummy if dY is None else dY, dummy if dU is None else dU, do,
             dh_all, dummy if dfinal is None else dfinal.contiguous(), dummy if dh0 is None else dh0,
             cu_seqlens, offsets, p.T, p.NT, scale, BQ=p.BQ, MODE=p.mode, GATE=p.gate,
-            USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, num_warps=p.state_warps, num_stages=_state_stages(p),
-            **_common(p, state=True),
+            USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, num_warps=p.state_warps,
+            num_stages=_state_backward_stages(p), **_common(p, state=True),
         )
         # every input gradient is stored once by the last kernels, from float32 registers, so
         # its buffer takes the input's dtype (no cast kernels after them)

@@ -5,10 +5,10 @@ time of a forward goes.
         --grid "state_warps=2,4 state_stages=2,3,4 state_forward_bv=32,64" [--out DIR] [--budget-s S]
 
 `benchmarks/variants.py` runs each setting in its own process (the knobs of
-`kernels/triton/recurrence.py` are read from the environment at import), which costs a
-process start and a full compile per setting. The launch-only knobs (warps, stages, the
-state passes' V block) are read again at every call, so here they are set on the module
-between calls (`recurrence._plan_of` is cleared, since a plan carries the warps) and
+`kernels/triton/launch.py` are read from the environment at import), which costs a
+process start and a full compile per setting. They are read again at every launch, so
+here they are set on that module between calls (`recurrence._plan_of` is cleared, since
+a plan carries the warps), named in lower case (`state_stages=4` sets `STATE_STAGES`), and
 every combination of `--grid` is timed in one process: the forward's wall time
 (`do_bench`, median) and each kernel's GPU time (`torch.profiler`). Each setting's output
 is compared with the defaults' (same inputs): a launch setting changes no arithmetic
@@ -57,32 +57,32 @@ def settings_of(grid: str) -> list[dict[str, str]]:
 
 
 def apply(setting: dict[str, str]) -> dict:
-    """Set the recurrence module's launch knobs; returns the previous values to restore."""
-    from archspec.kernels.triton import recurrence as rec
+    """Set the launch knobs (`kernels/triton/launch.py`); returns the previous values."""
+    from archspec.kernels.triton import launch, recurrence
 
     previous = {}
     for name, value in setting.items():
         if name in ("warps", "state_warps"):
-            chunk, state = rec._WARPS
-            previous["_WARPS"] = rec._WARPS
-            rec._WARPS = (int(value), state) if name == "warps" else (chunk, int(value))
+            chunk, state = launch.WARPS
+            previous.setdefault("WARPS", launch.WARPS)
+            launch.WARPS = (int(value), state) if name == "warps" else (chunk, int(value))
             continue
-        attr = "_" + name.upper()
-        if not hasattr(rec, attr):
-            raise SystemExit(f"--grid: recurrence.py has no knob {attr} (from {name!r})")
-        current = getattr(rec, attr)
+        attr = name.upper()
+        if not hasattr(launch, attr):
+            raise SystemExit(f"--grid: launch.py has no knob {attr} (from {name!r})")
+        current = getattr(launch, attr)
         previous[attr] = current
-        setattr(rec, attr, type(current)(value) if current is not None else value)
-    rec._plan_of.cache_clear()
+        setattr(launch, attr, type(current)(value) if current is not None else value)
+    recurrence._plan_of.cache_clear()
     return previous
 
 
 def restore(previous: dict) -> None:
-    from archspec.kernels.triton import recurrence as rec
+    from archspec.kernels.triton import launch, recurrence
 
     for attr, value in previous.items():
-        setattr(rec, attr, value)
-    rec._plan_of.cache_clear()
+        setattr(launch, attr, value)
+    recurrence._plan_of.cache_clear()
 
 
 def host_profile(fn, calls: int = 50, top: int = 25) -> str:

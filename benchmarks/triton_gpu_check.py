@@ -2,7 +2,7 @@
 reference, stability over 65,536 tokens, and the gated backward where
 flash-linear-attention refuses.
 
-    python benchmarks/triton_gpu_check.py [--out DIR] [--plans a,b] [--gaps] [--budget-s S] [--smoke]
+    python benchmarks/triton_gpu_check.py [--out DIR] [--plans a,b] [--gaps] [--dtypes D,D] [--budget-s S] [--smoke]
 
 Default (the full proof):
 1. Plans of `benchmarks/kernels.py` (every MODE x GATE, n_h 1-3, beta in [0, 2], untied and
@@ -239,6 +239,8 @@ def checks_for(args) -> list[Check]:
                 out.append(Check("naive", p, "float32", 1, T_naive))
     if args.gaps and args.plans:  # --plans narrows either suite
         out = [c for c in out if c.plan in args.plans.split(",")]
+    if args.dtypes:  # and --dtypes too: a launch change confined to half precision is checked there
+        out = [c for c in out if c.dtype in args.dtypes.split(",")]
     return out
 
 
@@ -249,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-tokens", type=lambda x: tuple(int(v) for v in x.split(",")), default=(4, 4096),
                         help="B,T of the default suite's path checks (the benchmark's shape; smaller for a quick recheck)")
     parser.add_argument("--gaps", action="store_true", help="packed batches, float16, n_h 4 and 8 (see above)")
+    parser.add_argument("--dtypes", default="", help="only the checks in these dtypes, e.g. bfloat16,float16 (default: all)")
     parser.add_argument("--budget-s", type=float, default=1e9, help="wall-clock budget; checks that do not fit are listed as not run")
     parser.add_argument("--check-limit-s", type=float, default=120, help="most seconds one check may take")
     parser.add_argument("--compile-limit-s", type=float, default=150, help="most seconds the parallel warm-up may take")

@@ -43,7 +43,7 @@ def chunk_scalar_gate(g, G, tok0, n_tok, i_h, H: tl.constexpr, BQ: tl.constexpr,
     """One chunk's cumulative scalar log-gate `[BQ]` (rows past `n_tok`: 0) from the raw
     gate of its tokens `tok0 ...`, also stored in `G` where `store`: the first kernel of a
     forward that reads it can form it this way instead of a launch of its own (the short
-    forwards wait on the host's launches; `recurrence._GATE_IN_FIRST`)."""
+    forwards wait on the host's launches; `launch.GATE_IN_FIRST`)."""
     rows = tl.arange(0, BQ)
     valid = rows < n_tok
     offs = (tok0 + rows) * H + i_h

@@ -25,10 +25,12 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from . import launch
 from .backward import chunk_backward_kernel
 from .backward_channel import chunk_channels_kernel, chunk_pairs_kernel
 from .chunks import chunk_tables
 from .gate import gate_cumsum_kernel
+from .launch import pow2
 from .output import output_backward_kernel, output_kernel
 from .prepare import inverse_kernel, prepare_kernel
 from .state import state_backward_kernel, state_forward_kernel
@@ -38,151 +40,6 @@ Tensor = torch.Tensor
 CHUNK_SIZE = 64  # sub-steps per chunk (see docs/kernel.md, "Chunk size")
 SUB_CHUNK = 16  # channel-gate sub-chunk: pairs inside it are decayed element by element
 MAX_HEAD_DIM = 256
-# (chunk-parallel, state pass) warps per program; ARCHSPEC_TRITON_WARPS="8,4" overrides (tuning)
-_STAGES = int(os.environ.get("ARCHSPEC_TRITON_STAGES", "1"))  # software pipelining depth of the loops
-# the state passes' alone: their loop over a sequence's chunks reads each chunk's rows, which
-# do not depend on the carried state, so they are loaded a chunk ahead. On the H200 (B=4
-# T=4096 H=16 K=V=128 bf16, session 4's first call) 2 took DeltaNet's state_forward from
-# 0.242 to 0.173 ms and state_backward from 0.348 to 0.278 (3: 0.268 / 0.390); every chunk
-# kernel at 2 (ARCHSPEC_TRITON_STAGES) left them unchanged or slower (DeltaNet's
-# chunk_backward 0.86 -> 0.91 ms), except GLA-channel's chunk_channels_kernel (2.58 -> 2.47).
-# Half-precision operands only: with float32 ones the gated state pass asked for 257 KB of
-# shared memory (the H200 has 227 KB per block).
-_STATE_STAGES = os.environ.get("ARCHSPEC_TRITON_STATE_STAGES")
-
-
-def _state_stages(p: Plan) -> int:
-    return int(_STATE_STAGES) if _STATE_STAGES else 2 if p.op in (torch.float16, torch.bfloat16) else 1
-
-
-# the backward state pass's alone (default: `_state_stages`), for tuning apart from the forward's
-_STATE_BACKWARD_STAGES = os.environ.get("ARCHSPEC_TRITON_STATE_BACKWARD_STAGES")
-
-
-def _state_backward_stages(p: Plan) -> int:
-    return int(_STATE_BACKWARD_STAGES) if _STATE_BACKWARD_STAGES else _state_stages(p)
-# 64: Triton 3.6 on an H200 miscompiled the state backward with 32-wide V blocks and 8-warp
-# chunk kernels (compute-sanitizer: invalid shared-memory read in a wgmma); 64 ran clean.
-_STATE_BV = int(os.environ.get("ARCHSPEC_TRITON_STATE_BV", "64"))
-# The forward state pass's V block alone (the miscompile above was the backward's): 32
-# without a channel gate, i.e. 256 programs of 4 warps for B=4 H=16 V=128, two per SM. On
-# the H200 (session 5, call A, the state code of 1b77df0) DeltaNet's state_forward took
-# 0.152 ms with 64 and 0.139 with 32, Gated DeltaNet's 0.156 and 0.144; KDA's (session 5,
-# call 1, older code) 0.222 and 0.250, so a channel gate keeps `_STATE_BV`.
-_STATE_FORWARD_BV = os.environ.get("ARCHSPEC_TRITON_STATE_FORWARD_BV")
-_WARPS = tuple(int(x) for x in os.environ.get("ARCHSPEC_TRITON_WARPS", "8,4").split(","))
-# warps of the last backward kernels alone (default: the chunk-parallel kernels'); 16 with
-# session 2's one-kernel backward: KDA 25.2 -> 24.1 ms forward+backward, DeltaNet 3.55 -> 4.05
-# on the H200 (benchmarks/results/variants/variants-1-launch.md); not timed since the split
-_BACKWARD_WARPS = int(os.environ.get("ARCHSPEC_TRITON_BACKWARD_WARPS", str(_WARPS[0])))
-# a register cap for the last backward kernels: at 128 per thread two 8-warp programs share
-# an SM and hide each other's load latency, at the price of spills. On the H200 (session 4,
-# call 2) GLA-channel's chunk_channels_kernel took 1.58 ms uncapped and 1.02 at 128, but
-# KDA's 1.89 and 2.53: so 128 for a channel gate without a delta rule, none otherwise
-# (ARCHSPEC_TRITON_BACKWARD_MAXNREG sets a cap for all; 0 for none).
-_BACKWARD_MAXNREG = os.environ.get("ARCHSPEC_TRITON_BACKWARD_MAXNREG")
-
-
-def _backward_maxnreg(p: Plan) -> int:
-    return int(_BACKWARD_MAXNREG) if _BACKWARD_MAXNREG else 128 if (p.gate == 2 and p.mode == 0) else 0
-# the backward's per-channel phases work on slices of this many K columns (registers);
-# a channel gate's backward runs as two kernels, the second one program per slice
-# (`backward_channel.py`); ARCHSPEC_TRITON_CHANNEL_SPLIT=0 runs it in the one kernel instead
-_CHANNEL_SPLIT = os.environ.get("ARCHSPEC_TRITON_CHANNEL_SPLIT", "1") != "0"
-# Opt-in, not yet timed: the same two kernels without a gate (DeltaNet, DeltaProduct), on
-# 64-column slices, so that two programs share each chunk's per-channel phases. DeltaNet's
-# one-kernel backward takes 0.86 ms on the H200 at one 8-warp program per SM, where fla's
-# three kernels for the same step take 0.54; a scalar gate's dg sums over the slices, so
-# it keeps the one kernel.
-_SPLIT_UNGATED = os.environ.get("ARCHSPEC_TRITON_SPLIT_UNGATED", "0") == "1"
-
-
-def _split_backward(p: Plan) -> bool:
-    return _CHANNEL_SPLIT and (p.gate == 2 or (p.gate == 0 and _SPLIT_UNGATED))
-# Slice width, default: all of K in one slice without a channel gate (on the H200 DeltaNet
-# took 2.50 ms forward+backward with it, 3.11 with slices of 32, each slice repeating the
-# one-kernel backward's loops over V); with one, slices of 64 for the delta rules and 32 for GLA.
-# Why 64: with 32-wide slices Triton 3.6 on the H200 gave d_k = inf for KDA and RWKV-7 in
-# bfloat16 (float32 and GLA were right; the same kind of fault as the state pass's 32-wide
-# V blocks below), whether split in two kernels or not, and with the factorized decay off;
-# with 64 KDA checked right in bfloat16 and float32 (benchmarks/results/variants/README.md).
-# A channel gate's backward with all of K in one slice needs more shared memory than the
-# H200 has in float32.
-_BACKWARD_BK = os.environ.get("ARCHSPEC_TRITON_BACKWARD_BK")
-
-
-def _backward_bk(p: Plan) -> int:
-    if _BACKWARD_BK:
-        return min(int(_BACKWARD_BK), p.BK)
-    if p.gate == 0 and _split_backward(p):
-        return min(64, p.BK)
-    return p.BK if p.gate != 2 else min(64 if p.mode != 0 else 32, p.BK)
-
-
-# the read-out split over value columns (1) or not (0); unset: split without a gate (below)
-_OUTPUT_SPLIT = os.environ.get("ARCHSPEC_TRITON_OUTPUT_SPLIT")
-# warps of the read-out alone: 4 without a channel gate, where on the H200 (session 4, call
-# 2) DeltaNet's took 0.192 ms with 8 warps and 0.139 with 4, Gated DeltaNet's 0.160 and
-# 0.117; a channel gate's keeps the chunk kernels' 8 (not yet timed at 4)
-_OUTPUT_WARPS = os.environ.get("ARCHSPEC_TRITON_OUTPUT_WARPS")
-
-
-def _output_warps(p: Plan, channel_pass: int = 0) -> int:
-    # 4 for a channel gate's first pass too, except RWKV-7's (two score matrices: 112 B of spills offline)
-    return int(_OUTPUT_WARPS) if _OUTPUT_WARPS else 4 if (p.gate != 2 or (channel_pass == 1 and p.mode != 2)) else p.warps
-
-
-# A channel gate's read-out kernels run in two launches (`decay.runs_in_pass`): the chunks
-# within decay.py's bound, compiled without the slower paths, then the others; as one
-# kernel every chunk paid the registers of the slowest path. ARCHSPEC_TRITON_CHANNEL_PASSES=0: one launch.
-_CHANNEL_PASSES = os.environ.get("ARCHSPEC_TRITON_CHANNEL_PASSES", "1") != "0"
-# Opt-in (untimed): a scalar gate's within-chunk cumulative sum formed by the forward's first
-# kernel that reads it (the inverse of a delta rule, the state pass of a diagonal one), which
-# stores it for the rest, instead of `gate_cumsum_kernel`'s own launch: one launch fewer
-# (Gated DeltaNet 5 -> 4, scalar GLA 3 -> 2). The H200 issued about 0.09 ms of host time per
-# launch (`kernels.py host_ms`, session 6), and scalar GLA's forward is host-bound: 0.349 ms
-# wall for 0.222 of kernels. (Session 5's form summed the gate in every kernel that read
-# it, an O(rows^2) masked sum each time: its kernels were slower, GDN 0.488 -> 0.612.)
-_GATE_IN_FIRST = os.environ.get("ARCHSPEC_TRITON_GATE_IN_FIRST", "0") == "1"
-
-
-def _forms_gate_in_first_kernel(p: Plan) -> bool:
-    """With `_GATE_IN_FIRST`: a scalar gate, formed by the inverse (delta rules) or by the
-    state pass (diagonal, one sub-step per token: its rows are the chunk's tokens)."""
-    return _GATE_IN_FIRST and p.gate == 1 and (p.mode != 0 or p.n_h == 1)
-
-
-def _channel_passes(p: Plan) -> tuple[int, ...]:
-    return (1, 2) if (p.gate == 2 and _CHANNEL_PASSES) else (0,)
-
-
-# warps of `prepare_kernel` alone: 4 for the householder plans without a channel gate,
-# where on the H200 (session 5, call 1) DeltaNet's took 0.110 ms with 8 and 0.098 with 4,
-# Gated DeltaNet's 0.112 and 0.100; KDA's (call A) 0.130 with 8 and 0.148 with 4; RWKV-7's
-# keeps 8 (at 4 it spills 544 B offline, Triton 3.6)
-_PREPARE_WARPS = os.environ.get("ARCHSPEC_TRITON_PREPARE_WARPS")
-
-
-def _prepare_warps(p: Plan) -> int:
-    return int(_PREPARE_WARPS) if _PREPARE_WARPS else 4 if (p.mode == 1 and p.gate != 2) else p.warps
-
-
-# warps of `inverse_kernel` (the UT transform's latency-bound inverse): few, so that
-# several programs share an SM and hide each other's dependent steps (`prepare.py`).
-# Measured on the H200 (B=4 T=4096 H=16 K=V=128 bf16, benchmarks/results/variants/):
-# DeltaNet 0.12 ms with 2 warps, 0.17 with 4, 0.28 with 8; KDA (channel gate, whose
-# scores need whole [64, K] rows) 2.06 ms with 2 (spills), 0.69 with 4.
-# ARCHSPEC_TRITON_INVERSE_WARPS overrides both.
-_INVERSE_WARPS = os.environ.get("ARCHSPEC_TRITON_INVERSE_WARPS")
-
-
-def _inverse_warps(gate: int) -> int:
-    return int(_INVERSE_WARPS) if _INVERSE_WARPS else 4 if gate == 2 else 2
-# the UT transform's inverse (`solve.py`): "substitution" or "doubling" (on the H200 in the
-# one-kernel prepare: DeltaNet 1.16 -> 1.06 ms, KDA 1.81 -> 2.60; not timed since the split)
-_SOLVE = os.environ.get("ARCHSPEC_TRITON_SOLVE", "substitution")
-if _SOLVE not in ("substitution", "doubling"):
-    raise ValueError(f"ARCHSPEC_TRITON_SOLVE={_SOLVE!r}: expected 'substitution' or 'doubling'")
 
 
 @dataclass(frozen=True)
@@ -247,10 +104,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _pow2(n: int) -> int:
-    """The next power of two >= n. Host code uses these, not `triton.cdiv` and
-    `triton.next_power_of_2`: those are `constexpr_function`s, about 3.5 us a call."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _plan(q, k, v, g, beta, erase, n_h, cu_seqlens, chunk_table_count, chunk_size) -> Plan:
@@ -276,21 +129,16 @@ def _plan_of(shape: tuple, V: int, dtype: torch.dtype, mode: int, gate: int, has
     NT = _cdiv(T, TC)
     return Plan(
         B=B, T=T, H=H, K=K, V=V, n_h=n_h, mode=mode, gate=gate, has_beta=has_beta,
-        BT=BT, TC=TC, BQ=max(_min_query_rows(dtype), _pow2(TC)),
-        BK=max(16, _pow2(K)), BV=max(16, min(64 if dtype != torch.float32 else 32, _pow2(V))),
-        BVS=max(16, min(_STATE_BV, _pow2(V))),
+        BT=BT, TC=TC, BQ=max(_min_query_rows(dtype), pow2(TC)),
+        BK=max(16, pow2(K)), BV=max(16, min(64 if dtype != torch.float32 else 32, pow2(V))),
+        BVS=max(16, min(launch.STATE_BV, pow2(V))),
         SC=min(SUB_CHUNK, BT), NT=NT, n_seq=n_seq,
         n_chunks=B * NT if chunk_table_count is None else chunk_table_count,
         acc=acc, prec={torch.float64: "ieee", torch.float32: "tf32x3"}.get(dtype, "tf32"),
-        warps=_WARPS[0], state_warps=_WARPS[1],
+        warps=launch.WARPS[0], state_warps=launch.WARPS[1],
         op=_operand_dtype(dtype, acc, interpret),
     )
 
-
-def _state_forward_bv(p: Plan) -> int:
-    if _STATE_FORWARD_BV is None and p.gate == 2:
-        return p.BVS
-    return max(16, min(int(_STATE_FORWARD_BV or 32), _pow2(p.V)))
 
 
 def _common(p: Plan, state: bool = False) -> dict:
@@ -319,7 +167,7 @@ class ChunkRecurrence(torch.autograd.Function):
         dummy = k  # stands in for absent optional tensors (never read: its flag is off)
 
         G = None
-        form_g = _forms_gate_in_first_kernel(p)
+        form_g = launch.forms_gate_in_first_kernel(p)
         if p.gate:
             G = torch.empty_like(g, dtype=p.acc)
         if p.gate and not form_g:
@@ -337,26 +185,26 @@ class ChunkRecurrence(torch.autograd.Function):
             Y = torch.empty_like(X)
             # a channel gate: the chunks within decay.py's bound first (ungated warps), then the rest
             slow = torch.empty(p.n_chunks * p.H, device=dev, dtype=torch.int8) if p.gate == 2 else dummy
-            for channel_pass in _channel_passes(p):
+            for channel_pass in launch.channel_passes(p):
                 inverse_kernel[(p.n_chunks, p.H)](
                     k, w, dummy if e is None else e, dummy if beta is None else beta, dummy if g is None else g,
                     dummy if G is None else G,
                     Tinv, slow, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=p.BK,
                     BKI=min(p.BK, 16 if channel_pass == 1 else 32),  # 16: the gated slices' 166 registers at 2 warps, not 246
                     BT=p.BT, TC=p.TC, NH=p.n_h, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, ACC=p.tl_acc, OP=p.tl_op, PREC=p.prec,
-                    INV_PREC="ieee" if p.acc == torch.float64 else "tf32x3", DOUBLING=_SOLVE == "doubling",
-                    CHANNEL_PASS=channel_pass, FORM_G=form_g, num_warps=_inverse_warps(0 if channel_pass == 1 else p.gate),
-                    num_stages=_STAGES,
+                    INV_PREC="ieee" if p.acc == torch.float64 else "tf32x3", DOUBLING=launch.SOLVE == "doubling",
+                    CHANNEL_PASS=channel_pass, FORM_G=form_g, num_warps=launch.inverse_warps(p, channel_pass),
+                    num_stages=launch.chunk_stages(p, "inverse"),
                 )
             prepare_kernel[(p.n_chunks, p.H)](
                 k, w, dummy if beta is None else beta, v, dummy if G is None else G,
                 Tinv, P, X, cu_seqlens, table, p.T, p.NT, BKP=p.BK if p.gate == 2 else min(p.BK, 64), SC=p.SC, MODE=p.mode, GATE=p.gate,
-                HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=_prepare_warps(p), num_stages=_STAGES,
+                HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=launch.prepare_warps(p), num_stages=launch.chunk_stages(p, "prepare"),
                 **_common(p),
             )
         h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=dev, dtype=p.op)
         final = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if output_final_state else None
-        bvf = _state_forward_bv(p)
+        bvf = launch.state_forward_bv(p)
         state_forward_kernel[(_cdiv(p.V, bvf), p.n_seq * p.H)](
             k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if g is None else g,
             dummy if G is None else G,
@@ -364,20 +212,21 @@ class ChunkRecurrence(torch.autograd.Function):
             h_all, dummy if initial_state is None else initial_state.contiguous(), dummy if final is None else final,
             cu_seqlens, offsets, p.T, p.NT, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta,
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen, FORM_G=form_g and p.mode == 0,
-            num_warps=p.state_warps, num_stages=_state_stages(p), **{**_common(p, state=True), "BV": bvf},
+            num_warps=launch.state_forward_warps(p), num_stages=launch.state_forward_stages(p),
+            **{**_common(p, state=True), "BV": bvf},
         )
         o = torch.empty(p.B, p.T, p.H, p.V, device=dev, dtype=v.dtype)
         # value columns per program: one V block without a gate (its scores are one cheap
         # product, formed again by each program), all of V with one. On the H200 (B=4 T=4096
         # H=16 K=V=128 bf16) the split took DeltaNet's read-out from 0.23 to 0.19 ms but
         # Gated DeltaNet's from 0.24 to 0.30 (its decay matrix formed twice).
-        bvo = p.BV if (p.gate == 0 if _OUTPUT_SPLIT is None else _OUTPUT_SPLIT == "1") else _cdiv(p.V, p.BV) * p.BV
-        for channel_pass in _channel_passes(p):
+        bvo = p.BV if (p.gate == 0 if launch.OUTPUT_SPLIT is None else launch.OUTPUT_SPLIT == "1") else _cdiv(p.V, p.BV) * p.BV
+        for channel_pass in launch.channel_passes(p):
             output_kernel[(p.n_chunks, p.H, _cdiv(p.V, bvo))](
                 q, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
                 dummy if Y is None else Y, h_all, o, cu_seqlens, table, p.T, p.NT, scale,
                 BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, BVO=bvo,
-                CHANNEL_PASS=channel_pass, num_warps=_output_warps(p, channel_pass), num_stages=_STAGES, **_common(p),
+                CHANNEL_PASS=channel_pass, num_warps=launch.output_warps(p, channel_pass), num_stages=launch.chunk_stages(p, "output"), **_common(p),
             )
         ctx.save_for_backward(q, k, v, beta, w, e, G, Tinv, P, Y, h_all, cu_seqlens, table, offsets)
         ctx.plan, ctx.scale, ctx.tied = p, scale, write_key is None
@@ -402,11 +251,11 @@ class ChunkRecurrence(torch.autograd.Function):
         e_ = dummy if e is None else e
         G_ = dummy if G is None else G
         beta_ = dummy if beta is None else beta
-        for channel_pass in _channel_passes(p):
+        for channel_pass in launch.channel_passes(p):
             output_backward_kernel[(p.n_chunks, p.H)](
                 q, w, e_, G_, do, dummy if dY is None else dY, dummy if dU is None else dU, cu_seqlens, table, p.T, p.NT, scale,
                 BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, CHANNEL_PASS=channel_pass,
-                num_warps=p.warps, num_stages=_STAGES, **_common(p),
+                num_warps=p.warps, num_stages=launch.chunk_stages(p, "output_backward"), **_common(p),
             )
         dh_all = torch.empty(h_all.shape, device=dev, dtype=p.op)
         dh0 = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if ctx.has_h0 else None
@@ -415,7 +264,7 @@ class ChunkRecurrence(torch.autograd.Function):
             dh_all, dummy if dfinal is None else dfinal.contiguous(), dummy if dh0 is None else dh0,
             cu_seqlens, offsets, p.T, p.NT, scale, BQ=p.BQ, MODE=p.mode, GATE=p.gate,
             USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, num_warps=p.state_warps,
-            num_stages=_state_backward_stages(p), **_common(p, state=True),
+            num_stages=launch.state_backward_stages(p), **_common(p, state=True),
         )
         # every input gradient is stored once by the last kernels, from float32 registers, so
         # its buffer takes the input's dtype (no cast kernels after them)
@@ -428,12 +277,12 @@ class ChunkRecurrence(torch.autograd.Function):
         dg = None if G is None else grad(G, tg)
         args = (q, k, w, e_, beta_, v, G_, dummy if Tinv is None else Tinv, h_all, dh_all,
                 dummy if Y is None else Y, dummy if dY is None else dY, dummy if dU is None else dU, do)
-        flags = {**{name: val for name, val in _common(p).items() if name != "BK"}, "BKS": _backward_bk(p),
+        flags = {**{name: val for name, val in _common(p).items() if name != "BK"}, "BKS": launch.backward_bk(p),
                  "BQ": p.BQ, "SC": p.SC, "MODE": p.mode, "GATE": p.gate, "HAS_BETA": p.has_beta, "IS_VARLEN": varlen,
-                 "num_warps": _BACKWARD_WARPS, "num_stages": _STAGES}
-        if _backward_maxnreg(p):
-            flags["maxnreg"] = _backward_maxnreg(p)
-        if _split_backward(p):
+                 "num_warps": launch.BACKWARD_WARPS, "num_stages": launch.chunk_stages(p, "backward")}
+        if launch.backward_maxnreg(p):
+            flags["maxnreg"] = launch.backward_maxnreg(p)
+        if launch.split_backward(p):
             _channel_backward(p, args, (dq, dk, dw, de, dv, dbeta, dg), cu_seqlens, table, scale, ctx.tied, flags)
         else:
             chunk_backward_kernel[(p.n_chunks, p.H)](
@@ -454,16 +303,16 @@ def _channel_backward(p: Plan, args: tuple, grads: tuple, cu_seqlens, table, sca
                                   if used else q)
     s_a, s_kw, s_me, s_mw = scratch(p.BT, p.mode != 0), scratch(p.BT, p.mode == 2), scratch(p.BQ, p.mode != 0), scratch(p.BQ, p.mode != 1)
     dummy = k
-    for channel_pass in _channel_passes(p):  # each chunk's pass decided the same way in both kernels
+    for channel_pass in launch.channel_passes(p):  # each chunk's pass decided the same way in both kernels
         chunk_pairs_kernel[(p.n_chunks, p.H)](
             k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dummy if dbeta is None else dbeta,
             s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, BKG=p.BK, CHANNEL_PASS=channel_pass, **flags,
         )
-    for channel_pass in _channel_passes(p):
+    for channel_pass in launch.channel_passes(p):
         chunk_channels_kernel[(_cdiv(p.K, flags["BKS"]), p.n_chunks, p.H)](
             q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dummy if dw is None else dw,
             dummy if de is None else de, dg, s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, scale, TIED=tied,
-            BKG=p.BK, CHANNEL_PASS=channel_pass, **flags,
+            BKG=p.BK, CHANNEL_PASS=channel_pass, **{**flags, "num_stages": launch.chunk_stages(p, "channels")},
         )
 
 

@@ -135,9 +135,9 @@ def test_backward_in_k_slices(monkeypatch, K: int, slice_k: int, paths: list[Cas
     """The backward's per-channel phases over slices of K (`ARCHSPEC_TRITON_BACKWARD_BK`):
     several slices, a last slice that reaches past K (its columns masked), a K below the
     slice width; with a channel gate one program per slice (`backward_channel.py`)."""
-    from archspec.kernels.triton import recurrence
+    from archspec.kernels.triton import launch
 
-    monkeypatch.setattr(recurrence, "_BACKWARD_BK", slice_k)
+    monkeypatch.setattr(launch, "BACKWARD_BK", slice_k)
     for case in paths:
         inputs = make_inputs(case, B=1, T=20, H=2, K=K, V=16, device=DEVICE, seed=8)
         _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
@@ -148,7 +148,7 @@ def test_ungated_backward_in_two_kernels(monkeypatch, K: int, slice_k: int | Non
     """`ARCHSPEC_TRITON_SPLIT_UNGATED=1` (opt-in): DeltaNet, DeltaProduct and an ungated
     RWKV-7 run the backward's last step as `chunk_pairs_kernel` + `chunk_channels_kernel`,
     one program per K slice, like a channel gate."""
-    from archspec.kernels.triton import recurrence
+    from archspec.kernels.triton import launch, recurrence
 
     launches = []
 
@@ -160,8 +160,8 @@ def test_ungated_backward_in_two_kernels(monkeypatch, K: int, slice_k: int | Non
             launches.append(grid)
             return self.kernel[grid]
 
-    monkeypatch.setattr(recurrence, "_SPLIT_UNGATED", True)
-    monkeypatch.setattr(recurrence, "_BACKWARD_BK", slice_k)
+    monkeypatch.setattr(launch, "SPLIT_UNGATED", True)
+    monkeypatch.setattr(launch, "BACKWARD_BK", slice_k)
     monkeypatch.setattr(recurrence, "chunk_pairs_kernel", Counted(recurrence.chunk_pairs_kernel))
     for case in (Case(gate="none", transition="householder", initial_state=True),
                  Case(gate="none", transition="householder", n_h=3, beta_scale=2.0),
@@ -178,7 +178,7 @@ def test_scalar_gate_formed_in_the_first_kernel(monkeypatch) -> None:
     packed batch with a short and an empty sequence), forward and backward, against the
     token loop; and the gate's launch still made where the state pass cannot form it (a
     diagonal transition with sub-steps) and for a channel gate."""
-    from archspec.kernels.triton import recurrence
+    from archspec.kernels.triton import launch, recurrence
 
     launches = []
     cumsum = recurrence.gate_cumsum_kernel
@@ -188,7 +188,7 @@ def test_scalar_gate_formed_in_the_first_kernel(monkeypatch) -> None:
             launches.append(grid)
             return cumsum[grid]
 
-    monkeypatch.setattr(recurrence, "_GATE_IN_FIRST", True)
+    monkeypatch.setattr(launch, "GATE_IN_FIRST", True)
     monkeypatch.setattr(recurrence, "gate_cumsum_kernel", Counted())
     for case in SCALAR_PATHS[1:] + [Case(gate="scalar", transition="householder", n_h=3, initial_state=True)]:
         inputs = make_inputs(case, B=2, T=21, H=2, K=16, V=16, device=DEVICE, seed=13)
@@ -214,9 +214,9 @@ def test_scalar_gate_formed_in_the_first_kernel(monkeypatch) -> None:
 def test_channel_backward_in_one_kernel(monkeypatch) -> None:
     """`ARCHSPEC_TRITON_CHANNEL_SPLIT=0`: the channel-gate backward in `chunk_backward_kernel`
     (the whole of K in one program), kept for comparison on the GPU."""
-    from archspec.kernels.triton import recurrence
+    from archspec.kernels.triton import launch
 
-    monkeypatch.setattr(recurrence, "_CHANNEL_SPLIT", False)
+    monkeypatch.setattr(launch, "CHANNEL_SPLIT", False)
     for case in CHANNEL_PATHS:
         inputs = make_inputs(case, B=1, T=20, H=2, K=16, V=16, device=DEVICE, seed=9)
         _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
@@ -235,9 +235,9 @@ def test_inverse_by_doubling_matches_naive(monkeypatch, chunk_size) -> None:
     """The other UT inverse (`solve.py`, `ARCHSPEC_TRITON_SOLVE=doubling`) on the paths
     whose inverse matters most: products of reflections (beta up to 2, n_h = 3) and
     RWKV-7's erase with a channel gate; the production chunk of 64 and a chunk of 16."""
-    from archspec.kernels.triton import recurrence
+    from archspec.kernels.triton import launch
 
-    monkeypatch.setattr(recurrence, "_SOLVE", "doubling")
+    monkeypatch.setattr(launch, "SOLVE", "doubling")
     for case in (Case(gate="scalar", transition="householder", n_h=3, beta_scale=2.0, initial_state=True),
                  Case(gate="channel", transition="rwkv7", write_key="untied", beta_scale=2.0)):
         inputs = make_inputs(case, B=1, T=40, H=1, K=16, V=16, device=DEVICE, seed=3)

@@ -3,6 +3,7 @@ time of a forward goes.
 
     python benchmarks/launch_sweep.py --plans gdn,gla-scalar \
         --grid "state_warps=2,4 state_stages=2,3,4 state_forward_bv=32,64" [--out DIR] [--budget-s S]
+        [--backward] [--host-profile] [--fla [--rounds N]]
 
 `benchmarks/variants.py` runs each setting in its own process (the knobs of
 `kernels/triton/launch.py` are read from the environment at import), which costs a
@@ -21,6 +22,9 @@ queued behind a GPU sleep (so no call waits on the GPU): which Python functions 
 launches spend it in. Session 6 measured about 0.09 ms of host time per launch on the
 lent machine, where Triton's launch path is reported at about 12 us on other hosts
 (triton-lang/triton PR 3648; tritonbench PR 1005).
+
+`--fla` then times flash-linear-attention's call of each plan alternately with ours
+(`--rounds`), in the same process: the side-by-side ratio (`peer_rounds`).
 
 Writes `DIR/launch_sweep.json` after each plan.
 """
@@ -41,7 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import _bench, _forward_and_backward, kernel_breakdown, machine, make_inputs, plan_named, run_plan
+from kernels import _bench, _forward_and_backward, autotuned_configs, fla_callable, kernel_breakdown, machine, make_inputs, plan_named, quick_tuning, run_plan
 
 SHAPE = (4, 4096, 16, 128, 128)
 
@@ -115,12 +119,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budget-s", type=float, default=300)
     parser.add_argument("--host-profile", action="store_true")
     parser.add_argument("--backward", action="store_true", help="time forward+backward (the kernels of both)")
+    parser.add_argument("--fla", action="store_true", help="then flash-linear-attention's call of the plan, in rounds with ours")
+    parser.add_argument("--rounds", type=int, default=5, help="with --fla: ours and fla's timed alternately this many times")
     args = parser.parse_args(argv)
     start = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"machine": machine(), "shape": SHAPE, "grid": args.grid, "plans": {}}
-    settings = [{}] + settings_of(args.grid)  # the defaults first: the reference output
+    settings = [{}] + (settings_of(args.grid) if args.grid.strip() else [])  # the defaults first: the reference output
+    if args.fla:
+        quick_tuning(20)
     for name in args.plans.split(","):
         plan = plan_named(name)
         inputs = make_inputs(plan, *SHAPE, torch.bfloat16, "cuda")
@@ -156,7 +164,38 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[{time.monotonic() - start:6.1f}s] {name} {setting or 'defaults'}: ms {row.get('fwd_ms', row.get('fwdbwd_ms'))} "
                   f"diff {row.get('rel_diff', 0):.1e} {row.get('error', '')} | {kern}", flush=True)
             (out / "launch_sweep.json").write_text(json.dumps(results, indent=1))
+        if args.fla and time.monotonic() - start < args.budget_s:
+            entry["rounds"] = peer_rounds(plan, inputs, fn, args)
+            print(f"[{time.monotonic() - start:6.1f}s] {name} rounds: {entry['rounds']}", flush=True)
+            (out / "launch_sweep.json").write_text(json.dumps(results, indent=1))
     return results
+
+
+def peer_rounds(plan, inputs: dict, ours, args) -> dict:
+    """Ours and flash-linear-attention's call timed alternately (`do_bench` medians), in
+    this one process: a forward of a few short kernels waits on the host's launches, and
+    the host's speed drifts between processes and over minutes (session 7: Gated
+    DeltaNet's forward 0.46-0.71 ms for the same 0.43 ms of kernels), so a ratio is fair
+    only between timings taken side by side."""
+    peer = fla_callable(plan, inputs)
+    if peer is None:
+        return {"error": "fla has no such op"}
+    fla = _forward_and_backward(peer, inputs) if args.backward else peer
+    try:
+        t0 = time.monotonic()
+        fla()  # its autotuners pick their configs here
+        torch.cuda.synchronize()
+        result: dict = {"fla_first_call_s": round(time.monotonic() - t0, 1), "ours_ms": [], "fla_ms": []}
+        for _ in range(args.rounds):
+            result["ours_ms"].append(round(_bench(ours), 4))
+            result["fla_ms"].append(round(_bench(fla), 4))
+        result["fla_kernels"] = kernel_breakdown(fla)
+        result["fla_autotuned"] = autotuned_configs() or None
+    except Exception as err:  # noqa: BLE001 - a peer that refuses is a result
+        return {"error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"}
+    ours_ms, fla_ms = sorted(result["ours_ms"]), sorted(result["fla_ms"])
+    result["ratio_of_medians"] = round(ours_ms[len(ours_ms) // 2] / fla_ms[len(fla_ms) // 2], 3)
+    return result
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def chunk_stages(p: Plan, kernel: str) -> int:
 # 0.139 ms at 2 (32-wide V blocks) and 0.104 at 4, GDN's 0.143 and 0.109, scalar GLA's 0.102
 # and 0.071 (with 8 warps, `state_forward_warps`), near fla's fwd_h (0.107 for DeltaNet); a
 # channel gate's at 3 or 4 was slower (KDA 0.222 -> 0.291) or over the shared memory.
-# Backward, 3 with a scalar gate (GDN 0.235 -> 0.186 ms), 2 otherwise (DeltaNet 0.257 at
+# Backward, 3 with a scalar gate's delta rule (GDN 0.235 -> 0.186 ms), 2 otherwise (DeltaNet 0.257 at
 # 2, 0.267 at 3; KDA 0.438, 0.570); 4 is over the shared memory. Earlier (session 4),
 # 2 against 1: DeltaNet's state_forward 0.242 -> 0.173 ms, state_backward 0.348 -> 0.278.
 STATE_STAGES = os.environ.get("ARCHSPEC_TRITON_STATE_STAGES")
@@ -87,7 +87,9 @@ def state_forward_stages(p: Plan) -> int:
 def state_backward_stages(p: Plan) -> int:
     if STATE_BACKWARD_STAGES or STATE_STAGES:
         return int(STATE_BACKWARD_STAGES or STATE_STAGES)
-    return (3 if p.gate == 1 else 2) if half(p) else 1
+    # 3 for the scalar-gated delta rule alone: RWKV-7's with a scalar gate asked for 247 KB
+    # of shared memory at 3 (session 7's check), the diagonal one's is not timed at 3
+    return (3 if p.gate == 1 and p.mode == 1 else 2) if half(p) else 1
 
 
 # 64: Triton 3.6 on an H200 miscompiled the state backward with 32-wide V blocks and 8-warp

@@ -119,7 +119,10 @@ def main() -> None:
     dtype = getattr(torch, os.environ.get("ARCHSPEC_DTYPE", "bfloat16"))
     plans = [dict(name="deltanet", beta=True), dict(name="gdn", beta=True, gate="scalar"),
              dict(name="kda", beta=True, gate="channel"), dict(name="gla", gate="channel"), dict(name="gla-scalar", gate="scalar"),
-             dict(name="rwkv7", erase=True, gate="channel", untied=True), dict(name="dp3-gated", beta=True, gate="scalar", n_h=3)]
+             dict(name="rwkv7", erase=True, gate="channel", untied=True), dict(name="dp3-gated", beta=True, gate="scalar", n_h=3),
+             # launch settings differ with these (`launch.py`): RWKV-7 with a scalar gate, n_h 8
+             dict(name="rwkv7-scalar", erase=True, gate="scalar", untied=True, n_h=2),
+             dict(name="rwkv7-8", erase=True, gate="channel", untied=True, n_h=8), dict(name="kda-8", beta=True, gate="channel", n_h=8)]
     only = set(sys.argv[1].split(",")) if len(sys.argv) > 1 else None
     for plan in plans:
         if only and plan["name"] not in only:

@@ -25,7 +25,10 @@ plan, with the reason in the results; no plan starts that the budget (`--budget-
 cannot hold, and a step that runs over is interrupted (SIGALRM) and recorded as such.
 
 flash-linear-attention is optional: each peer is tried and its error recorded if it
-refuses (its gated backward does on Hopper with Triton < 3.7.1).
+refuses (its gated backward does on Hopper with Triton < 3.7.1). Where both ran, ours and
+fla's call are then timed alternately (`--rounds`, `side_by_side_rounds`), and a target
+takes that side-by-side ratio: a call of a few short kernels waits on the host's launches,
+and the lent machine's host speed drifts between runs and over minutes.
 """
 
 from __future__ import annotations
@@ -639,7 +642,35 @@ def measure_plan(plan: PlanSpec, shape: dict, dtype: str, impls: list[str], devi
             clock.log(f"{plan.name}: {impl:6s} fwd {ms(row.fwd_ms)} ms, f+b {ms(row.fwdbwd_ms)} ms, first call {row.first_call_s} s {row.error[:120]}")
             for kernel, t in (row.kernels or {}).get("forward_backward", [])[:8]:
                 clock.log(f"    {t:8.4f} ms  {kernel}")
+        timed = {r["impl"] for r in entry["rows"] if r.get("fwd_ms") is not None}
+        if args.rounds and {"triton", "fla"} <= timed:
+            entry["side_by_side"] = side_by_side_rounds(plan, inputs, args.rounds, end - clock.elapsed())
+            clock.log(f"{plan.name}: side by side " + ", ".join(
+                f"{key} {ratio:.3f}" for key in entry["side_by_side"] if (ratio := _ratio(side_by_side(entry, key)))))
     return entry
+
+
+def side_by_side_rounds(plan: PlanSpec, inputs: dict, rounds: int, seconds: float) -> dict:
+    """Ours and fla's call timed alternately, `rounds` times each, forward and (where fla
+    has it) forward+backward: the fair ratio where a call waits on the host (`side_by_side`)."""
+    ours, peer = impl_callable(plan, "triton", inputs), impl_callable(plan, "fla", inputs)
+    out: dict = {}
+    try:
+        with deadline(seconds):
+            for key in ("fwd_ms", "fwdbwd_ms"):
+                a, b = (f if key == "fwd_ms" else _forward_and_backward(f, inputs) for f in (ours, peer))
+                try:
+                    b()  # fla's gated backward refuses on Triton < 3.7.1
+                except Exception:  # noqa: BLE001 - no pair for this pass
+                    continue
+                pair: dict = {"ours_ms": [], "fla_ms": []}
+                for _ in range(rounds):
+                    pair["ours_ms"].append(round(_bench(a), 4))
+                    pair["fla_ms"].append(round(_bench(b), 4))
+                out[key] = pair
+    except OutOfTime:
+        pass  # the pairs finished before the plan's deadline are kept
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -723,14 +754,30 @@ def targets(results: dict) -> list[dict]:
     return out
 
 
-def side_by_side(results: dict, name: str, key: str) -> tuple[float, float] | None:
+def _ratio(pair: tuple[float, float] | None) -> float | None:
+    return None if not pair or not pair[1] else pair[0] / pair[1]
+
+
+def side_by_side_pairs(results: dict) -> dict:
+    """plan -> {pass key -> its rounds}: from the plans' own entries (`kernels.py
+    --rounds`), else from the results' `side_by_side` (rounds of `launch_sweep.py --fla`)."""
+    pairs = {name: dict(entry) for name, entry in results.get("side_by_side", {}).items()}
+    for name, entry in results.get("plans", {}).items():
+        pairs.setdefault(name, {}).update(entry.get("side_by_side", {}))
+    return {name: entry for name, entry in pairs.items() if entry}
+
+
+def side_by_side(results: dict, name: str, key: str | None = None) -> tuple[float, float] | None:
     """The medians of ours and fla's `key` timed alternately in one process
     (`benchmarks/launch_sweep.py --fla`), if the results carry them. A forward of a few
     short kernels waits on the host's launches, and the host's speed drifts between
     processes and over minutes (session 7, Gated DeltaNet's forward: 0.46-0.71 ms for the
     same 0.43 ms of kernels), so its ratio against a peer timed in another run says more
     about the two hosts than about the two implementations."""
-    pair = results.get("side_by_side", {}).get(name, {}).get(key)
+    if key is None:  # `results` is one plan's entry and `name` the pass key
+        pair = results.get("side_by_side", {}).get(name)
+    else:
+        pair = side_by_side_pairs(results).get(name, {}).get(key)
     if not pair:
         return None
     median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
@@ -788,7 +835,7 @@ def markdown(results: dict) -> str:
             f"| {ratio_cell(name, 'fwdbwd_ms', ours.get('fwdbwd_ms'), peer.get('fwdbwd_ms'))} "
             f"| {fmt(tor.get('fwdbwd_ms'))} |"
         )
-    if results.get("side_by_side"):
+    if side_by_side_pairs(results):
         lines += ["", "† Timed side by side (the table below the targets): the row's two wall times come from "
                   "different runs, and this call waits on the host's launches, whose speed drifts between runs."]
     notes = [f"- {name} / {row['impl']}: {row['error']}" for name, e in results["plans"].items() for row in e["rows"] if row["error"]]
@@ -804,15 +851,21 @@ def markdown(results: dict) -> str:
         lines += ["", f"Targets (issue 6): {met} of {sum(t['ratio'] is not None for t in rows)} met.", "",
                   "| target | measured | limit | met |", "|---|---|---|---|"]
         lines += [f"| {t['target']} | {fmt(t['ratio'])} | {t['limit']} | {'yes' if t['met'] else 'no'} |" for t in rows if t["ratio"] is not None]
-    pairs = [(name, key, pair) for name, entry in results.get("side_by_side", {}).items() for key, pair in entry.items()]
+    pairs = [(name, key, pair) for name, entry in side_by_side_pairs(results).items() for key, pair in entry.items()]
     if pairs:
-        lines += ["", "Timed side by side (ours and fla's call alternately in one process, `launch_sweep.py --fla`; "
+        lines += ["", "Timed side by side (ours and fla's call alternately in one process: `kernels.py --rounds`, or `launch_sweep.py --fla`; "
                   "medians of each `do_bench` median, ms, and the GPU time of the kernels):", "",
                   "| plan | pass | ours | fla | ours/fla | ours kernels | fla kernels | rounds |", "|---|---|---|---|---|---|---|---|"]
+        def kernels_ms(name: str, impl: str, key: str) -> float | None:  # the row's own profile, if any
+            row = next((r for r in results["plans"].get(name, {}).get("rows", []) if r["impl"] == impl), {})
+            return dict((row.get("kernels") or {}).get("forward" if key == "fwd_ms" else "forward_backward", [])).get("(sum of all kernels)")
+
         for name, key, pair in pairs:
             a, b = side_by_side(results, name, key)
+            ours_k = pair.get("ours_kernels_ms") or kernels_ms(name, "triton", key)
+            fla_k = pair.get("fla_kernels_ms") or kernels_ms(name, "fla", key)
             lines.append(f"| {name} | {dict((k, lab) for k, lab, _ in PASSES)[key]} | {a:.3f} | {b:.3f} | {a / b:.2f} "
-                         f"| {fmt(pair.get('ours_kernels_ms'))} | {fmt(pair.get('fla_kernels_ms'))} | {len(pair['ours_ms'])} |")
+                         f"| {fmt(ours_k)} | {fmt(fla_k)} | {len(pair['ours_ms'])} |")
     profiled = [(name, row) for name in order for row in results["plans"][name]["rows"] if row.get("kernels")]
     waits = host_waits(profiled)
     if waits:
@@ -859,6 +912,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)), help="warm-up processes (GPU); 0: none")
     parser.add_argument("--fla-shards", type=int, default=6, help="warm-up jobs that split fla's autotune configs of one plan")
     parser.add_argument("--tune-rep-ms", type=int, default=20, help="benchmark time per autotune config (Triton's default: 100)")
+    parser.add_argument("--rounds", type=int, default=5, help="then ours and fla's call timed alternately this many times each "
+                        "(0: not): the targets' ratio where a call waits on the host, whose speed drifts")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter: checks that the script runs")
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help="skip the per-kernel GPU time breakdown of ours and fla's (torch.profiler, a few steps)")

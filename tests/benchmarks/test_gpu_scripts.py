@@ -227,3 +227,38 @@ def test_autotuned_configs_of_a_peer(scripts, monkeypatch) -> None:
         "peerpkg.ops.h.wrapped": "BV: 64, num_warps: 4, num_stages: 3",
     }
     assert bench.autotuned_configs("nothing-loaded") == {}
+
+
+def test_side_by_side_rounds_set_the_target_ratio(scripts, monkeypatch) -> None:
+    """Ours and fla's call alternate (`side_by_side_rounds`); a pass fla refuses gets no
+    pair; the target's ratio is the medians' and the table marks it (session 7: Gated
+    DeltaNet 0.71 ms wall against fla's 0.46 of another run, 0.675 against 1.240 side by side)."""
+    bench, _ = scripts
+    plan = bench.plan_named("gdn")
+    order = []
+
+    def refusing_backward(*_):
+        raise RuntimeError("fla: gated backward refused")
+
+    calls = {"triton": lambda: ("o", None), "fla": lambda: ("o", None)}
+    monkeypatch.setattr(bench, "impl_callable", lambda p, impl, x: calls[impl])
+    monkeypatch.setattr(bench, "_forward_and_backward",
+                        lambda f, x: (lambda: order.append("ours-fb")) if f is calls["triton"] else refusing_backward)
+    times = iter([0.7, 1.2, 0.6, 1.3, 0.68, 1.25])  # ours, fla, ours, fla, ...
+    monkeypatch.setattr(bench, "_bench", lambda fn: (order.append("ours" if fn is calls["triton"] else "fla"), next(times))[1])
+    pairs = bench.side_by_side_rounds(plan, {}, rounds=3, seconds=30)
+    assert order == ["ours", "fla"] * 3
+    assert pairs == {"fwd_ms": {"ours_ms": [0.7, 0.6, 0.68], "fla_ms": [1.2, 1.3, 1.25]}}
+    floors = {"floor_fwd_ms": 0.07, "floor_fwdbwd_ms": 0.2}
+    rows = [{"impl": "triton", "fwd_ms": 0.71, "fwdbwd_ms": 2.45, "error": ""},
+            {"impl": "fla", "fwd_ms": 0.46, "fwdbwd_ms": None, "error": "backward: refused"}]
+    results = {"machine": {"torch": "x", "date": "d"}, "shape": {"B": 1, "T": 1, "H": 1, "K": 1, "V": 1}, "dtype": "bf16",
+               "plans": {"gdn": {"floors": floors, "rows": rows, "side_by_side": pairs}}}
+    target = next(t for t in bench.targets(results) if t["target"].startswith("gdn forward: ours / fla"))
+    assert target["target"].endswith("side by side") and target["ratio"] == pytest.approx(0.68 / 1.25) and target["met"]
+    table = bench.markdown(results)
+    assert "| gdn | 0.070 | 0.710 | 0.460 | 0.54† |" in table
+    assert "| gdn | forward | 0.680 | 1.250 | 0.54 |" in table
+    del results["plans"]["gdn"]["side_by_side"]  # without the rounds: the two rows' ratio
+    target = next(t for t in bench.targets(results) if t["target"].startswith("gdn forward: ours / fla"))
+    assert target["ratio"] == pytest.approx(0.71 / 0.46) and not target["met"]

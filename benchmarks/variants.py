@@ -2,7 +2,7 @@
 
     python benchmarks/variants.py [--plans deltanet,kda,...] [--variants "8,4 8,8 16,8"] [--out DIR] [--budget-s S]
 
-The launch knobs of `kernels/triton/recurrence.py` (`ARCHSPEC_TRITON_WARPS`: warps of the
+The launch knobs of `kernels/triton/launch.py` (`ARCHSPEC_TRITON_WARPS`: warps of the
 chunk-parallel kernels and of the state passes; `ARCHSPEC_TRITON_STAGES`;
 `ARCHSPEC_TRITON_STATE_BV`) are read once at import, so each setting runs
 `benchmarks/kernels.py --no-fla --no-torch` in its own process. Why: the offline sm_90

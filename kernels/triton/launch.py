@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 def pow2(n: int) -> int:
-    """The next power of two >= n. Host code uses these, not `triton.next_power_of_2`:
+    """The next power of two >= n. Host code uses this, not `triton.next_power_of_2`:
     that is a `constexpr_function`, about 3.5 us a call."""
     return 1 << max(0, n - 1).bit_length()
 
@@ -40,7 +40,7 @@ def half(p: Plan) -> bool:
 # read-out from 0.225 to 0.214 (KDA), 0.441 to 0.380 (RWKV-7), 0.224 to 0.214 (GLA), the
 # scalar gate's read-out from 0.116 to 0.113 (GDN) and 0.116 to 0.111 (scalar GLA),
 # RWKV-7's prepare from 0.310 to 0.297 and KDA's chunk_channels_kernel from 1.227 to 1.163
-# (session 4: GLA-channel's 2.58 to 2.47); it made slower GDN's prepare (0.099 -> 0.116),
+# (below, why only KDA's); it made slower GDN's prepare (0.099 -> 0.116),
 # KDA's chunk_pairs_kernel (0.634 -> 0.698) and the one-kernel backward (DeltaNet 0.868
 # -> 0.924, GDN 1.226 -> 1.299), which keep 1.
 STAGES = os.environ.get("ARCHSPEC_TRITON_STAGES")

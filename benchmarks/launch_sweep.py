@@ -76,7 +76,10 @@ def apply(setting: dict[str, str]) -> dict:
             raise SystemExit(f"--grid: launch.py has no knob {attr} (from {name!r})")
         current = getattr(launch, attr)
         previous[attr] = current
-        setattr(launch, attr, type(current)(value) if current is not None else value)
+        if isinstance(current, bool):  # bool("0") would be True
+            setattr(launch, attr, value.lower() in ("1", "true"))
+        else:
+            setattr(launch, attr, type(current)(value) if current is not None else value)
     recurrence._plan_of.cache_clear()
     return previous
 

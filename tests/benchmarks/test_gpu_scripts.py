@@ -262,3 +262,30 @@ def test_side_by_side_rounds_set_the_target_ratio(scripts, monkeypatch) -> None:
     del results["plans"]["gdn"]["side_by_side"]  # without the rounds: the two rows' ratio
     target = next(t for t in bench.targets(results) if t["target"].startswith("gdn forward: ours / fla"))
     assert target["ratio"] == pytest.approx(0.71 / 0.46) and not target["met"]
+
+
+def test_launch_sweep_sets_and_restores_the_knobs() -> None:
+    """`launch_sweep.py`: a grid is every combination of each `;`-separated part; a setting
+    sets `launch.py`'s knob of that name (warps into the pair, "0" as False for a switch)
+    and `restore` puts every one back."""
+    sys.path.insert(0, str(BENCHMARKS))
+    saved = sys.modules.pop("kernels", None)
+    try:
+        sweep = importlib.import_module("launch_sweep")
+        from archspec.kernels.triton import launch
+
+        assert sweep.settings_of("a=1,2 b=3; c=4") == [{"a": "1", "b": "3"}, {"a": "2", "b": "3"}, {"c": "4"}]
+        before = (launch.WARPS, launch.STATE_STAGES, launch.CHANNEL_PASSES, launch.SPLIT_UNGATED)
+        previous = sweep.apply({"state_warps": "2", "state_stages": "3", "channel_passes": "0", "split_ungated": "1"})
+        assert (launch.WARPS, launch.STATE_STAGES, launch.CHANNEL_PASSES, launch.SPLIT_UNGATED) == (
+            (before[0][0], 2), "3", False, True)
+        sweep.restore(previous)
+        assert (launch.WARPS, launch.STATE_STAGES, launch.CHANNEL_PASSES, launch.SPLIT_UNGATED) == before
+        with pytest.raises(SystemExit, match="no knob"):
+            sweep.apply({"no_such_knob": "1"})
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        sys.modules.pop("launch_sweep", None)
+        sys.modules.pop("kernels", None)
+        if saved is not None:
+            sys.modules["kernels"] = saved

@@ -650,18 +650,20 @@ def measure_plan(plan: PlanSpec, shape: dict, dtype: str, impls: list[str], devi
     return entry
 
 
-def side_by_side_rounds(plan: PlanSpec, inputs: dict, rounds: int, seconds: float) -> dict:
-    """Ours and fla's call timed alternately, `rounds` times each, forward and (where fla
-    has it) forward+backward: the fair ratio where a call waits on the host (`side_by_side`)."""
+def side_by_side_rounds(plan: PlanSpec, inputs: dict, rounds: int, seconds: float,
+                        passes: tuple[str, ...] = ("fwd_ms", "fwdbwd_ms")) -> dict:
+    """Ours and fla's call timed alternately, `rounds` times each, for each of `passes`
+    that fla runs (its gated backward refuses): the fair ratio where a call waits on the
+    host (`side_by_side`). fla's first call (its autotuning) comes before the rounds."""
     ours, peer = impl_callable(plan, "triton", inputs), impl_callable(plan, "fla", inputs)
     out: dict = {}
     try:
         with deadline(seconds):
-            for key in ("fwd_ms", "fwdbwd_ms"):
+            for key in passes:
                 a, b = (f if key == "fwd_ms" else _forward_and_backward(f, inputs) for f in (ours, peer))
                 try:
                     b()  # fla's gated backward refuses on Triton < 3.7.1
-                except Exception:  # noqa: BLE001 - no pair for this pass
+                except Exception:  # noqa: BLE001, S112 - no pair for this pass
                     continue
                 pair: dict = {"ours_ms": [], "fla_ms": []}
                 for _ in range(rounds):
@@ -864,7 +866,7 @@ def markdown(results: dict) -> str:
             a, b = side_by_side(results, name, key)
             ours_k = pair.get("ours_kernels_ms") or kernels_ms(name, "triton", key)
             fla_k = pair.get("fla_kernels_ms") or kernels_ms(name, "fla", key)
-            lines.append(f"| {name} | {dict((k, lab) for k, lab, _ in PASSES)[key]} | {a:.3f} | {b:.3f} | {a / b:.2f} "
+            lines.append(f"| {name} | { {k: lab for k, lab, _ in PASSES}[key]} | {a:.3f} | {b:.3f} | {a / b:.2f} "
                          f"| {fmt(ours_k)} | {fmt(fla_k)} | {len(pair['ours_ms'])} |")
     profiled = [(name, row) for name in order for row in results["plans"][name]["rows"] if row.get("kernels")]
     waits = host_waits(profiled)

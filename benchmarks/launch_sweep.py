@@ -1,4 +1,4 @@
-"""Launch settings of our forward kernels, swept inside one process, and where the host's
+"""Launch settings of our kernels, swept inside one process, and where the host's
 time of a forward goes.
 
     python benchmarks/launch_sweep.py --plans gdn,gla-scalar \
@@ -10,10 +10,12 @@ time of a forward goes.
 process start and a full compile per setting. They are read again at every launch, so
 here they are set on that module between calls (`recurrence._plan_of` is cleared, since
 a plan carries the warps), named in lower case (`state_stages=4` sets `STATE_STAGES`), and
-every combination of `--grid` is timed in one process: the forward's wall time
-(`do_bench`, median) and each kernel's GPU time (`torch.profiler`). Each setting's output
-is compared with the defaults' (same inputs): a launch setting changes no arithmetic
-beyond the order of float sums, so a relative difference above 1e-2 marks a miscompile.
+every combination of `--grid` is timed in one process: the forward's (or with
+`--backward` the forward+backward's) wall time (`do_bench`, median) and each kernel's GPU
+time (`torch.profiler`). Each setting's output, and with `--backward` every input
+gradient, is compared with the defaults' (same inputs): a launch setting changes no
+arithmetic beyond the order of float sums, so a relative difference above `SUSPECT`
+marks a miscompile (the row's `suspect`).
 That screen is not the correctness check; a setting is adopted only after
 `triton_gpu_check.py` passes under it (`docs/gpu-session.md`).
 
@@ -24,7 +26,8 @@ lent machine, where Triton's launch path is reported at about 12 us on other hos
 (triton-lang/triton PR 3648; tritonbench PR 1005).
 
 `--fla` then times flash-linear-attention's call of each plan alternately with ours
-(`--rounds`), in the same process: the side-by-side ratio (`peer_rounds`).
+(`--rounds`), in the same process: the side-by-side ratio (`peer_rounds`), in the form of
+`kernels.py --rounds` (a plan entry's `side_by_side`).
 
 Writes `DIR/launch_sweep.json` after each plan.
 """
@@ -37,6 +40,7 @@ import functools
 import io
 import itertools
 import json
+import os
 import pstats
 import sys
 import time
@@ -45,7 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import _bench, _forward_and_backward, autotuned_configs, fla_callable, kernel_breakdown, machine, make_inputs, plan_named, quick_tuning, run_plan
+from kernels import _bench, _forward_and_backward, autotuned_configs, fla_callable, kernel_breakdown, machine, make_inputs, plan_named, quick_tuning, run_plan, side_by_side_rounds
 
 SHAPE = (4, 4096, 16, 128, 128)
 
@@ -110,8 +114,24 @@ def host_profile(fn, calls: int = 50, top: int = 25) -> str:
     return f"{per_call_ms:.4f} ms per call under cProfile\n" + text.getvalue()
 
 
-def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+SUSPECT = 1e-2  # a launch setting changes only the order of float sums; more than this is a miscompile
+
+
+def screened(forward, inputs: dict, backward: bool) -> list[torch.Tensor]:
+    """The output, and with `backward` every input gradient (of `_forward_and_backward`'s
+    loss): session 7's miscompiles (`launch.chunk_stages`) showed in gradients only."""
+    o, s = forward()
+    if not backward:
+        return [o.detach().clone()]
+    leaves = [t for t in inputs.values() if t.requires_grad]
+    loss = o.float().square().sum() * 1e-3 + (0 if s is None else s.float().square().sum() * 1e-3)
+    return [o.detach().clone()] + [g for g in torch.autograd.grad(loss, leaves, allow_unused=True) if g is not None]
+
+
+def relative_difference(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
+    """The largest max-abs difference of any tensor, relative to that tensor's max."""
+    return max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+               for a, b in zip(outs, refs, strict=True))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -124,22 +144,28 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--backward", action="store_true", help="time forward+backward (the kernels of both)")
     parser.add_argument("--fla", action="store_true", help="then flash-linear-attention's call of the plan, in rounds with ours")
     parser.add_argument("--rounds", type=int, default=5, help="with --fla: ours and fla's timed alternately this many times")
+    parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks that the script runs")
     args = parser.parse_args(argv)
+    shape, device, bench, breakdown = SHAPE, "cuda", _bench, kernel_breakdown
+    if args.smoke:  # no timer and no profiler on the CPU: each call runs once
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        shape, device, args.fla, args.host_profile = (1, 32, 1, 16, 16), "cpu", False, False
+        bench, breakdown = (lambda fn: (fn(), 0.0)[1]), (lambda fn: [])
     start = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"machine": machine(), "shape": SHAPE, "grid": args.grid, "plans": {}}
+    results: dict = {"machine": machine(), "shape": shape, "grid": args.grid, "plans": {}}
     settings = [{}] + (settings_of(args.grid) if args.grid.strip() else [])  # the defaults first: the reference output
     if args.fla:
         quick_tuning(20)
     for name in args.plans.split(","):
         plan = plan_named(name)
-        inputs = make_inputs(plan, *SHAPE, torch.bfloat16, "cuda")
+        inputs = make_inputs(plan, *shape, torch.bfloat16, device)
         forward = functools.partial(run_plan, plan, inputs, "triton")
         fn = _forward_and_backward(forward, inputs) if args.backward else forward
         entry: dict = {"settings": []}
         results["plans"][name] = entry
-        reference = forward()[0].detach().clone()
+        reference = screened(forward, inputs, args.backward)
         if args.host_profile:
             entry["host_profile"] = host_profile(forward)
             print(f"== {name}: host profile\n{entry['host_profile']}", flush=True)
@@ -151,13 +177,14 @@ def main(argv: list[str] | None = None) -> dict:
             row: dict = {"setting": setting}
             try:
                 t0 = time.monotonic()
-                o = forward()[0]
-                fn()
-                torch.cuda.synchronize()
+                outs = screened(forward, inputs, args.backward)
+                if device == "cuda":
+                    torch.cuda.synchronize()
                 row["first_call_s"] = round(time.monotonic() - t0, 2)
-                row["rel_diff"] = relative_difference(o, reference)
-                row["fwdbwd_ms" if args.backward else "fwd_ms"] = round(_bench(fn), 4)
-                row["kernels"] = kernel_breakdown(fn)
+                row["rel_diff"] = relative_difference(outs, reference)
+                row["suspect"] = row["rel_diff"] > SUSPECT
+                row["fwdbwd_ms" if args.backward else "fwd_ms"] = round(bench(fn), 4)
+                row["kernels"] = breakdown(fn)
             except Exception as err:  # noqa: BLE001 - a setting that fails to compile (shared memory) is a result
                 row["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
             finally:
@@ -165,40 +192,31 @@ def main(argv: list[str] | None = None) -> dict:
             entry["settings"].append(row)
             kern = ", ".join(f"{k} {t:.4f}" for k, t in row.get("kernels", [])[:6])
             print(f"[{time.monotonic() - start:6.1f}s] {name} {setting or 'defaults'}: ms {row.get('fwd_ms', row.get('fwdbwd_ms'))} "
-                  f"diff {row.get('rel_diff', 0):.1e} {row.get('error', '')} | {kern}", flush=True)
+                  f"diff {row.get('rel_diff', 0):.1e}{' SUSPECT' if row.get('suspect') else ''} {row.get('error', '')} | {kern}", flush=True)
             (out / "launch_sweep.json").write_text(json.dumps(results, indent=1))
         if args.fla and time.monotonic() - start < args.budget_s:
-            entry["rounds"] = peer_rounds(plan, inputs, fn, args)
-            print(f"[{time.monotonic() - start:6.1f}s] {name} rounds: {entry['rounds']}", flush=True)
+            entry["side_by_side"] = peer_rounds(plan, inputs, args)
+            print(f"[{time.monotonic() - start:6.1f}s] {name} side by side: {entry['side_by_side']}", flush=True)
             (out / "launch_sweep.json").write_text(json.dumps(results, indent=1))
     return results
 
 
-def peer_rounds(plan, inputs: dict, ours, args) -> dict:
-    """Ours and flash-linear-attention's call timed alternately (`do_bench` medians), in
-    this one process: a forward of a few short kernels waits on the host's launches, and
-    the host's speed drifts between processes and over minutes (session 7: Gated
-    DeltaNet's forward 0.46-0.71 ms for the same 0.43 ms of kernels), so a ratio is fair
-    only between timings taken side by side."""
-    peer = fla_callable(plan, inputs)
-    if peer is None:
-        return {"error": "fla has no such op"}
-    fla = _forward_and_backward(peer, inputs) if args.backward else peer
-    try:
-        t0 = time.monotonic()
-        fla()  # its autotuners pick their configs here
-        torch.cuda.synchronize()
-        result: dict = {"fla_first_call_s": round(time.monotonic() - t0, 1), "ours_ms": [], "fla_ms": []}
-        for _ in range(args.rounds):
-            result["ours_ms"].append(round(_bench(ours), 4))
-            result["fla_ms"].append(round(_bench(fla), 4))
-        result["fla_kernels"] = kernel_breakdown(fla)
-        result["fla_autotuned"] = autotuned_configs() or None
-    except Exception as err:  # noqa: BLE001 - a peer that refuses is a result
-        return {"error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"}
-    ours_ms, fla_ms = sorted(result["ours_ms"]), sorted(result["fla_ms"])
-    result["ratio_of_medians"] = round(ours_ms[len(ours_ms) // 2] / fla_ms[len(fla_ms) // 2], 3)
-    return result
+def peer_rounds(plan, inputs: dict, args) -> dict:
+    """`kernels.side_by_side_rounds` for the pass swept, with fla's kernels and autotuned
+    picks: a forward of a few short kernels waits on the host's launches, and the host's
+    speed drifts between processes and over minutes (session 7: Gated DeltaNet's forward
+    0.46-0.71 ms for the same 0.43 ms of kernels), so a ratio is fair only between
+    timings taken side by side. The result goes into `kernels.json`'s plan entries as
+    `side_by_side` as it is."""
+    key = "fwdbwd_ms" if args.backward else "fwd_ms"
+    pairs = side_by_side_rounds(plan, inputs, args.rounds, args.budget_s, passes=(key,))
+    if key in pairs:
+        peer = fla_callable(plan, inputs)
+        fla = _forward_and_backward(peer, inputs) if args.backward else peer
+        pairs[key]["fla_kernels"] = kernel_breakdown(fla)
+        pairs[key]["fla_kernels_ms"] = dict(pairs[key]["fla_kernels"]).get("(sum of all kernels)")
+        pairs[key]["fla_autotuned"] = autotuned_configs() or None
+    return pairs
 
 
 if __name__ == "__main__":

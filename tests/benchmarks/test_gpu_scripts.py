@@ -289,3 +289,20 @@ def test_launch_sweep_sets_and_restores_the_knobs() -> None:
         sys.modules.pop("kernels", None)
         if saved is not None:
             sys.modules["kernels"] = saved
+
+
+def test_launch_sweep_smoke_screens_every_setting(tmp_path: Path) -> None:
+    """`benchmarks/launch_sweep.py --smoke --backward` runs the defaults and every setting
+    of the grid, forward and backward, and compares each setting's output and gradients
+    with the defaults' (on the interpreter launch settings change nothing: 0)."""
+    import subprocess
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "launch_sweep.py"), "--smoke", "--backward", "--plans", "gdn",
+                           "--grid", "state_stages=3; stages=2 output_warps=2,4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((out / "launch_sweep.json").read_text())["plans"]["gdn"]["settings"]
+    assert [r["setting"] for r in rows] == [{}, {"state_stages": "3"}, {"stages": "2", "output_warps": "2"},
+                                            {"stages": "2", "output_warps": "4"}]
+    assert all(r.get("error") is None and r["rel_diff"] == 0.0 and not r["suspect"] for r in rows)

@@ -180,13 +180,16 @@ def output_warps(p: Plan, channel_pass: int = 0) -> int:
 # within decay.py's bound, compiled without the slower paths, then the others; as one
 # kernel every chunk paid the registers of the slowest path. ARCHSPEC_TRITON_CHANNEL_PASSES=0: one launch.
 CHANNEL_PASSES = os.environ.get("ARCHSPEC_TRITON_CHANNEL_PASSES", "1") != "0"
-# Opt-in (untimed): a scalar gate's within-chunk cumulative sum formed by the forward's first
+# Opt-in, not adopted: a scalar gate's within-chunk cumulative sum formed by the forward's first
 # kernel that reads it (the inverse of a delta rule, the state pass of a diagonal one), which
 # stores it for the rest, instead of `gate_cumsum_kernel`'s own launch: one launch fewer
 # (Gated DeltaNet 5 -> 4, scalar GLA 3 -> 2). The H200 issued about 0.09 ms of host time per
 # launch (`kernels.py host_ms`, session 6), and scalar GLA's forward is host-bound: 0.349 ms
 # wall for 0.222 of kernels. (Session 5's form summed the gate in every kernel that read
 # it, an O(rows^2) masked sum each time: its kernels were slower, GDN 0.488 -> 0.612.)
+# Timed in session 7 (launch_sweep.py): scalar GLA's state pass 0.103 -> 0.123 ms forming
+# the sums, GDN's kernels 0.490 -> 0.485, and no gain seen in the wall times, which the
+# host's drift hid.
 GATE_IN_FIRST = os.environ.get("ARCHSPEC_TRITON_GATE_IN_FIRST", "0") == "1"
 
 

@@ -56,9 +56,9 @@ def chunk_stages(p: Plan, kernel: str) -> int:
     # registers, `backward_maxnreg`) gave d_k and d_g 20 times off (4.8e-2 against 2.4e-3
     # relative) and RWKV-7's at n_h = 8 d_write_key 30 times off (9.8e-2 against 3.0e-3),
     # both right at 1: miscompiles.
-    two = {"inverse": p.gate == 2, "output": p.gate != 0, "prepare": p.mode == 2,
-           "channels": p.mode == 1 and p.n_h <= 4}
-    return 2 if two.get(kernel, False) else 1
+    two = ((kernel == "inverse" and p.gate == 2) or (kernel == "output" and p.gate != 0)
+           or (kernel == "prepare" and p.mode == 2) or (kernel == "channels" and p.mode == 1 and p.n_h <= 4))
+    return 2 if two else 1
 
 
 # The state passes' own: their loop over a sequence's chunks reads each chunk's rows, which

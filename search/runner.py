@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from archspec.errors import ArchspecError, Location
@@ -221,7 +222,8 @@ def ray_session(address: str | None) -> Iterator[None]:
     else:
         # address="local": a private Ray, even if a `ray start` cluster runs on this machine.
         # A short private temp dir: Ray's socket paths must stay under ~100 characters.
-        temp_dir = tempfile.mkdtemp(prefix="archspec-ray-")
+        remove_stale_ray_dirs()
+        temp_dir = tempfile.mkdtemp(prefix=RAY_DIR_PREFIX)
         kwargs.update(address="local", _temp_dir=temp_dir)
     try:
         ray.init(**kwargs)
@@ -234,6 +236,38 @@ def ray_session(address: str | None) -> Iterator[None]:
         ray.shutdown()  # with --address this only disconnects; the cluster keeps running
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+RAY_DIR_PREFIX = "archspec-ray-"
+
+
+def remove_stale_ray_dirs(min_age_s: float = 120.0) -> list[Path]:
+    """Remove the private Ray dirs of searches that were killed (`kill -9`, a lost node):
+    their `finally` never ran. A dir is stale when no raylet answers on any of its sockets;
+    a young one may belong to a search that is still starting, so it is left alone."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(RAY_DIR_PREFIX + "*"):
+        try:
+            if not path.is_dir() or time.time() - path.stat().st_mtime < min_age_s:
+                continue
+        except OSError:
+            continue
+        if not any(_socket_answers(sock) for sock in path.glob("session_*/sockets/raylet")):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _socket_answers(path: Path) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:

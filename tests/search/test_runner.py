@@ -281,6 +281,38 @@ def test_resume_after_kill_9(tmp_path):
     assert again.complete and len(log.read_text().split()) == len(calls)
 
 
+def test_ray_dirs_of_killed_searches_are_removed_at_the_next_start(tmp_path, monkeypatch):
+    """A kill -9 skips `ray_session`'s cleanup; the next local search removes what is left,
+    but never the dir of a Ray that still answers, nor one that may be starting."""
+    import tempfile
+
+    from archspec.search.runner import RAY_DIR_PREFIX, remove_stale_ray_dirs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def ray_dir(name: str, age_s: float) -> Path:
+        sockets = tmp_path / f"{RAY_DIR_PREFIX}{name}" / "session_1" / "sockets"
+        sockets.mkdir(parents=True)
+        (sockets.parent / "logs").mkdir()
+        (sockets.parent / "logs" / "raylet.out").write_text("...")
+        old = time.time() - age_s
+        os.utime(sockets.parents[1], (old, old))
+        return sockets
+
+    dead = ray_dir("dead", 3600)
+    with socket.socket(socket.AF_UNIX) as gone:  # a socket file nobody listens on any more
+        gone.bind(str(dead / "raylet"))
+    live = ray_dir("live", 3600)
+    young = ray_dir("young", 5)
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(live / "raylet"))
+        listener.listen()
+        removed = remove_stale_ray_dirs()
+    assert removed == [dead.parents[1]]
+    assert not dead.parents[1].exists()
+    assert live.parents[1].exists() and young.parents[1].exists()
+
+
 def test_reconcile_tells_a_trial_that_finished_unheard(tmp_path):
     """The kill can fall between a trial's result.json and the study's tell: on resume the
     study learns the values and the status the searcher would have written."""

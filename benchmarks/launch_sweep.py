@@ -118,8 +118,9 @@ SUSPECT = 1e-2  # a launch setting changes only the order of float sums; more th
 
 
 def screened(forward, inputs: dict, backward: bool) -> list[torch.Tensor]:
-    """The output, and with `backward` every input gradient (of `_forward_and_backward`'s
-    loss): session 7's miscompiles (`launch.chunk_stages`) showed in gradients only."""
+    """The output, and with `backward` every input gradient of a fixed loss (the same for
+    every setting, unlike a random `dO`): session 7's miscompiles (`launch.chunk_stages`)
+    showed in gradients only."""
     o, s = forward()
     if not backward:
         return [o.detach().clone()]

@@ -55,6 +55,42 @@ def test_benchmark_budget_and_resume(scripts, tmp_path: Path) -> None:
     assert list(merged["plans"]) == ["deltanet", "gdn"] and merged["resumed_from"]
 
 
+def test_forward_and_backward_takes_fixed_output_gradients(scripts, monkeypatch) -> None:
+    """The timed step runs the backward from given `dO`, `dS`: no loss kernels in it, and
+    the gradients are those of `<o, dO> + <s, dS>`."""
+    import torch
+
+    bench, _ = scripts
+    x = torch.randn(3, 4, requires_grad=True)
+    seen = []
+    fn = lambda: (2 * x, x.sum(0))  # noqa: E731
+    real_grad = torch.autograd.grad
+
+    def grad(outputs, inputs, grad_outputs, **kw):
+        seen.append((outputs, grad_outputs))
+        return real_grad(outputs, inputs, grad_outputs, **kw)
+
+    monkeypatch.setattr(torch.autograd, "grad", grad)
+    bench._forward_and_backward(fn, {"x": x})()
+    (outputs, (d_o, d_s)), = seen
+    assert [t.shape for t in outputs] == [(3, 4), (4,)] and d_o.shape == (3, 4) and d_s.shape == (4,)
+    assert outputs[0].grad_fn.name() == "MulBackward0"  # the output itself, no cast or square after it
+
+
+def test_rows_timed_with_a_loss_in_the_step_are_not_mixed_in(scripts, tmp_path: Path) -> None:
+    """Files before session 8 timed forward+backward with a loss inside the step: `--resume`
+    measures again, and `--peers` says their forward+backward was timed so."""
+    bench, _ = scripts
+    bench.main(["--smoke", "--plans", "deltanet", "--out", str(tmp_path)])
+    old = json.loads((tmp_path / "kernels.json").read_text())
+    del old["backward"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    again = bench.main(["--smoke", "--plans", "deltanet", "--out", str(tmp_path), "--resume", str(tmp_path / "old.json")])
+    assert "resumed_from" not in again and list(again["plans"]) == ["deltanet"]
+    bench.main(["--smoke", "--plans", "deltanet", "--no-torch", "--out", str(tmp_path), "--peers", str(tmp_path / "old.json")])
+    assert "timed with a loss in the step" in (tmp_path / "kernels.md").read_text()
+
+
 def test_deadline_interrupts_python_code(scripts) -> None:
     bench, _ = scripts
     start = time.monotonic()

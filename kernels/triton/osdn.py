@@ -435,7 +435,9 @@ class OsdnScan(torch.autograd.Function):
         meta = ctx.meta
         B, TN, H, K = k.shape
         acc = traj.dtype
-        dk = torch.empty(k.shape, device=k.device, dtype=acc)
+        # dk in k's dtype, rounded once in the kernel as `.to` would: a float32 dk and a cast
+        # after it would move 201 MB more at B=4 T=4096 H=16 K=128 bf16 (~50 us on an H200)
+        dk = torch.empty_like(k)
         dbeta = None if beta is None else torch.zeros(beta.shape, device=k.device, dtype=acc)
         dretain = None if retain is None else torch.zeros(retain.shape, device=k.device, dtype=acc)
         dd0 = torch.empty(n_seq, H, K, device=k.device, dtype=acc)

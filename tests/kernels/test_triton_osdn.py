@@ -174,6 +174,72 @@ def test_osdn_loads_ahead_queue_lengths(monkeypatch, prefetch: int, stats: bool)
         _compare(got, want, ["write_key", "d_final", "d_k", "d_beta", "d_retain"], tol=tol)
 
 
+def _pair_cases(k, beta, retain, d0, n_h, eta, d_min, d_max, eps=1e-6) -> dict[str, int]:
+    """How the paired forward (`osdn._forward_pair`) must take each pair of sub-steps, by
+    the scan written out here in float64 (one sequence per batch row): `free` (the first
+    step clips nothing), `low` / `high` (it clips every coordinate to that bound), or
+    `mixed` (it reduces again). A test then knows which cases its inputs reach."""
+    counts = dict(free=0, low=0, high=0, mixed=0)
+    B, TN, H, K = k.shape
+    for b, h in itertools.product(range(B), range(H)):
+        d = torch.ones(K, dtype=torch.float64) if d0 is None else d0[h].double().clone()
+        for i in range(TN):
+            kk = k[b, i, h].double()
+            s = kk * kk
+            c = eta * beta[b, i, h].double() / max(s.sum().item(), eps)
+            rho = retain[b, i // n_h, h].double() if retain is not None and i % n_h == 0 else 1.0
+            x = (d * s).sum()
+            a = c - c * beta[b, i, h].double() * x
+            if i % 2 == 0 and i + 1 < TN:
+                lo = rho * d.min() + min(a.item(), 0.0) * s.sum()
+                hi = rho * d.max() + max(a.item(), 0.0) * s.sum()
+                case = "free" if lo >= d_min and hi <= d_max else "low" if hi <= d_min else "high" if lo >= d_max else "mixed"
+                counts[case] += 1
+            d = (rho * d + a * s).clamp(d_min, d_max)
+    return counts
+
+
+@pytest.mark.parametrize("case", ["free", "low", "high", "mixed"])
+def test_osdn_paired_forward_matches_naive(monkeypatch, case: str) -> None:
+    """The forward two sub-steps per round (`ARCHSPEC_TRITON_OSDN_PAIRS=1`) against the
+    token loop at 1e-10, outputs and gradients, with inputs that take each of its cases
+    (counted by `_pair_cases`): steps that clip nothing; APF holding `d` at `d_min`; `d`
+    held at `d_max`; steps that clip some coordinates. Odd lengths leave a step alone."""
+    from archspec.kernels.triton import osdn
+
+    monkeypatch.setattr(osdn, "AHEAD", True)
+    monkeypatch.setattr(osdn, "PAIRS", True)
+    # with APF and two sub-steps a token, a pair's second step (no decay) moves d off the
+    # bound again, so the held case's <d', s'> reaches the result
+    T, H, K, n_h = 15, 2, 16, 2 if case == "low" else 1
+    x = _inputs(2, T, H, K, n_h, retain=case in ("free", "low"), d0="none", seed=31)
+    options = dict(eta=0.3, d_min=0.5, d_max=2.0)
+    with torch.no_grad():
+        if case == "free":  # wide bounds
+            options.update(d_min=0.05, d_max=20.0)
+        elif case == "low":  # strong decay: d reaches d_min within a few tokens and stays
+            x["retain"].mul_(0.5)
+        elif case == "high":  # d starts at d_max and every step pushes it up (beta <= 1/2 -> a > 0)
+            x["beta"].mul_(0.5)
+            x["d0"] = torch.full((H, K), 2.0, dtype=torch.float64, requires_grad=True)
+        else:  # a large eta: single coordinates cross the bounds
+            options.update(eta=3.0)
+    retain = x.get("retain")
+    counts = _pair_cases(x["k"].detach(), x["beta"].detach(), None if retain is None else retain.detach(),
+                         None if "d0" not in x else x["d0"].detach(), n_h, options["eta"], options["d_min"], options["d_max"])
+    assert counts[case] >= 3, counts
+    names = ["write_key", "d_final"] + ["d_" + n for n in x]
+    _compare(_run(x, "triton", **options), _run(x, "naive", **options), names, tol=1e-10)
+    cu = torch.tensor([0, 7, 7, 8, 15], dtype=torch.int32, device=DEVICE)  # odd (n_h 1), empty and one-token sequences
+    packed = {n: v.detach()[:1].clone().requires_grad_() if n != "d0" else v for n, v in x.items()}
+    _compare(_run(packed, "triton", cu_seqlens=cu, **options), _run(packed, "naive", cu_seqlens=cu, **options), names, tol=1e-10)
+    if case == "mixed":  # 16-bit keys as packed words (`osdn._packed`), a float32 scan
+        for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 5e-3)):
+            low = {n: v.detach().to(dtype).requires_grad_() for n, v in x.items()}
+            want = _run({n: v.detach().double().requires_grad_() for n, v in low.items()}, "naive", **options)
+            _compare(_run(low, "triton", **options), want, names, tol=tol)
+
+
 def _blocked(monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Turn on the blocked forward and backward (`osdn.BLOCKED`); returns the lists that
     collect each call's counts of blocks stepped and held, `[N, H, 2]`

@@ -107,11 +107,6 @@ PREFETCH = int(os.environ.get("ARCHSPEC_TRITON_OSDN_PREFETCH", "8"))
 # instead of reducing them again: two of its four dot products per step, the second of
 # which (`<d, s>`) the mask of the step's critical path waits on.
 STATS = os.environ.get("ARCHSPEC_TRITON_OSDN_STATS", "1") == "1"
-# Opt-in (untimed; needs AHEAD and STATS): the forward two sub-steps per dot-product round
-# (`_forward_pair`): the second step's `<d', s'>` from the first's round, exact while the
-# first step clips nothing or clips every coordinate to one bound, which scalar bounds on
-# `d` decide without a reduction. Halves the scan's chain of dependent reductions.
-PAIRS = os.environ.get("ARCHSPEC_TRITON_OSDN_PAIRS", "0") == "1"
 # Opt-in (untimed): the forward and the backward in blocks of sub-steps, one dot-product
 # round per block (`osdn_blocked.py`); their programs' warps. The forward stores the same
 # trajectory and stats; the backward reads them.
@@ -221,55 +216,6 @@ def _forward_step(d, kk, b_i, rho, i, i_h, w, traj, stats, offs, mk, eps, eta, d
 
 
 @triton.jit
-def _forward_pair(d, q0, q1, i, valid1, i_h, w, traj, stats, offs, mk, eps, eta, d_min, d_max, H: tl.constexpr,
-                  K: tl.constexpr, BK: tl.constexpr, BETA_AWARE: tl.constexpr, PACKED: tl.constexpr, ACC: tl.constexpr):
-    """Sub-steps `i` and `i + 1` (stored only if `valid1`) from one round of reductions of
-    `d`; returns `d` after both, and stores what `_forward_step` stores for each (STATS).
-
-    With `a = c - c b <d, s>`, step `i` forms `p = rho d + a s`. Where it clips nothing,
-    `d' = p` and `<d', s'> = rho <d, s'> + a <s, s'>`: both dot products of `d` and the
-    keys' `<s, s'>` (which does not wait on `d`) come from the same round. Where it clips
-    every coordinate to `d_min` (APF holds `d` there), `d' = d_min` and
-    `<d', s'> = d_min |k'|^2`; likewise `d_max`. Since `0 <= s <= |k|^2` elementwise,
-    `rho min(d) + min(a, 0) |k|^2 <= p <= rho max(d) + max(a, 0) |k|^2` tells which case
-    holds from `min(d)` and `max(d)`, reduced in the same round; otherwise `<d', s'>` is
-    reduced from `d'` as the sequential scan does. The backward forms each step's `p` from
-    the stored trajectory and `<d, s>` exactly as here, so its clip masks are these."""
-    kk0, b0, rho0 = q0
-    kk1, b1, rho1 = q1
-    kk0, b0, rho0 = _widen(kk0, BK, PACKED, ACC), b0.to(ACC), rho0.to(ACC)
-    kk1, b1, rho1 = _widen(kk1, BK, PACKED, ACC), b1.to(ACC), rho1.to(ACC)
-    s0, sq0, _rn0, _en0, c0, cb0 = _ahead_terms(kk0, b0, eps, eta, BETA_AWARE)
-    s1, sq1, _rn1, _en1, c1, cb1 = _ahead_terms(kk1, b1, eps, eta, BETA_AWARE)
-    gram = tl.sum(s0 * s1, 0)  # off the chain: keys only
-    tl.store(w + (i * H + i_h) * K + offs, (d * kk0).to(w.dtype.element_ty), mask=mk)
-    tl.store(traj + (i * H + i_h) * K + offs, d.to(traj.dtype.element_ty), mask=mk)
-    # the pair's one round of reductions of d
-    x0 = tl.sum(d * s0, 0)
-    y = tl.sum(d * s1, 0)
-    lo = tl.min(tl.where(mk, d, d_max), 0)
-    hi = tl.max(tl.where(mk, d, d_min), 0)
-    p0 = (rho0 * d + c0 * s0) - (cb0 * s0) * x0
-    d1 = tl.minimum(tl.maximum(p0, d_min), d_max)
-    a0 = c0 - cb0 * x0
-    lo0 = rho0 * lo + tl.minimum(a0, 0.0) * sq0
-    hi0 = rho0 * hi + tl.maximum(a0, 0.0) * sq0
-    free = (lo0 >= d_min) & (hi0 <= d_max)
-    x1 = tl.where(free, rho0 * y + a0 * gram, tl.where(hi0 <= d_min, d_min * sq1, d_max * sq1))
-    if not (free | (hi0 <= d_min) | (lo0 >= d_max)):  # some coordinates clipped, others not
-        x1 = tl.sum(d1 * s1, 0)
-    tl.store(stats + (i * H + i_h) * 2, sq0.to(stats.dtype.element_ty))
-    tl.store(stats + (i * H + i_h) * 2 + 1, x0.to(stats.dtype.element_ty))
-    row1 = ((i + 1) * H + i_h) * K + offs
-    tl.store(w + row1, (d1 * kk1).to(w.dtype.element_ty), mask=mk & valid1)
-    tl.store(traj + row1, d1.to(traj.dtype.element_ty), mask=mk & valid1)
-    tl.store(stats + ((i + 1) * H + i_h) * 2, sq1.to(stats.dtype.element_ty), mask=valid1)
-    tl.store(stats + ((i + 1) * H + i_h) * 2 + 1, x1.to(stats.dtype.element_ty), mask=valid1)
-    p1 = (rho1 * d1 + c1 * s1) - (cb1 * s1) * x1
-    return tl.minimum(tl.maximum(p1, d_min), d_max)
-
-
-@triton.jit
 def _backward_step(dd, kk, b_i, rho, d, w_bar, sq, align, eps, eta, d_min, d_max, mk, BK: tl.constexpr,
                    BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, HAS_DW: tl.constexpr, PACKED: tl.constexpr,
                    PACKED_DW: tl.constexpr, ACC: tl.constexpr, STATS: tl.constexpr):
@@ -330,7 +276,7 @@ def osdn_forward_kernel(
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NH: tl.constexpr,
     BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, D0_MODE: tl.constexpr,
     IS_VARLEN: tl.constexpr, ACC: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
-    STATS: tl.constexpr, PAIRS: tl.constexpr,
+    STATS: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -339,18 +285,7 @@ def osdn_forward_kernel(
     mk = offs < K
     d = initial_d(d0, i_nh, i_h, K, BK, D0_MODE, ACC)
     L = seq_len * NH
-    if AHEAD and PAIRS:
-        # the same queue, two steps a round; a last step alone pairs with one outside the
-        # sequence (no key: it changes nothing, and its stores are masked)
-        q = ()
-        for u in tl.static_range(PREFETCH):
-            q = q + (_load_ahead(k, beta, retain, bos, u, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED),)
-        for j in tl.range(0, L, 2, loop_unroll_factor=PREFETCH // 2):
-            d = _forward_pair(d, q[0], q[1], bos * NH + j, j + 1 < L, i_h, w, traj, stats, offs, mk, eps, eta,
-                              d_min, d_max, H, K, BK, BETA_AWARE, PACKED, ACC)
-            q = q[2:] + (_load_ahead(k, beta, retain, bos, j + PREFETCH, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED),
-                         _load_ahead(k, beta, retain, bos, j + PREFETCH + 1, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED))
-    elif AHEAD:
+    if AHEAD:
         # a queue of the next PREFETCH steps' loads, in a loop unrolled by PREFETCH (see PREFETCH)
         q = ()
         for u in tl.static_range(PREFETCH):
@@ -476,8 +411,7 @@ class OsdnScan(torch.autograd.Function):
                     ACC=tl.float64 if acc == torch.float64 else tl.float32, AHEAD=AHEAD,
                     PREFETCH=PREFETCH)
         k_words, meta["PACKED"] = _packed(k)
-        # the blocked and the paired forward always store them: the backward's masks are theirs
-        meta["STATS"] = AHEAD and (STATS or BLOCKED or PAIRS)
+        meta["STATS"] = AHEAD and (STATS or BLOCKED)  # the blocked forward always stores them
         stats = torch.empty(B, TN, H, 2, device=k.device, dtype=acc) if meta["STATS"] or BLOCKED else traj
         if BLOCKED:
             from .osdn_blocked import block_forward  # imported here: it imports this module
@@ -487,8 +421,7 @@ class OsdnScan(torch.autograd.Function):
         else:
             osdn_forward_kernel[(n_seq * H,)](
                 k_words, beta_, retain_, d0_, w, traj, stats, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
-                D0_MODE=d0_mode, num_warps=SCAN_WARPS, PAIRS=AHEAD and PAIRS,
-                **{**meta, "PREFETCH": max(2, PREFETCH + PREFETCH % 2) if PAIRS else PREFETCH},  # pairs: an even queue
+                D0_MODE=d0_mode, num_warps=SCAN_WARPS, **meta,
             )
         ctx.save_for_backward(k, beta, retain, traj, stats, cu_seqlens)
         ctx.meta, ctx.args = meta, (T, eta, d_min, d_max, eps, n_seq, d0_mode)

@@ -423,7 +423,10 @@ class OsdnScan(torch.autograd.Function):
                 k_words, beta_, retain_, d0_, w, traj, stats, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
                 D0_MODE=d0_mode, num_warps=SCAN_WARPS, **meta,
             )
-        ctx.save_for_backward(k, beta, retain, traj, stats, cu_seqlens)
+        # the contiguous copies: the backward indexes beta and retain as dense [B, T*n_h, H]
+        # and [B, T, H] (a view, e.g. a slice of a longer sequence, gave wrong gradients)
+        ctx.save_for_backward(k, None if beta is None else beta_, None if retain is None else retain_, traj, stats,
+                              cu_seqlens)
         ctx.meta, ctx.args = meta, (T, eta, d_min, d_max, eps, n_seq, d0_mode)
         ctx.d0_dtype = None if d0 is None else d0.dtype
         return w, d_final

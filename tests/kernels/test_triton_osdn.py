@@ -91,6 +91,33 @@ def test_osdn_float32_and_bfloat16_keys() -> None:
 
 
 @pytest.mark.parametrize("blocked", [False, True])
+def test_osdn_inputs_that_are_views(monkeypatch, blocked: bool) -> None:
+    """Keys, beta and retain gates given as slices of longer sequences (not contiguous),
+    and a scan continued from another's final `d`: every gradient as the token loop's.
+    (The backward once read the saved beta and retain as if dense.)"""
+    from archspec.kernels.triton import osdn
+
+    monkeypatch.setattr(osdn, "BLOCKED", blocked)
+    long = _inputs(2, 30, 2, 16, 2, retain=True, d0="per_sequence", seed=17)
+    leaves = list(long.values())
+
+    def chained(backend: str) -> list[torch.Tensor]:
+        d = long["d0"]
+        outs = []
+        for a, b in ((0, 12), (12, 30)):  # tokens; two sub-steps each
+            w, d = osdn_write_keys(long["k"][:, 2 * a:2 * b], long["beta"][:, 2 * a:2 * b], retain=long["retain"][:, a:b],
+                                   d0=d, eta=0.3, backend=backend)
+            outs.append(w)
+        w = torch.cat(outs, 1)
+        gen = torch.Generator().manual_seed(2)
+        loss = (w * torch.randn(w.shape, generator=gen, dtype=w.dtype)).sum() + (d * torch.randn(d.shape, generator=gen, dtype=d.dtype)).sum()
+        return [w, d] + list(torch.autograd.grad(loss, leaves))
+
+    assert not long["beta"][:, :24].is_contiguous() and not long["retain"][:, :12].is_contiguous()
+    _compare(chained("triton"), chained("naive"), ["write_key", "d_final"] + ["d_" + n for n in long], tol=1e-10)
+
+
+@pytest.mark.parametrize("blocked", [False, True])
 def test_osdn_half_precision_key_gradient_is_stored_by_the_kernel(monkeypatch, blocked: bool) -> None:
     """A bfloat16 key's gradient comes out of the kernel in bfloat16, the float32 scan's
     gradient rounded once (the same scan on the same values): no float32 `dk` and a cast

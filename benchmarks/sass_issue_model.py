@@ -73,14 +73,14 @@ def parse(lines: list[str]) -> tuple[list[Instruction], dict[str, int]]:
         elif base.startswith("ST") or base in ("RED", "ATOM"):
             ins.reads = _registers(rest)
         elif base == "SHFL":  # SHFL.BFLY PT, Rd, Ra, ...: the predicate out first
-            ins.writes, ins.reads = _registers(operands[1]), sum((_registers(t) for t in operands[2:]), [])
+            ins.writes, ins.reads = _registers(operands[1]), [r for t in operands[2:] for r in _registers(t)]
         else:
             ins.writes = _registers(operands[0]) if operands else []
             first_read = 1
             if base in ("FSETP", "ISETP", "DSETP") and len(operands) > 1:  # two predicates out
                 ins.writes += _registers(operands[1])
                 first_read = 2
-            ins.reads = sum((_registers(t) for t in operands[first_read:]), [])
+            ins.reads = [r for t in operands[first_read:] for r in _registers(t)]
             width = 4 if ".128" in opcode else 2 if (".64" in opcode or ".WIDE" in opcode) else 1
             if width > 1 and ins.writes and ins.writes[0].startswith("R"):
                 first = int(ins.writes[0][1:])

@@ -19,6 +19,7 @@ they do inside the kernels. Without CUDA the segments run one after the other.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 
 import torch
@@ -36,7 +37,7 @@ def segment_bounds(T: int, n_h: int, segments: int) -> list[tuple[int, int]]:
     chunks = math.ceil(T / per_chunk)
     segments = max(1, min(segments, chunks))
     cuts = [i * chunks // segments * per_chunk for i in range(segments)] + [T]
-    return [(a, min(b, T)) for a, b in zip(cuts, cuts[1:]) if a < min(b, T)]
+    return [(a, min(b, T)) for a, b in itertools.pairwise(cuts) if a < min(b, T)]
 
 
 def osdn_recurrence_in_segments(
@@ -64,7 +65,7 @@ def osdn_recurrence_in_segments(
     write_key=osdn_write_keys(k, beta, ...)[0], ...)` computed in `segments` segments (no
     packed batches: `cu_seqlens` sequences would cross the cuts). `final_state` is
     returned when `output_final_state`; `d_final` always."""
-    B, T = q.shape[0], q.shape[1]
+    T = q.shape[1]
     bounds = segment_bounds(T, n_h, segments)
     side = torch.cuda.Stream(device=q.device, priority=-1) if q.is_cuda and len(bounds) > 1 else None
     if side is not None:

@@ -3,6 +3,8 @@ loop: outputs, final state, final `d` and every input's gradient."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,13 +23,13 @@ def test_segments_hold_whole_chunks_and_cover_the_sequence() -> None:
     for T, n_h, s in ((1000, 3, 5), (77, 8, 9), (64, 1, 1)):
         bounds = segment_bounds(T, n_h, s)
         assert bounds[0][0] == 0 and bounds[-1][1] == T
-        assert all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))
+        assert all(b == c for (_, b), (c, _) in itertools.pairwise(bounds))
         assert all(a % (64 // n_h) == 0 for a, _ in bounds)
 
 
 def _inputs(B, T, H, K, n_h, *, gate: bool, retain: bool, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
     TN = T * n_h
     x = {"q": r(B, T, H, K), "k": F.normalize(r(B, TN, H, K), dim=-1), "v": r(B, TN, H, K),
          "beta": torch.sigmoid(r(B, TN, H)), "initial_state": 0.1 * r(B, H, K, K), "d0": 0.8 + 0.4 * torch.rand(B, H, K, generator=gen, dtype=torch.float64)}

@@ -70,15 +70,21 @@ def osdn_recurrence_in_segments(
     side = torch.cuda.Stream(device=q.device, priority=-1) if q.is_cuda and len(bounds) > 1 else None
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(q.device))  # the inputs are ready on the current stream
+    # `split`, not slices: its backward writes each input's gradient once (a slice's
+    # backward writes a whole zero tensor per slice, and autograd adds them up)
+    tokens = [b - a for a, b in bounds]
+    steps = [n * n_h for n in tokens]
+    qs, ks, vs = q.split(tokens, 1), k.split(steps, 1), v.split(steps, 1)
+    betas = [None] * len(bounds) if beta is None else beta.split(steps, 1)
+    gates = [None] * len(bounds) if g is None else g.split(tokens, 1)
+    retains = [None] * len(bounds) if retain is None else retain.split(tokens, 1)
     keys, ready = [], []
     d = d0
-    for a, b in bounds:  # every scan first, queued on the side stream
+    for n in range(len(bounds)):  # every scan first, queued on the side stream
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            sub = slice(a * n_h, b * n_h)
             w, d = osdn_write_keys(
-                k[:, sub], None if beta is None else beta[:, sub], eta=eta, d_min=d_min, d_max=d_max,
-                retain=None if retain is None else retain[:, a:b], beta_aware=beta_aware, d0=d, eps=eps,
-                n_h=n_h, backend=backend,
+                ks[n], betas[n], eta=eta, d_min=d_min, d_max=d_max, retain=retains[n],
+                beta_aware=beta_aware, d0=d, eps=eps, n_h=n_h, backend=backend,
             )
             keys.append(w)
             if side is not None:
@@ -86,15 +92,13 @@ def osdn_recurrence_in_segments(
                 event.record(side)
                 ready.append(event)
     outputs, state = [], initial_state
-    for n, (a, b) in enumerate(bounds):
+    for n in range(len(bounds)):
         if side is not None:
             torch.cuda.current_stream(q.device).wait_event(ready[n])
             keys[n].record_stream(torch.cuda.current_stream(q.device))  # made on the side stream, read here
-        sub = slice(a * n_h, b * n_h)
         last = n == len(bounds) - 1
         o, state = linear_recurrence(
-            q[:, a:b], k[:, sub], v[:, sub], g=None if g is None else g[:, a:b],
-            beta=None if beta is None else beta[:, sub], write_key=keys[n], n_h=n_h,
+            qs[n], ks[n], vs[n], g=gates[n], beta=betas[n], write_key=keys[n], n_h=n_h,
             scale=q.shape[-1] ** -0.5 if scale is None else scale, initial_state=state,
             output_final_state=output_final_state or not last, backend=backend,
         )

@@ -74,7 +74,7 @@ def osdn_recurrence_in_segments(
     # backward writes a whole zero tensor per slice, and autograd adds them up)
     tokens = [b - a for a, b in bounds]
     steps = [n * n_h for n in tokens]
-    qs, ks, vs = q.split(tokens, 1), k.split(steps, 1), v.split(steps, 1)
+    qs, ks, vs = q.split(tokens, 1), list(k.split(steps, 1)), v.split(steps, 1)
     betas = [None] * len(bounds) if beta is None else beta.split(steps, 1)
     gates = [None] * len(bounds) if g is None else g.split(tokens, 1)
     retains = [None] * len(bounds) if retain is None else retain.split(tokens, 1)
@@ -82,6 +82,7 @@ def osdn_recurrence_in_segments(
     d = d0
     for n in range(len(bounds)):  # every scan first, queued on the side stream
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            ks[n] = ks[n].contiguous()  # one copy of the segment's keys, for the scan and the chunk kernels
             w, d = osdn_write_keys(
                 ks[n], betas[n], eta=eta, d_min=d_min, d_max=d_max, retain=retains[n],
                 beta_aware=beta_aware, d0=d, eps=eps, n_h=n_h, backend=backend,
@@ -95,7 +96,8 @@ def osdn_recurrence_in_segments(
     for n in range(len(bounds)):
         if side is not None:
             torch.cuda.current_stream(q.device).wait_event(ready[n])
-            keys[n].record_stream(torch.cuda.current_stream(q.device))  # made on the side stream, read here
+            for made_there in (keys[n], ks[n]):  # made on the side stream, read here
+                made_there.record_stream(torch.cuda.current_stream(q.device))
         last = n == len(bounds) - 1
         o, state = linear_recurrence(
             qs[n], ks[n], vs[n], g=gates[n], beta=betas[n], write_key=keys[n], n_h=n_h,

@@ -338,13 +338,14 @@ def _forward_and_backward(fn, inputs: dict):
     do): a loss formed inside the step would add its own element-wise kernels (a cast, a
     square, their gradients; about 0.26 ms at the issue's shape) to every row alike."""
     leaves = [t for t in inputs.values() if t.requires_grad]
-    with torch.no_grad():
-        o, s = fn()
-    grads = [1e-3 * torch.randn_like(o)] + ([] if s is None else [1e-3 * torch.randn_like(s)])
+    o, s = fn()
+    with_state = s is not None and s.requires_grad  # a peer may hand back a detached state
+    grads = [1e-3 * torch.randn_like(o)] + ([1e-3 * torch.randn_like(s)] if with_state else [])
+    del o, s
 
     def step():
         o, s = fn()
-        torch.autograd.grad([o] + ([] if s is None else [s]), leaves, grads, allow_unused=True)
+        torch.autograd.grad([o] + ([s] if with_state else []), leaves, grads, allow_unused=True)
 
     return step
 

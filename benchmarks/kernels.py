@@ -154,9 +154,10 @@ def run_plan(plan: PlanSpec, inputs: dict, backend: str, **options):
     from archspec.kernels import linear_recurrence, osdn_write_keys
 
     args = {k: v for k, v in inputs.items() if k != "retain"}
-    segments = int(os.environ.get("ARCHSPEC_TRITON_OSDN_SEGMENTS", "1"))  # opt-in, untimed: kernels/osdn_segments.py
+    from archspec.kernels.osdn_segments import osdn_recurrence_in_segments, osdn_segments
+
+    segments = osdn_segments()  # opt-in, untimed
     if plan.osdn and segments > 1 and args.get("cu_seqlens") is None:
-        from archspec.kernels.osdn_segments import osdn_recurrence_in_segments
 
         both = {**args, **options}
         o, state, _ = osdn_recurrence_in_segments(

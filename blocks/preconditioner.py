@@ -61,17 +61,20 @@ class OSDNPreconditioner(nn.Module):
         `x` `[B, T, d_model]` feeds the APF retain gate; `k` are the unit-norm keys and
         `beta` the write strengths of the sub-steps; `d` continues a previous call.
         """
-        retain = torch.sigmoid(self.retain_proj(x)) if self.retain_proj is not None else None
-        inputs = dict(
+        inputs = self.scan_inputs(x, k, beta, d)
+        write_key, d_final = osdn_write_keys(**inputs, backend=backend)
+        return write_key, d_final, inputs
+
+    def scan_inputs(self, x: Tensor, k: Tensor, beta: Tensor, d: Tensor | None = None) -> dict:
+        """`osdn_write_keys`' arguments (as `forward` takes them), without running the scan."""
+        return dict(
             k=k,
             beta=beta,
             eta=self.plan.eta,
             d_min=self.plan.d_min,
             d_max=self.plan.d_max,
-            retain=retain,
+            retain=torch.sigmoid(self.retain_proj(x)) if self.retain_proj is not None else None,
             beta_aware=self.plan.beta_aware,
             d0=self.initial_d() if d is None else d,
             eps=self.plan.eps,
         )
-        write_key, d_final = osdn_write_keys(**inputs, backend=backend)
-        return write_key, d_final, inputs

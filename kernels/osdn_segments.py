@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 
 import torch
 
@@ -28,6 +29,13 @@ from .api import linear_recurrence, osdn_write_keys
 
 Tensor = torch.Tensor
 CHUNK_SUBSTEPS = 64  # the Triton kernel's chunk (`kernels/triton/recurrence.py`, CHUNK_SIZE)
+
+
+def osdn_segments() -> int:
+    """`ARCHSPEC_TRITON_OSDN_SEGMENTS` (default 1: the unsegmented path): how many segments
+    the benchmarks and the OSDN mixer cut a sequence into. Read at each call, as the launch
+    settings of `kernels/triton/launch.py` are."""
+    return int(os.environ.get("ARCHSPEC_TRITON_OSDN_SEGMENTS", "1"))
 
 
 def segment_bounds(T: int, n_h: int, segments: int) -> list[tuple[int, int]]:

@@ -194,3 +194,39 @@ def test_capture_returns_the_kernel_inputs():
     w, _ = osdn_write_keys_naive(**osdn)
     torch.testing.assert_close(w, cap["write_key"])
 
+
+
+@pytest.mark.parametrize("name", ["osgdn-apf-learned", "oskda-betafree-nh2"])
+def test_osdn_in_segments_is_the_same_mixer(name, monkeypatch):
+    """`ARCHSPEC_TRITON_OSDN_SEGMENTS` (kernels/osdn_segments.py) changes how the OSDN
+    mixer runs, not what it computes: output, carried state and every gradient (float64,
+    a sequence of several 64-sub-step chunks, continued from a carried state)."""
+    torch.manual_seed(4)
+    m = Mixer(COMBINATIONS[name], d_model=12).double()
+    with torch.no_grad():
+        for pname, param in m.named_parameters():
+            if "bias" in pname or "d0_delta" in pname:
+                param.add_(0.3 * torch.randn_like(param))
+    m.backend = "torch"
+    x = torch.randn(2, 150, 12, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(2, 150, 12, dtype=torch.float64)
+    params = [x, *m.parameters()]
+    import archspec.blocks.mixer as mixer_module
+
+    calls = []
+    segmented = mixer_module.osdn_recurrence_in_segments
+    monkeypatch.setattr(mixer_module, "osdn_recurrence_in_segments",
+                        lambda *a, **kw: calls.append(kw["segments"]) or segmented(*a, **kw))
+    results = {}
+    for segments in ("1", "3"):
+        monkeypatch.setenv("ARCHSPEC_TRITON_OSDN_SEGMENTS", segments)
+        _, state = m(x[:, :20], return_state=True)  # a carried state: d and S from a first call
+        y, after = m(x[:, 20:], state=state, return_state=True)
+        loss = (y * weight[:, 20:]).sum() + after.recurrent.sum() + after.d.sum()
+        results[segments] = (y, after.recurrent, after.d, torch.autograd.grad(loss, params))
+    assert calls == [3, 3]  # both calls of the second pass, none of the first
+    one, three = results["1"], results["3"]
+    for a, b in zip(three[:3], one[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for g, g_ref in zip(three[3], one[3]):
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-12)

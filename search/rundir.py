@@ -93,6 +93,7 @@ class TrialRecord:
     host: str | None = None
     device: str | None = None
     placement: dict[str, Any] = field(default_factory=dict)  # Ray node, cluster address, GPU ids
+    pid: int | None = None  # the worker process on `host` (a resumed search stops one left running)
 
     @property
     def duration_s(self) -> float | None:

@@ -24,6 +24,8 @@ import json
 import logging
 import os
 import shutil
+import signal
+import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -176,6 +178,8 @@ def reconcile(run: RunDir, study: Any, metric_names: list[str]) -> int:
     requeued = 0
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         record = run.read_trial(trial.number)
+        if record is not None and record.status is None and stop_orphan(record):
+            record = run.read_trial(trial.number)  # it may have finished before it stopped
         if record is not None and record.status is not None:
             # The same annotation the searcher writes when it tells a trial itself.
             _annotate(study, trial, "status", record.status)
@@ -196,6 +200,48 @@ def reconcile(run: RunDir, study: Any, metric_names: list[str]) -> int:
         study.enqueue_trial(dict(trial.params), user_attrs={"requeued_from": trial.number})
         requeued += 1
     return requeued
+
+
+def stop_orphan(record: TrialRecord, grace_s: float = 10.0) -> bool:
+    """Stop the worker of a trial that outlived its search; returns whether there was one.
+
+    `kill -9` of a driver leaves its Ray workers running for a while (they sit in process
+    groups of their own): one would finish its trial and write its result over the
+    `interrupted` that `reconcile` records, while the resumed search trains the same point
+    again. Only a process on this host that started before the trial did is stopped, so a
+    pid the system has since given to another process is left alone.
+    """
+    pid = record.pid
+    if pid is None or pid == os.getpid() or record.host != socket.gethostname() or record.started_at is None:
+        return False
+    started = _process_start(pid)
+    if started is None or started > record.started_at + 1.0:
+        return False
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            return True
+        deadline = time.time() + wait_s
+        while time.time() < deadline and _process_start(pid) == started:
+            time.sleep(0.05)
+        if _process_start(pid) != started:
+            return True
+    return True
+
+
+def _process_start(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), or None where there is none
+    (or it is a zombie, or this system has no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # the name may hold spaces: fields start after it
+    if fields[0] == "Z":
+        return None
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def _annotate(study: Any, trial: Any, key: str, value: Any) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
 import socket
 import time
 import traceback
@@ -152,7 +153,7 @@ def execute_trial(
     """Train one trial on every task and write its record; never raises for a bad trial."""
     run, search = setup.run, setup.search
     record = TrialRecord(number=number, status=None, overrides=dict(overrides), started_at=time.time(),
-                         host=socket.gethostname(), placement=dict(placement or {}))
+                         host=socket.gethostname(), placement=dict(placement or {}), pid=os.getpid())
     folder = run.trial_dir(number)
     try:
         record.device = device_for(setup)

@@ -7,6 +7,7 @@ Ray costs ~4 s to start and ~3 s per trial on 2 cores: few trials, short sleeps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ from ray import cloudpickle
 import tests.search.cheap as cheap
 from archspec.search.cli import main
 from archspec.search.pareto import nondominated_mask, read_run
-from archspec.search.rundir import RunDir
+from archspec.search.rundir import RunDir, TrialRecord
 from archspec.search.space import load_search_spec
 from archspec.search.trial import TrialSetup, compose_spec, cost_metrics, execute_trial, make_task
 
@@ -279,6 +280,26 @@ def test_resume_after_kill_9(tmp_path):
     # A second resume has nothing left to do and trains nothing.
     again = run_search(None, out, resume=True, train_fn=cheap.cheap_train, live=False)
     assert again.complete and len(log.read_text().split()) == len(calls)
+
+
+def test_a_worker_that_outlived_its_search_is_stopped_and_no_other_process():
+    """`reconcile` stops a trial's worker left running by a killed driver: the process the
+    record names, on this host, started before the trial. A pid now held by a later
+    process, or a record from another host, is left alone."""
+    from archspec.search.runner import stop_orphan
+
+    worker = subprocess.Popen(["sleep", "60"])
+    time.sleep(0.2)
+    try:
+        record = TrialRecord(number=3, status=None, started_at=time.time(), host=socket.gethostname(), pid=worker.pid)
+        assert not stop_orphan(dataclasses.replace(record, host="elsewhere"))
+        assert not stop_orphan(dataclasses.replace(record, started_at=time.time() - 3600))  # a later process
+        assert worker.poll() is None
+        assert stop_orphan(record)
+        assert worker.wait(timeout=5) == -signal.SIGTERM
+    finally:
+        worker.kill()
+        worker.wait()
 
 
 def test_ray_dirs_of_killed_searches_are_removed_at_the_next_start(tmp_path, monkeypatch):

@@ -165,8 +165,8 @@ class Mixer(nn.Module):
             write_key = F.normalize(self._stream("w", x, state, tails).reshape(B, T * n, H, K), dim=-1, eps=L2_EPS)
 
         d_final, osdn_inputs = None, None
-        segments = osdn_segments()
-        if self.preconditioner is not None and segments > 1 and not self.capture:
+        segments = osdn_segments() if self.preconditioner is not None and not self.capture else 1
+        if segments > 1:
             # opt-in (untimed): the scans beside the chunk kernels (kernels/osdn_segments.py)
             scan = self.preconditioner.scan_inputs(x, k, beta, None if state is None else state.d)
             o, final, d_final = osdn_recurrence_in_segments(

@@ -305,8 +305,6 @@ def remove_stale_ray_dirs(min_age_s: float = 120.0) -> list[Path]:
 
 
 def _socket_answers(path: Path) -> bool:
-    import socket
-
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(1.0)
         try:
@@ -318,8 +316,6 @@ def _socket_answers(path: Path) -> bool:
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Ray waits for a cluster that does not answer for minutes: ask its port first."""
-    import socket
-
     if address == "auto" or "://" in address:  # found by Ray itself, or a Ray Client address
         return
     origin = Location(origin=f"--address {address}")

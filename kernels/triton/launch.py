@@ -115,10 +115,25 @@ def state_forward_warps(p: Plan) -> int:
     if STATE_FORWARD_WARPS:
         return int(STATE_FORWARD_WARPS)
     return 8 if (p.mode == 0 and p.gate != 2 and half(p)) else p.state_warps
-# warps of the last backward kernels alone (default: the chunk-parallel kernels'); 16 with
-# session 2's one-kernel backward: KDA 25.2 -> 24.1 ms forward+backward, DeltaNet 3.55 -> 4.05
-# on the H200 (benchmarks/results/variants/variants-1-launch.md); not timed since the split
-BACKWARD_WARPS = int(os.environ.get("ARCHSPEC_TRITON_BACKWARD_WARPS", str(WARPS[0])))
+# Warps of the last backward kernels (unset: below; ARCHSPEC_TRITON_BACKWARD_WARPS sets all).
+# 4 for the one-kernel backward of a delta rule without a gate in half precision: on the
+# H200 (session 9, `launch_sweep.py --backward`, bf16) chunk_backward_kernel took 0.861 ms
+# at 8 and 0.764 at 4 for DeltaNet, 1.631 and 1.377 for DeltaProduct-2, 3.155 and 2.601 for
+# DeltaProduct-4, 0.880 and 0.808 for OSDN-DeltaNet (checked right in bf16 and float32).
+# The chunk kernels' otherwise: at 4 a scalar gate's was slower (Gated DeltaProduct-2
+# 2.040 -> 2.783, OSDN-GDN 1.246 -> 1.822), KDA's channel kernels gave gradients 7e-2 off
+# and GLA-channel's an illegal memory access (miscompiles); float32 is not timed at 4.
+# Session 2's one-kernel backward (before the split) at 16: KDA 25.2 -> 24.1 ms
+# forward+backward, DeltaNet 3.55 -> 4.05 (benchmarks/results/variants/variants-1-launch.md).
+BACKWARD_WARPS = os.environ.get("ARCHSPEC_TRITON_BACKWARD_WARPS")
+
+
+def backward_warps(p: Plan) -> int:
+    if BACKWARD_WARPS:
+        return int(BACKWARD_WARPS)
+    return 4 if (half(p) and p.mode == 1 and p.gate == 0 and not split_backward(p)) else p.warps
+
+
 # a register cap for the last backward kernels: at 128 per thread two 8-warp programs share
 # an SM and hide each other's load latency, at the price of spills. On the H200 (session 4,
 # call 2) GLA-channel's chunk_channels_kernel took 1.58 ms uncapped and 1.02 at 128, but
@@ -163,8 +178,20 @@ def backward_bk(p: Plan) -> int:
     return p.BK if p.gate != 2 else min(64 if p.mode != 0 else 32, p.BK)
 
 
-# the read-out split over value columns (1) or not (0); unset: split without a gate (below)
+# The read-out split over value columns (1: one program per V block, each forming the
+# chunk's scores again) or not (unset or 0: all of V in one program). Session 4 split it
+# without a gate (DeltaNet's read-out 0.23 -> 0.19 ms at 8 warps; Gated DeltaNet's 0.24 ->
+# 0.30, its decay matrix formed twice). At the read-out's 4 warps (below) the one program
+# is faster: on the H200 (session 9, `launch_sweep.py`, bf16) output_kernel took 0.140 ms
+# split and 0.113 not for DeltaNet, 0.221 and 0.194 for DeltaProduct-2, 0.370 and 0.294
+# for DeltaProduct-4 (checked right in bf16 and float32).
 OUTPUT_SPLIT = os.environ.get("ARCHSPEC_TRITON_OUTPUT_SPLIT")
+
+
+def output_split(p: Plan) -> bool:
+    return OUTPUT_SPLIT == "1"
+
+
 # warps of the read-out alone: 4 without a channel gate, where on the H200 (session 4, call
 # 2) DeltaNet's took 0.192 ms with 8 warps and 0.139 with 4, Gated DeltaNet's 0.160 and
 # 0.117; a channel gate's keeps the chunk kernels' 8 (not yet timed at 4)

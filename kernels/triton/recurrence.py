@@ -216,11 +216,8 @@ class ChunkRecurrence(torch.autograd.Function):
             **{**_common(p, state=True), "BV": bvf},
         )
         o = torch.empty(p.B, p.T, p.H, p.V, device=dev, dtype=v.dtype)
-        # value columns per program: one V block without a gate (its scores are one cheap
-        # product, formed again by each program), all of V with one. On the H200 (B=4 T=4096
-        # H=16 K=V=128 bf16) the split took DeltaNet's read-out from 0.23 to 0.19 ms but
-        # Gated DeltaNet's from 0.24 to 0.30 (its decay matrix formed twice).
-        bvo = p.BV if (p.gate == 0 if launch.OUTPUT_SPLIT is None else launch.OUTPUT_SPLIT == "1") else _cdiv(p.V, p.BV) * p.BV
+        # value columns per program: all of V, or one V block with `launch.output_split`
+        bvo = p.BV if launch.output_split(p) else _cdiv(p.V, p.BV) * p.BV
         for channel_pass in launch.channel_passes(p):
             output_kernel[(p.n_chunks, p.H, _cdiv(p.V, bvo))](
                 q, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
@@ -279,7 +276,7 @@ class ChunkRecurrence(torch.autograd.Function):
                 dummy if Y is None else Y, dummy if dY is None else dY, dummy if dU is None else dU, do)
         flags = {**{name: val for name, val in _common(p).items() if name != "BK"}, "BKS": launch.backward_bk(p),
                  "BQ": p.BQ, "SC": p.SC, "MODE": p.mode, "GATE": p.gate, "HAS_BETA": p.has_beta, "IS_VARLEN": varlen,
-                 "num_warps": launch.BACKWARD_WARPS, "num_stages": launch.chunk_stages(p, "backward")}
+                 "num_warps": launch.backward_warps(p), "num_stages": launch.chunk_stages(p, "backward")}
         if launch.backward_maxnreg(p):
             flags["maxnreg"] = launch.backward_maxnreg(p)
         if launch.split_backward(p):

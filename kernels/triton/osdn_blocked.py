@@ -57,7 +57,10 @@ def _block_rows(bos, seq_len, c, NH: tl.constexpr, RT: tl.constexpr, BM: tl.cons
     rows, and whether each is in the sequence."""
     m = tl.arange(0, BM)
     j = c * RT * NH + m
-    ok = (m < RT * NH) & (j < seq_len * NH)
+    # j >= 0: the backward loads block c - 1 one block ahead, block -1 at its last step
+    # (unused, but on the GPU a read before the tensor is an illegal address; the CPU
+    # interpreter reads it silently)
+    ok = (m < RT * NH) & (j >= 0) & (j < seq_len * NH)
     return m, j, bos * NH + j, ok
 
 

@@ -830,12 +830,18 @@ def host_waits(profiled: list[tuple[str, dict]]) -> list[tuple[str, str, str, fl
     return out
 
 
+def peer_impls(results: dict) -> str:
+    """The implementations whose rows `--peers` took from the earlier run, e.g. "torch"."""
+    impls = sorted({r["impl"] for e in results["plans"].values() for r in e["rows"] if r.get("from_earlier_run")})
+    return " and ".join(impls) or "no"
+
+
 def markdown(results: dict) -> str:
     m = results["machine"]
     lines = [
         f"Kernel timings on {m.get('device', 'cpu')} (torch {m['torch']}, triton {m.get('triton')}, fla {m.get('fla')}, {m['date']}); "
         f"B={results['shape']['B']} T={results['shape']['T']} H={results['shape']['H']} K={results['shape']['K']} V={results['shape']['V']} {results['dtype']}, median ms.",
-        *([f"fla and torch rows from an earlier run on {results['peers_from'].get('device', 'cpu')} "
+        *([f"{peer_impls(results)} rows from an earlier run on {results['peers_from'].get('device', 'cpu')} "
            f"(torch {results['peers_from']['torch']}, triton {results['peers_from'].get('triton')}, "
            f"fla {results['peers_from'].get('fla')}, {results['peers_from']['date']}): `--peers`"
            + ("." if backward_of(results["peers_from"]) == backward_of(results) else

@@ -148,11 +148,12 @@ def backward_maxnreg(p: Plan) -> int:
 # a channel gate's backward runs as two kernels, the second one program per slice
 # (`backward_channel.py`); ARCHSPEC_TRITON_CHANNEL_SPLIT=0 runs it in the one kernel instead
 CHANNEL_SPLIT = os.environ.get("ARCHSPEC_TRITON_CHANNEL_SPLIT", "1") != "0"
-# Opt-in, not yet timed: the same two kernels without a gate (DeltaNet, DeltaProduct), on
-# 64-column slices, so that two programs share each chunk's per-channel phases. DeltaNet's
-# one-kernel backward takes 0.86 ms on the H200 at one 8-warp program per SM, where fla's
-# three kernels for the same step take 0.54; a scalar gate's dg sums over the slices, so
-# it keeps the one kernel.
+# Opt-in, slower: the same two kernels without a gate (DeltaNet, DeltaProduct), on 64-column
+# slices, so that two programs share each chunk's per-channel phases (a scalar gate's dg
+# sums over the slices, so it keeps the one kernel). On the H200 (session 9, bf16)
+# DeltaNet's forward+backward took 2.10 ms with it against 1.66 for the one kernel at 8
+# warps (chunk_channels_kernel 0.757 + chunk_pairs_kernel 0.548 against 0.861), which at 4
+# warps (`backward_warps`) takes 0.764; fla's three kernels for the same step take 0.54.
 SPLIT_UNGATED = os.environ.get("ARCHSPEC_TRITON_SPLIT_UNGATED", "0") == "1"
 
 

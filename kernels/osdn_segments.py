@@ -14,6 +14,12 @@ segment before in the same way.
 The result is the unsegmented one: segments hold whole chunks of the Triton kernel
 (`CHUNK_SIZE` sub-steps), and `d` and the state pass from one to the next in float32, as
 they do inside the kernels. Without CUDA the segments run one after the other.
+
+Measured on the H200 (session 9, `docs/kernel.md`, "in segments"): right, and slower.
+OSDN-DeltaNet's forward took 3.4 ms at 4 segments and 10.8 at 8, against 1.26 whole.
+Each segment costs about 1 ms of host time (two API calls, about ten launches), more
+than the overlap can save. Kept opt-in, for a step whose launches are off the host (a
+CUDA graph).
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ CHUNK_SUBSTEPS = 64  # the Triton kernel's chunk (`kernels/triton/recurrence.py`
 
 
 def osdn_segments() -> int:
-    """`ARCHSPEC_TRITON_OSDN_SEGMENTS` (default 1: the unsegmented path): how many segments
-    the benchmarks and the OSDN mixer cut a sequence into. Read at each call, as the launch
-    settings of `kernels/triton/launch.py` are."""
+    """`ARCHSPEC_TRITON_OSDN_SEGMENTS` (default 1: the unsegmented path, the faster one on
+    the H200; see the module's docstring): how many segments the benchmarks and the OSDN
+    mixer cut a sequence into. Read at each call, as the launch settings of
+    `kernels/triton/launch.py` are."""
     return int(os.environ.get("ARCHSPEC_TRITON_OSDN_SEGMENTS", "1"))
 
 

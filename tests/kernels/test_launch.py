@@ -57,3 +57,26 @@ def test_environment_overrides_every_default(monkeypatch):
     p = plan()
     assert {launch.chunk_stages(p, k) for k in KERNELS} == {3}
     assert launch.state_forward_stages(p) == launch.state_backward_stages(p) == 1
+
+
+@pytest.mark.parametrize(("mode", "gate", "n_h"), PLANS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_backward_runs_at_4_warps_only_where_the_gpu_checked_it(dtype, mode, gate, n_h):
+    """The last backward kernels at 4 warps: only the ungated delta rule's one kernel in
+    half precision (checked right, and faster, on the H200 in session 9). KDA's channel
+    kernels gave gradients 7e-2 off and GLA-channel's an illegal memory access at 4: a
+    channel gate keeps 8, and so does a scalar gate (slower at 4) and float32 (untimed)."""
+    p = plan(dtype, mode, gate, n_h)
+    four = dtype != torch.float32 and mode == 1 and gate == 0
+    assert launch.backward_warps(p) == (4 if four else p.warps)
+    if gate == 2:
+        assert launch.backward_warps(p) == 8
+
+
+def test_the_read_out_is_one_program_per_chunk_unless_asked(monkeypatch):
+    """Not split over V (session 9: DeltaNet's read-out 0.140 -> 0.113 ms whole);
+    ARCHSPEC_TRITON_OUTPUT_SPLIT=1 splits it, for every plan."""
+    assert not any(launch.output_split(plan(torch.bfloat16, m, g)) for m in (0, 1, 2) for g in (0, 1, 2))
+    monkeypatch.setattr(launch, "OUTPUT_SPLIT", "1")
+    monkeypatch.setattr(launch, "BACKWARD_WARPS", "16")
+    assert launch.output_split(plan()) and launch.backward_warps(plan(gate=2)) == 16

@@ -11,8 +11,11 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from archspec.kernels import osdn_write_keys
+from archspec.kernels.triton.osdn_blocked import _block_rows
 
 pytest.importorskip("triton")
 
@@ -285,3 +288,31 @@ def test_osdn_blocked_scan_packed_and_low_precision(monkeypatch) -> None:
         got = _run(low, "triton", eta=0.01)
         assert got[0].dtype == dtype
         _compare(got, want, ["write_key", "d_final", "d_k", "d_beta", "d_retain"], tol=tol)
+
+
+
+@triton.jit
+def _block_rows_kernel(out, bos, seq_len, NH: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr):
+    """Stores, for block `program_id - 1` (from -1), each row's in-sequence flag and row."""
+    c = tl.program_id(0) - 1
+    m, j, rows, ok = _block_rows(bos, seq_len, c, NH, RT, BM)
+    tl.store(out + (c + 1) * BM * 2 + m * 2, tl.where(ok, 1, 0))
+    tl.store(out + (c + 1) * BM * 2 + m * 2 + 1, rows)
+
+
+def test_osdn_blocked_rows_outside_the_sequence_are_masked() -> None:
+    """`_block_rows` marks no row of a block outside the sequence as in it, before its
+    start included: the backward loads block `c - 1` one block ahead, block -1 at its last
+    step, and on the H200 an unmasked row before the key tensor was an illegal address
+    (session 9; the interpreter reads such memory silently, so the mask is checked here)."""
+    NH, RT, BM, seq_len, bos = 2, 4, 8, 10, 3  # 20 sub-steps: blocks 0, 1 full, block 2 half
+    blocks = 5  # -1 .. 3
+    out = torch.full((blocks, BM, 2), -7, dtype=torch.int32)
+    _block_rows_kernel[(blocks,)](out, bos, seq_len, NH=NH, RT=RT, BM=BM)
+    for c in range(-1, blocks - 1):
+        for m in range(BM):
+            j = c * RT * NH + m
+            inside = 0 <= j < seq_len * NH and m < RT * NH
+            assert out[c + 1, m, 0].item() == int(inside), (c, m)
+            if inside:
+                assert out[c + 1, m, 1].item() == bos * NH + j

@@ -67,7 +67,12 @@ def run_variant(variant: str, plans: str, work: Path, seconds: float, smoke: boo
             pass  # reported below: no triton_gpu_check.json
         try:
             checked = json.loads((folder / "triton_gpu_check.json").read_text())["checks"]
-            result["check"] = {key: {"worst": r["worst"], "pass": r["pass"]} for key, r in checked.items()}
+            # a failed check keeps its error's first line: a fault under a variant is its
+            # finding, and the check's own file stays on the device (session 9 spent a
+            # call to read "illegal memory access" back)
+            result["check"] = {key: {"worst": r["worst"], "pass": r["pass"],
+                                     **({"error": r["error"].splitlines()[0][:200]} if r.get("error") else {})}
+                               for key, r in checked.items()}
         except (OSError, ValueError, KeyError) as err:
             result["check"] = {"error": f"{type(err).__name__}: {err}"}
         seconds -= time.monotonic() - t0
@@ -84,6 +89,9 @@ def run_variant(variant: str, plans: str, work: Path, seconds: float, smoke: boo
         return result
     result["machine"] = data["machine"]
     result["plans"] = {name: next((r for r in e["rows"] if r["impl"] == "triton"), {}) for name, e in data["plans"].items()}
+    untimed = [p for p in plans.split(",") if not result["plans"].get(p, {}).get("fwd_ms")]
+    if untimed:  # a plan that crashed leaves no row, only its traceback on stderr
+        result["error"] = f"not timed: {', '.join(untimed)}\n" + (proc.stderr or proc.stdout)[-800:]
     return result
 
 
@@ -109,12 +117,14 @@ def markdown(results: list[dict], plans: list[str]) -> str:
     if checked:
         lines += ["", "Correctness under each variant (worst relative error against float64; pass/fail):", ""]
         for r in checked:
-            cells = ", ".join(f"{k} {v['worst']:.1e} {'ok' if v['pass'] else 'FAIL'}" if "worst" in v else f"{k}: {v}"
+            cells = ", ".join(f"{k} {v['worst']:.1e} {'ok' if v['pass'] else 'FAIL'}"
+                              + (f" ({v['error']})" if v.get("error") else "") if "worst" in v else f"{k}: {v}"
                               for k, v in r["check"].items()) if "error" not in r["check"] else r["check"]["error"]
             lines.append(f"- {r['variant']}: {cells}")
     for r in results:
-        if "error" in r:
-            lines.append(f"\n{r['variant']}: {r['error'][-300:]}")
+        if "error" in r:  # its first line (what was not timed) and the traceback's end
+            first, _, rest = r["error"].partition("\n")
+            lines.append(f"\n{r['variant']}: {first}" + (f" ... {rest[-300:]}" if rest else ""))
     return "\n".join(lines) + "\n"
 
 

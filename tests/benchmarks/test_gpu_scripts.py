@@ -342,3 +342,23 @@ def test_launch_sweep_smoke_screens_every_setting(tmp_path: Path) -> None:
     assert [r["setting"] for r in rows] == [{}, {"state_stages": "3"}, {"stages": "2", "output_warps": "2"},
                                             {"stages": "2", "output_warps": "4"}]
     assert all(r.get("error") is None and r["rel_diff"] == 0.0 and not r["suspect"] for r in rows)
+
+
+def test_a_variant_that_fails_says_why_in_its_table(tmp_path: Path) -> None:
+    """A setting whose kernels fail (here one that `launch.py` refuses at import) reports the
+    check's error and the timing's, not a bare FAIL and an empty row: on the GPU the files
+    with the reasons stay on the device."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        variants = importlib.import_module("variants")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    out = tmp_path / "out"
+    variants.main(["--smoke", "--plans", "deltanet", "--variants", "8,4:solve=bogus", "--check", "deltanet",
+                   "--out", str(out), "--work", str(tmp_path / "work"), "--budget-s", "200"])
+    result = json.loads((out / "variants.json").read_text())[0]
+    failed = [v for v in result["check"].values() if not v["pass"]]
+    assert failed and all("ARCHSPEC_TRITON_SOLVE='bogus'" in v["error"] for v in failed)
+    assert result["error"].startswith("not timed: deltanet") and "ARCHSPEC_TRITON_SOLVE" in result["error"]
+    table = (out / "variants.md").read_text()
+    assert "FAIL (" in table and "not timed: deltanet" in table

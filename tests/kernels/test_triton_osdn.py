@@ -295,7 +295,7 @@ def test_osdn_blocked_scan_packed_and_low_precision(monkeypatch) -> None:
 def _block_rows_kernel(out, bos, seq_len, NH: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr):
     """Stores, for block `program_id - 1` (from -1), each row's in-sequence flag and row."""
     c = tl.program_id(0) - 1
-    m, j, rows, ok = _block_rows(bos, seq_len, c, NH, RT, BM)
+    m, _, rows, ok = _block_rows(bos, seq_len, c, NH, RT, BM)
     tl.store(out + (c + 1) * BM * 2 + m * 2, tl.where(ok, 1, 0))
     tl.store(out + (c + 1) * BM * 2 + m * 2 + 1, rows)
 

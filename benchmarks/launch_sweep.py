@@ -29,7 +29,10 @@ lent machine, where Triton's launch path is reported at about 12 us on other hos
 (`--rounds`), in the same process: the side-by-side ratio (`peer_rounds`), in the form of
 `kernels.py --rounds` (a plan entry's `side_by_side`).
 
-Writes `DIR/launch_sweep.json` after each plan.
+Writes `DIR/launch_sweep.json` after each plan. A setting that faults the GPU (an illegal
+memory access: session 9's GLA-channel at `backward_warps=4`) leaves the process's CUDA
+context unusable, so its plan's other settings are recorded as not run and the plans
+left go on in a fresh process that adds to the same file (`--merge`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import itertools
 import json
 import os
 import pstats
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -146,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fla", action="store_true", help="then flash-linear-attention's call of the plan, in rounds with ours")
     parser.add_argument("--rounds", type=int, default=5, help="with --fla: ours and fla's timed alternately this many times")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks that the script runs")
+    parser.add_argument("--merge", action="store_true", help="add to DIR/launch_sweep.json (the continuation after a fault)")
     args = parser.parse_args(argv)
     shape, device, bench, breakdown = SHAPE, "cuda", _bench, kernel_breakdown
     if args.smoke:  # no timer and no profiler on the CPU: each call runs once
@@ -156,10 +161,13 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"machine": machine(), "shape": shape, "grid": args.grid, "plans": {}}
+    if args.merge and (out / "launch_sweep.json").exists():
+        results["plans"] = json.loads((out / "launch_sweep.json").read_text())["plans"]
     settings = [{}] + (settings_of(args.grid) if args.grid.strip() else [])  # the defaults first: the reference output
     if args.fla:
         quick_tuning(20)
-    for name in args.plans.split(","):
+    names = args.plans.split(",")
+    for index, name in enumerate(names):
         plan = plan_named(name)
         inputs = make_inputs(plan, *shape, torch.bfloat16, device)
         forward = functools.partial(run_plan, plan, inputs, "triton")
@@ -170,9 +178,13 @@ def main(argv: list[str] | None = None) -> dict:
         if args.host_profile:
             entry["host_profile"] = host_profile(forward)
             print(f"== {name}: host profile\n{entry['host_profile']}", flush=True)
+        faulted = False
         for setting in settings:
             if time.monotonic() - start > args.budget_s:
                 entry["settings"].append({"setting": setting, "error": "out of budget"})
+                continue
+            if faulted:
+                entry["settings"].append({"setting": setting, "error": "not run: an earlier setting faulted the GPU"})
                 continue
             previous = apply(setting)
             row: dict = {"setting": setting}
@@ -188,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row["kernels"] = breakdown(fn)
             except Exception as err:  # noqa: BLE001 - a setting that fails to compile (shared memory) is a result
                 row["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+                faulted = gpu_fault(err)
             finally:
                 restore(previous)
             entry["settings"].append(row)
@@ -195,11 +208,46 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[{time.monotonic() - start:6.1f}s] {name} {setting or 'defaults'}: ms {row.get('fwd_ms', row.get('fwdbwd_ms'))} "
                   f"diff {row.get('rel_diff', 0):.1e}{' SUSPECT' if row.get('suspect') else ''} {row.get('error', '')} | {kern}", flush=True)
             (out / "launch_sweep.json").write_text(json.dumps(results, indent=1))
+        if faulted:
+            rest = names[index + 1:]
+            if rest:
+                entry["continued_in_fresh_process"] = rest
+                (out / "launch_sweep.json").write_text(json.dumps(results, indent=1))
+                continue_in_fresh_process(argv if argv is not None else sys.argv[1:], rest,
+                                          args.budget_s - (time.monotonic() - start))
+                return json.loads((out / "launch_sweep.json").read_text())
+            continue
         if args.fla and time.monotonic() - start < args.budget_s:
             entry["side_by_side"] = peer_rounds(plan, inputs, args)
             print(f"[{time.monotonic() - start:6.1f}s] {name} side by side: {entry['side_by_side']}", flush=True)
             (out / "launch_sweep.json").write_text(json.dumps(results, indent=1))
     return results
+
+
+def gpu_fault(err: Exception) -> bool:
+    """Whether `err` left the CUDA context unusable: after an illegal address or a launch
+    failure every later call in the process fails too (session 9: the plan after the
+    faulting one died making its inputs)."""
+    text = f"{type(err).__name__}: {err}"
+    return any(s in text for s in ("illegal memory access", "unspecified launch failure", "misaligned address",
+                                   "illegal instruction", "AcceleratorError"))
+
+
+def continue_in_fresh_process(argv: list[str], plans: list[str], budget_s: float) -> None:
+    """Run this script again for `plans` with what is left of the budget, adding to the same
+    file (`--merge`); the rest of `argv` (grid, out, flags) as given."""
+    rest, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--plans", "--budget-s"):
+            skip = True
+        elif not arg.startswith(("--plans=", "--budget-s=")):
+            rest.append(arg)
+    cmd = [sys.executable, str(Path(__file__).resolve()), *rest, "--plans", ",".join(plans),
+           "--budget-s", str(max(0.0, round(budget_s, 1)))] + ([] if "--merge" in rest else ["--merge"])
+    print(f"GPU fault: {', '.join(plans)} go on in a fresh process", flush=True)
+    subprocess.run(cmd, check=False)
 
 
 def peer_rounds(plan, inputs: dict, args) -> dict:

@@ -362,3 +362,42 @@ def test_a_variant_that_fails_says_why_in_its_table(tmp_path: Path) -> None:
     assert result["error"].startswith("not timed: deltanet") and "ARCHSPEC_TRITON_SOLVE" in result["error"]
     table = (out / "variants.md").read_text()
     assert "FAIL (" in table and "not timed: deltanet" in table
+
+
+def test_launch_sweep_goes_on_in_a_fresh_process_after_a_gpu_fault(tmp_path: Path, monkeypatch) -> None:
+    """A setting that faults the GPU ends its plan (the context is lost: its other settings
+    are recorded as not run), and the plans left run in a fresh process that adds to the
+    same file. The fault is injected into this process; the continuation runs for real."""
+    sys.path.insert(0, str(BENCHMARKS))
+    saved = sys.modules.pop("kernels", None)
+    try:
+        sweep = importlib.import_module("launch_sweep")
+        from archspec.kernels.triton import launch
+
+        screened = sweep.screened
+
+        def faulting(forward, inputs, backward):
+            if forward.args[0].name == "deltanet" and launch.STATE_STAGES == "3":
+                raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
+            return screened(forward, inputs, backward)
+
+        monkeypatch.setattr(sweep, "screened", faulting)
+        out = tmp_path / "out"
+        results = sweep.main(["--smoke", "--plans", "deltanet,gdn", "--grid", "state_stages=3; stages=2",
+                              "--out", str(out), "--budget-s", "250"])
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        sys.modules.pop("launch_sweep", None)
+        sys.modules.pop("kernels", None)
+        if saved is not None:
+            sys.modules["kernels"] = saved
+    assert sweep.gpu_fault(RuntimeError("an illegal memory access was encountered"))
+    assert not sweep.gpu_fault(RuntimeError("out of resource: shared memory, Required: 262144"))
+    dn = results["plans"]["deltanet"]
+    assert [r.get("error", "")[:30] for r in dn["settings"]] == [
+        "", "RuntimeError: Triton Error [CU", "not run: an earlier setting fa"]
+    assert dn["continued_in_fresh_process"] == ["gdn"]
+    gdn = results["plans"]["gdn"]["settings"]  # from the fresh process, merged into the same file
+    assert [r["setting"] for r in gdn] == [{}, {"state_stages": "3"}, {"stages": "2"}]
+    assert all(r.get("error") is None and r["rel_diff"] == 0.0 for r in gdn)
+    assert json.loads((out / "launch_sweep.json").read_text())["plans"].keys() == {"deltanet", "gdn"}

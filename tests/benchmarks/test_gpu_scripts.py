@@ -5,6 +5,7 @@ its results written, and the warm-up workers compile, time out and shard configs
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import sys
@@ -29,6 +30,22 @@ def scripts():
         yield bench, importlib.import_module("triton_gpu_check")
     finally:
         sys.path.remove(str(BENCHMARKS))
+        sys.modules.pop("kernels", None)
+        if saved is not None:
+            sys.modules["kernels"] = saved
+
+
+@contextlib.contextmanager
+def benchmark_module(name: str):
+    """`benchmarks/<name>.py` imported as `name`, with `benchmarks/kernels.py` as `kernels`
+    as the `scripts` fixture has it; the path and modules are put back afterwards."""
+    saved = sys.modules.pop("kernels", None)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        sys.modules.pop(name, None)
         sys.modules.pop("kernels", None)
         if saved is not None:
             sys.modules["kernels"] = saved
@@ -174,30 +191,22 @@ def test_variants_smoke_runs_each_setting_in_its_own_process(tmp_path: Path) -> 
 
 
 def test_variants_table_lists_the_plans_each_setting_times(tmp_path: Path) -> None:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        variants = importlib.import_module("variants")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    out = tmp_path / "out"
-    variants.main(["--smoke", "--plans", "deltanet", "--variants", "8,4 8,4:osdn_stats=1@osdn-deltanet",
-                   "--out", str(out), "--work", str(tmp_path / "work"), "--budget-s", "200"])
-    table = (out / "variants.md").read_text()
-    assert "| deltanet |" in table and "| osdn-deltanet |" in table
+    with benchmark_module("variants") as variants:
+        out = tmp_path / "out"
+        variants.main(["--smoke", "--plans", "deltanet", "--variants", "8,4 8,4:osdn_stats=1@osdn-deltanet",
+                       "--out", str(out), "--work", str(tmp_path / "work"), "--budget-s", "200"])
+        table = (out / "variants.md").read_text()
+        assert "| deltanet |" in table and "| osdn-deltanet |" in table
 
 
 def test_variants_check_only_the_plans_a_setting_times() -> None:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        variants = importlib.import_module("variants")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    check = "osdn-deltanet,gdn,gla-scalar"
-    assert variants.plans_to_check("8,4", "gdn", check) == ""
-    assert variants.plans_to_check("8,4:gate_in_first=1", "gla-scalar,gdn,kda", check) == "gdn,gla-scalar"
-    assert variants.plans_to_check("8,4:osdn_blocked=1", "", check) == check
-    assert variants.plans_to_check("8,4:osdn_blocked=1", "osdn-gdn", check) == ""
-    assert variants.plans_to_check("8,4:x=1", "gdn", "") == ""
+    with benchmark_module("variants") as variants:
+        check = "osdn-deltanet,gdn,gla-scalar"
+        assert variants.plans_to_check("8,4", "gdn", check) == ""
+        assert variants.plans_to_check("8,4:gate_in_first=1", "gla-scalar,gdn,kda", check) == "gdn,gla-scalar"
+        assert variants.plans_to_check("8,4:osdn_blocked=1", "", check) == check
+        assert variants.plans_to_check("8,4:osdn_blocked=1", "osdn-gdn", check) == ""
+        assert variants.plans_to_check("8,4:x=1", "gdn", "") == ""
 
 
 def test_adopted_variant_rows_replace_ours_and_say_where_from(scripts, tmp_path: Path) -> None:
@@ -304,10 +313,7 @@ def test_launch_sweep_sets_and_restores_the_knobs() -> None:
     """`launch_sweep.py`: a grid is every combination of each `;`-separated part; a setting
     sets `launch.py`'s knob of that name (warps into the pair, "0" as False for a switch)
     and `restore` puts every one back."""
-    sys.path.insert(0, str(BENCHMARKS))
-    saved = sys.modules.pop("kernels", None)
-    try:
-        sweep = importlib.import_module("launch_sweep")
+    with benchmark_module("launch_sweep") as sweep:
         from archspec.kernels.triton import launch
 
         assert sweep.settings_of("a=1,2 b=3; c=4") == [{"a": "1", "b": "3"}, {"a": "2", "b": "3"}, {"c": "4"}]
@@ -319,12 +325,6 @@ def test_launch_sweep_sets_and_restores_the_knobs() -> None:
         assert (launch.WARPS, launch.STATE_STAGES, launch.CHANNEL_PASSES, launch.SPLIT_UNGATED) == before
         with pytest.raises(SystemExit, match="no knob"):
             sweep.apply({"no_such_knob": "1"})
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        sys.modules.pop("launch_sweep", None)
-        sys.modules.pop("kernels", None)
-        if saved is not None:
-            sys.modules["kernels"] = saved
 
 
 def test_launch_sweep_smoke_screens_every_setting(tmp_path: Path) -> None:
@@ -348,30 +348,23 @@ def test_a_variant_that_fails_says_why_in_its_table(tmp_path: Path) -> None:
     """A setting whose kernels fail (here one that `launch.py` refuses at import) reports the
     check's error and the timing's, not a bare FAIL and an empty row: on the GPU the files
     with the reasons stay on the device."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        variants = importlib.import_module("variants")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    out = tmp_path / "out"
-    variants.main(["--smoke", "--plans", "deltanet", "--variants", "8,4:solve=bogus", "--check", "deltanet",
-                   "--out", str(out), "--work", str(tmp_path / "work"), "--budget-s", "200"])
-    result = json.loads((out / "variants.json").read_text())[0]
-    failed = [v for v in result["check"].values() if not v["pass"]]
-    assert failed and all("ARCHSPEC_TRITON_SOLVE='bogus'" in v["error"] for v in failed)
-    assert result["error"].startswith("not timed: deltanet") and "ARCHSPEC_TRITON_SOLVE" in result["error"]
-    table = (out / "variants.md").read_text()
-    assert "FAIL (" in table and "not timed: deltanet" in table
+    with benchmark_module("variants") as variants:
+        out = tmp_path / "out"
+        variants.main(["--smoke", "--plans", "deltanet", "--variants", "8,4:solve=bogus", "--check", "deltanet",
+                       "--out", str(out), "--work", str(tmp_path / "work"), "--budget-s", "200"])
+        result = json.loads((out / "variants.json").read_text())[0]
+        failed = [v for v in result["check"].values() if not v["pass"]]
+        assert failed and all("ARCHSPEC_TRITON_SOLVE='bogus'" in v["error"] for v in failed)
+        assert result["error"].startswith("not timed: deltanet") and "ARCHSPEC_TRITON_SOLVE" in result["error"]
+        table = (out / "variants.md").read_text()
+        assert "FAIL (" in table and "not timed: deltanet" in table
 
 
 def test_launch_sweep_goes_on_in_a_fresh_process_after_a_gpu_fault(tmp_path: Path, monkeypatch) -> None:
     """A setting that faults the GPU ends its plan (the context is lost: its other settings
     are recorded as not run), and the plans left run in a fresh process that adds to the
     same file. The fault is injected into this process; the continuation runs for real."""
-    sys.path.insert(0, str(BENCHMARKS))
-    saved = sys.modules.pop("kernels", None)
-    try:
-        sweep = importlib.import_module("launch_sweep")
+    with benchmark_module("launch_sweep") as sweep:
         from archspec.kernels.triton import launch
 
         screened = sweep.screened
@@ -385,12 +378,6 @@ def test_launch_sweep_goes_on_in_a_fresh_process_after_a_gpu_fault(tmp_path: Pat
         out = tmp_path / "out"
         results = sweep.main(["--smoke", "--plans", "deltanet,gdn", "--grid", "state_stages=3; stages=2",
                               "--out", str(out), "--budget-s", "250"])
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        sys.modules.pop("launch_sweep", None)
-        sys.modules.pop("kernels", None)
-        if saved is not None:
-            sys.modules["kernels"] = saved
     assert sweep.gpu_fault(RuntimeError("an illegal memory access was encountered"))
     assert not sweep.gpu_fault(RuntimeError("out of resource: shared memory, Required: 262144"))
     dn = results["plans"]["deltanet"]

@@ -154,17 +154,6 @@ def run_plan(plan: PlanSpec, inputs: dict, backend: str, **options):
     from archspec.kernels import linear_recurrence, osdn_write_keys
 
     args = {k: v for k, v in inputs.items() if k != "retain"}
-    from archspec.kernels.osdn_segments import osdn_recurrence_in_segments, osdn_segments
-
-    segments = osdn_segments()  # opt-in, untimed
-    if plan.osdn and segments > 1 and args.get("cu_seqlens") is None:
-
-        both = {**args, **options}
-        o, state, _ = osdn_recurrence_in_segments(
-            args["q"], args["k"], args["v"], args["beta"], segments=segments, g=args.get("g"), n_h=plan.n_h,
-            initial_state=both.get("initial_state"), output_final_state=both.get("output_final_state", False),
-            retain=inputs.get("retain"), backend=backend)
-        return o, state
     if plan.osdn:
         args["write_key"], _ = osdn_write_keys(inputs["k"], inputs["beta"], retain=inputs.get("retain"),
                                                cu_seqlens=inputs.get("cu_seqlens"), backend=backend)

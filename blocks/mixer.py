@@ -32,7 +32,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from archspec.kernels import linear_recurrence
-from archspec.kernels.osdn_segments import osdn_recurrence_in_segments, osdn_segments
 
 from .conv import ShortConv
 from .gates import ChannelGate, ScalarGate
@@ -165,17 +164,6 @@ class Mixer(nn.Module):
             write_key = F.normalize(self._stream("w", x, state, tails).reshape(B, T * n, H, K), dim=-1, eps=L2_EPS)
 
         d_final, osdn_inputs = None, None
-        segments = osdn_segments() if self.preconditioner is not None and not self.capture else 1
-        if segments > 1:
-            # opt-in (untimed): the scans beside the chunk kernels (kernels/osdn_segments.py)
-            scan = self.preconditioner.scan_inputs(x, k, beta, None if state is None else state.d)
-            o, final, d_final = osdn_recurrence_in_segments(
-                q, k, v, beta, segments=segments, g=None if self.gate is None else self.gate(x), n_h=n,
-                scale=self.scale, initial_state=None if state is None else state.recurrent,
-                output_final_state=return_state, backend=self.backend,
-                **{name: scan[name] for name in ("retain", "d0", "eta", "d_min", "d_max", "beta_aware", "eps")},
-            )
-            return self._output(x, o, final, tails, d_final, return_state)
         if self.preconditioner is not None:
             write_key, d_final, osdn_inputs = self.preconditioner(
                 x, k, beta, None if state is None else state.d, backend=self.backend

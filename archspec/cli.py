@@ -74,7 +74,7 @@ def run_compile(args: argparse.Namespace) -> int:
     model = build_model(plan)
     cost = estimate(plan, seq_len=args.seq_len)
     console = Console(file=sys.stdout)
-    console.print(compile_report(plan, cost))
+    console.print(compile_report(plan, cost, estimate(plan, seq_len=args.seq_len, device="cuda")))
     built = sum(p.numel() for p in model.parameters())
     if built != cost.params:  # the cost model mirrors the modules; say so if it ever drifts
         console.print(f"[red]warning: the built module has {built:,} parameters, the cost model says {cost.params:,}[/red]")

@@ -56,8 +56,12 @@ def plan_rows(plan: ModelPlan) -> list[tuple[str, str]]:
     return rows
 
 
-def compile_report(plan: ModelPlan, cost: CostReport) -> Group:
-    """Plan table, cost table and the stability caveats, ready for `Console.print`."""
+PATHS = {"torch": "CPU, torch path", "triton": "GPU, Triton kernel"}
+
+
+def compile_report(plan: ModelPlan, cost: CostReport, *others: CostReport) -> Group:
+    """Plan table, cost table and the stability caveats, ready for `Console.print`;
+    `others`: the FLOPs of the same plan on the recurrence's other paths."""
     plan_table = Table(title=f"{plan.name}: plan", show_header=False, title_justify="left")
     plan_table.add_column("field", style="bold")
     plan_table.add_column("value")
@@ -69,7 +73,9 @@ def compile_report(plan: ModelPlan, cost: CostReport) -> Group:
     cost_table.add_column("value", justify="right")
     cost_table.add_column("exact", justify="right")
     cost_table.add_row("parameters", _si(cost.params), f"{cost.params:,}")
-    cost_table.add_row(f"FLOPs/token (T={cost.seq_len}, fwd)", _si(cost.flops_per_token, "FLOP"), f"{cost.flops_per_token:,.0f}")
+    for c in (cost, *others):
+        where = PATHS.get(c.backend, c.backend)
+        cost_table.add_row(f"FLOPs/token (T={c.seq_len}, fwd, {where})", _si(c.flops_per_token, "FLOP"), f"{c.flops_per_token:,.0f}")
     cost_table.add_row("state bytes / sequence", _binary(cost.state_bytes), f"{cost.state_bytes:,}")
 
     parts: list = [plan_table, cost_table]

@@ -6,17 +6,19 @@ term; `tests/blocks/test_cost.py` checks them against the built modules and agai
 `torch.utils.flop_counter.FlopCounterMode` on the `torch` backend.
 
 FLOPs are `2 x` multiply-adds of matmul-type work (contractions): projections, short
-convs, the MLP, the head and the recurrence in the chunked form of
-`archspec.kernels.chunked` at its chunk size. Elementwise work (norms, activations, gate
-and beta formulas, decay factors, the OSDN scan, which is O(K) per sub-step) is not
-counted, as is usual for FLOP counts of language models.
+convs, the MLP, the head and the recurrence as the backend that runs it computes it: the
+Triton chunk kernel on a GPU (`backend="triton"`, 64 sub-steps per chunk) and the chunked
+PyTorch path elsewhere (`backend="torch"`, 16 or 32), each at its own chunk size
+(`archspec.kernels.chunking`). Elementwise work (norms, activations, gate and beta
+formulas, decay factors, the OSDN scan, which is O(K) per sub-step) is not counted, as is
+usual for FLOP counts of language models.
 """
 
 from __future__ import annotations
 
 import math
 
-from archspec.kernels.chunked import tokens_per_chunk
+from archspec.kernels.chunking import torch_tokens_per_chunk, triton_tokens_per_chunk
 
 from .mixer import stream_widths
 from .mlp import mlp_hidden_size
@@ -112,7 +114,19 @@ def _score_macs(rows_per_token: int, ct: int, n_h: int, K: int, channel: bool) -
     return ct * (ct - 1) // 2 * pair, ct * pair
 
 
-def _recurrence_flops(plan: RecurrencePlan, seq_len: int) -> dict[str, float]:
+RECURRENCE_BACKENDS = ("torch", "triton")
+
+
+def _recurrence_flops(plan: RecurrencePlan, seq_len: int, backend: str = "torch") -> dict[str, float]:
+    """Forward FLOPs per token of the recurrence on `backend`, summed over heads."""
+    if backend == "triton":
+        return _triton_recurrence_flops(plan, seq_len)
+    if backend != "torch":
+        raise ValueError(f"backend must be one of {RECURRENCE_BACKENDS}, got {backend!r}")
+    return _torch_recurrence_flops(plan, seq_len)
+
+
+def _torch_recurrence_flops(plan: RecurrencePlan, seq_len: int) -> dict[str, float]:
     """FLOPs per token of `archspec.kernels.chunked`, summed over heads.
 
     Per chunk of `ct` tokens and `L = ct * n_h` sub-steps, per head, as listed in the
@@ -122,7 +136,7 @@ def _recurrence_flops(plan: RecurrencePlan, seq_len: int) -> dict[str, float]:
     """
     K, V, n = plan.head_dim, plan.value_dim, plan.n_h
     channel = plan.gate == "channel"
-    ct = tokens_per_chunk(n, delta=plan.transition != "diagonal")
+    ct = torch_tokens_per_chunk(n, delta=plan.transition != "diagonal")
     L = ct * n
     query_scores = _score_macs(1, ct, n, K, channel)
     substep_scores = _score_macs(n, ct, n, K, channel)
@@ -160,8 +174,56 @@ def _recurrence_flops(plan: RecurrencePlan, seq_len: int) -> dict[str, float]:
     }
 
 
-def flops_breakdown(plan: ModelPlan, seq_len: int) -> dict[str, float]:
-    """Forward FLOPs per token by kind, for sequences of `seq_len` tokens."""
+# The Triton kernel's block-substitution inverse (`kernels/triton/solve.py`): 16-row blocks.
+TRITON_SOLVE_BLOCK = 16
+
+
+def triton_chunk_flops(plan: RecurrencePlan) -> tuple[float, float, float]:
+    """`(forward matmul, forward solve, backward)` FLOPs of one chunk and head of the Triton
+    kernel (`docs/kernel.md`, "Algorithm"): `C` query tokens and `L` sub-steps per chunk.
+    A channel gate's products are counted as the one factorized product each forms when
+    the chunk's decay is within `decay.py`'s bound (stronger decays add sub-chunk work)."""
+    K, V, n = plan.head_dim, plan.value_dim, plan.n_h
+    C = triton_tokens_per_chunk(n)
+    L = C * n
+    mm = lambda m, k, o: 2.0 * m * k * o  # noqa: E731  (an [m, k] @ [k, o] product)
+    delta = plan.transition != "diagonal"
+    plain = plan.transition != "householder"  # independent writes W~^T U
+    fwd = mm(C, K, V)  # Q~ S_0
+    bwd = 2 * mm(C, K, V)  # dO S_0^T, Q~^T dO
+    solve = 0.0
+    if delta:
+        fwd += mm(L, K, L) + mm(L, L, K) + mm(L, L, V)  # A, P = Tinv K~, X = Tinv Z
+        fwd += 2 * mm(L, K, V)  # Y = X - P S_0, E~^T Y
+        fwd += mm(C, K, L) + mm(C, L, V)  # M_E, M_E Y
+        nb = L // TRITON_SOLVE_BLOCK
+        solve = nb * (nb - 1) * (nb + 4) / 6 * mm(TRITON_SOLVE_BLOCK, TRITON_SOLVE_BLOCK, TRITON_SOLVE_BLOCK)
+        bwd += mm(C, K, L) + mm(L, C, V)  # the scores again, M_E^T dO
+        bwd += 2 * mm(L, K, V)  # E_end dS, P^T dY
+        bwd += mm(C, L, V) + 2 * mm(L, K, V) + 2 * mm(L, L, V)  # dO Y^T, Y dS^T, dY S_0^T, Tinv^T dY, dY Z^T
+        bwd += 3 * mm(L, K, L) + 2 * mm(L, L, L)  # A again, the dT terms, dA
+        bwd += 2 * mm(L, L, K) + 2 * mm(C, L, K)  # the applies of dA and dM_E
+    if plain:
+        fwd += mm(L, K, V) + mm(C, K, L) + mm(C, L, V)  # W~^T U, M_W, M_W U
+        bwd += mm(C, K, L) + mm(L, C, V) + mm(L, K, V)  # M_W again, M_W^T dO, W_end dS
+        bwd += mm(C, L, V) + mm(L, K, V) + 2 * mm(C, L, K)  # dO U^T, U dS^T, the applies of dM_W
+    if delta and plain:  # rwkv7: the write keys enter the UT transform too
+        fwd += mm(L, K, L) + mm(L, L, L)
+        bwd += 3 * mm(L, K, L) + 2 * mm(L, L, V)
+    return fwd, solve, bwd
+
+
+def _triton_recurrence_flops(plan: RecurrencePlan, seq_len: int) -> dict[str, float]:
+    """FLOPs per token of the Triton chunk kernel's forward, summed over heads; a sequence
+    is cut into whole chunks, the last one partial (its padding rows are masked but computed)."""
+    fwd, solve, _ = triton_chunk_flops(plan)
+    per_token = plan.heads * math.ceil(seq_len / triton_tokens_per_chunk(plan.n_h)) / seq_len
+    return {"recurrence_matmul": per_token * fwd, "recurrence_channel_leaves": 0.0, "recurrence_solve": per_token * solve}
+
+
+def flops_breakdown(plan: ModelPlan, seq_len: int, backend: str = "torch") -> dict[str, float]:
+    """Forward FLOPs per token by kind, for sequences of `seq_len` tokens, with the
+    recurrence as `backend` (`"torch"`: the CPU path, `"triton"`: the GPU kernel) runs it."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     layers = plan.layers
@@ -171,14 +233,14 @@ def flops_breakdown(plan: ModelPlan, seq_len: int) -> dict[str, float]:
         "mlp": 2.0 * layers * _mlp_matrices(plan),
         "head": 2.0 * plan.vocab_size * plan.d_model,
     }
-    for name, value in _recurrence_flops(plan.mixer, seq_len).items():
+    for name, value in _recurrence_flops(plan.mixer, seq_len, backend).items():
         terms[name] = layers * value
     return terms
 
 
-def flops_per_token(plan: ModelPlan, seq_len: int) -> float:
+def flops_per_token(plan: ModelPlan, seq_len: int, backend: str = "torch") -> float:
     """Analytic forward FLOPs per token (see the module docstring for what counts)."""
-    return float(sum(flops_breakdown(plan, seq_len).values()))
+    return float(sum(flops_breakdown(plan, seq_len, backend).values()))
 
 
 def state_bytes(plan: ModelPlan, activation_bytes: int = 4) -> int:

@@ -174,6 +174,7 @@ class Mixer(nn.Module):
             k=k,
             v=v,
             g=None if self.gate is None else self.gate(x),
+            gate=plan.gate,
             beta=beta,
             write_key=write_key,
             erase=erase,

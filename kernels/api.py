@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from .kinds import Gate
 from .naive import linear_recurrence_naive, osdn_write_keys_naive
 
 Tensor = torch.Tensor
@@ -80,6 +81,7 @@ def check_recurrence_inputs(
     n_h: int,
     initial_state: Tensor | None,
     cu_seqlens: Tensor | None,
+    gate: Gate | None = None,
 ) -> None:
     """Raise a ValueError that names the argument and the expected shape."""
     _check(q.dim() == 4, f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
@@ -99,6 +101,10 @@ def check_recurrence_inputs(
             tuple(g.shape) in ((B, T, H), (B, T, H, K)),
             f"g must be [B, T, H] (scalar gate) or [B, T, H, K] (channel gate), got {tuple(g.shape)}",
         )
+    if gate is not None:
+        expected = {Gate.NONE: "no g", Gate.SCALAR: f"g of shape {(B, T, H)}", Gate.CHANNEL: f"g of shape {(B, T, H, K)}"}
+        _check(Gate.of(g) == gate, f"gate={gate.name.lower()!r} needs {expected[gate]}, got "
+               + ("none" if g is None else f"shape {tuple(g.shape)}"))
     N = B
     if cu_seqlens is not None:
         _check(B == 1, f"with cu_seqlens the batch must be 1 (packed), got B={B}")
@@ -119,6 +125,7 @@ def linear_recurrence(
     v: Tensor,
     *,
     g: Tensor | None = None,
+    gate: str | Gate | None = None,
     beta: Tensor | None = None,
     write_key: Tensor | None = None,
     erase: Tensor | None = None,
@@ -140,8 +147,14 @@ def linear_recurrence(
 
     then read out `o_t = S^T (scale * q_t)`. Returns `o` `[B, T, H, V]` in the dtype of `v`
     and, if `output_final_state`, the final state `[B, H, K, V]` (float32).
+
+    `gate` names the gate kind (`"none"`, `"scalar"`, `"channel"`, as a plan says it); the
+    backends specialize on it. Left out, it is read from `g`'s shape; given, `g`'s shape
+    must match it.
     """
-    check_recurrence_inputs(q, k, v, g, beta, write_key, erase, n_h, initial_state, cu_seqlens)
+    kind = Gate.named(gate) if isinstance(gate, str) else gate
+    check_recurrence_inputs(q, k, v, g, beta, write_key, erase, n_h, initial_state, cu_seqlens, kind)
+    kind = Gate.of(g) if kind is None else kind
     name = resolve_backend(backend, q.device)
     fn = _get(_RECURRENCE_BACKENDS, name)
     return fn(
@@ -149,6 +162,7 @@ def linear_recurrence(
         k,
         v,
         g=g,
+        gate=kind,
         beta=beta,
         write_key=write_key,
         erase=erase,

@@ -122,9 +122,9 @@ decays over long chunks stay finite.
 
 Chunk size
 ----------
-Chunks hold whole tokens: `tokens_per_chunk(n_h, delta=...)` is the largest power of two
-with `tokens * n_h <= DELTA_CHUNK_SIZE` (16, with a delta rule) or `CHUNK_SIZE` (32,
-without), at least 1, so `L = tokens * n_h` sub-steps; the power of two is what the
+Chunks hold whole tokens: `chunking.torch_tokens_per_chunk(n_h, delta=...)` is the largest
+power of two with `tokens * n_h <= TORCH_DELTA_CHUNK_SIZE` (16, with a delta rule) or
+`TORCH_CHUNK_SIZE` (32, without), at least 1, so `L = tokens * n_h` sub-steps; the power of two is what the
 dyadic channel-gate scores need. The state chain and the read-out of `S_0` cost about
 `3 K V` multiply-adds per sub-step whatever `L`; the parallel part grows like
 `L (K + V)` per sub-step, while short chunks mean more sequential Python steps. With a
@@ -170,29 +170,19 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .api import register_backend
+from .chunking import torch_tokens_per_chunk
+from .kinds import Gate
 from .decay_scores import score_matrices, score_matrices_and_ends
 from .naive import accumulation_dtype
 from .osdn_scan import osdn_write_keys_scan
 
 Tensor = torch.Tensor
 
-CHUNK_SIZE = 32  # sub-steps per chunk without a delta rule (rounded down to a power-of-two number of tokens)
-DELTA_CHUNK_SIZE = 16  # with a delta rule (householder, rwkv7); the module docstring says why
 
 # Cumulative log-gates are kept in log2 units and decays formed with `torch.exp2`: on CPU
 # torch's exp2 is vectorized and about 5x faster than its exp (which dominated the channel
 # gate's elementwise work). `exp(x) = exp2(x * LOG2_E)`, exponents stay <= 0.
 LOG2_E = 1.4426950408889634
-
-
-def tokens_per_chunk(n_h: int, chunk_size: int | None = None, *, delta: bool) -> int:
-    """Tokens per chunk: the largest power of two with `tokens * n_h <= chunk_size`, by
-    default `DELTA_CHUNK_SIZE` with a delta rule (`delta`: beta or erase given) and
-    `CHUNK_SIZE` without."""
-    if chunk_size is None:
-        chunk_size = DELTA_CHUNK_SIZE if delta else CHUNK_SIZE
-    budget = max(1, chunk_size // n_h)
-    return 1 << (budget.bit_length() - 1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -524,6 +514,7 @@ def _chunked_dense(
     k: Tensor,
     v: Tensor,
     g: Tensor | None,
+    gate: Gate,
     beta: Tensor | None,
     write_key: Tensor | None,
     erase: Tensor | None,
@@ -542,9 +533,9 @@ def _chunked_dense(
         return q.new_zeros(B, 0, H, V, dtype=acc), state
     state = state.reshape(B * H, K, V)
 
-    ct = tokens_per_chunk(n_h, chunk_size, delta=beta is not None or erase is not None)
+    ct = torch_tokens_per_chunk(n_h, chunk_size, delta=beta is not None or erase is not None)
     L = ct * n_h  # sub-steps per chunk
-    channel = g is not None and g.dim() == 4
+    channel = gate == Gate.CHANNEL
     # [N, B*H, L, ...] per sub-step, [N, B*H, Ct, K] per token; the read-out scale goes
     # into q (one pass; as the read-out matmuls' alpha it would cost passes over the
     # larger gradients of the states in the backward).
@@ -656,6 +647,7 @@ def linear_recurrence_chunked(
     v: Tensor,
     *,
     g: Tensor | None = None,
+    gate: Gate | None = None,
     beta: Tensor | None = None,
     write_key: Tensor | None = None,
     erase: Tensor | None = None,
@@ -666,15 +658,17 @@ def linear_recurrence_chunked(
     cu_seqlens: Tensor | None = None,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """`linear_recurrence` in chunked form; arguments as `archspec.kernels.linear_recurrence`.
+    """`linear_recurrence` in chunked form; arguments as `archspec.kernels.linear_recurrence`
+    (`gate`: the kind of `g`, as the API resolved it).
 
     `chunk_size` (sub-steps, rounded down to whole tokens) overrides the module default;
     tests use small values to cross many chunk boundaries with short sequences.
     """
     K = q.shape[-1]
     scale = K**-0.5 if scale is None else scale
+    gate = Gate.of(g) if gate is None else gate
     if cu_seqlens is None:
-        o, final = _chunked_dense(q, k, v, g, beta, write_key, erase, n_h, scale, initial_state, chunk_size)
+        o, final = _chunked_dense(q, k, v, g, gate, beta, write_key, erase, n_h, scale, initial_state, chunk_size)
         return o.to(v.dtype), (final if output_final_state else None)
 
     # Packed variable-length batch (B == 1): each sequence alone, from its own state.
@@ -687,6 +681,7 @@ def linear_recurrence_chunked(
             k[:, sub],
             v[:, sub],
             None if g is None else g[:, tok],
+            gate,
             None if beta is None else beta[:, sub],
             None if write_key is None else write_key[:, sub],
             None if erase is None else erase[:, sub],

@@ -104,6 +104,7 @@ def linear_recurrence_naive(
     v: Tensor,
     *,
     g: Tensor | None = None,
+    gate: object = None,
     beta: Tensor | None = None,
     write_key: Tensor | None = None,
     erase: Tensor | None = None,
@@ -113,7 +114,9 @@ def linear_recurrence_naive(
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """The token loop of `RECURRENCE.md`; arguments as `archspec.kernels.linear_recurrence`."""
+    """The token loop of `RECURRENCE.md`; arguments as `archspec.kernels.linear_recurrence`.
+    The definition reads the gate's kind from `g`'s shape (`[.., H]` scalar, `[.., H, K]`
+    channel), which the API has checked against `gate`."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     acc = accumulation_dtype(q, k, v, g, beta, write_key, erase, initial_state)

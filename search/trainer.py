@@ -97,12 +97,13 @@ def build_model_for_task(spec: Any, task: Task, overrides: Iterable[Any] = ()) -
     return BuiltModel(build_model(plan), plan, resolved.model_dump(mode="json", exclude={"extends"}))
 
 
-def cost_metrics(plan: Any) -> dict[str, float]:
-    """`params`, `flops_per_token` (at the reference length) and `state_bytes`, analytic
-    (the parameter count equals the module's: tests/blocks/test_cost.py)."""
+def cost_metrics(plan: Any, device: Any = "cpu") -> dict[str, float]:
+    """`params`, `flops_per_token` (at the reference length, of the recurrence's path on
+    `device`) and `state_bytes`, analytic (the parameter count equals the module's:
+    tests/blocks/test_cost.py)."""
     from archspec.cost import estimate
 
-    return estimate(plan).metrics()
+    return estimate(plan, device=device).metrics()
 
 
 # --------------------------------------------------------------------------- schedule
@@ -261,7 +262,7 @@ def train(
         "task": task.describe(),
         "train": {**dataclasses.asdict(config), "seed": seed, "device": str(device), "preset": preset},
     }
-    metrics: dict[str, float] = cost_metrics(built.plan)
+    metrics: dict[str, float] = cost_metrics(built.plan, device)
 
     status, reason, steps_done = "ok", None, 0
     curves: dict[str, list[Curve]] = {}

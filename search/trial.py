@@ -77,11 +77,12 @@ def compose_spec(run: RunDir, overrides: Mapping[str, Any], *, name: str | None 
     return load_spec(run.base_file, items)
 
 
-def cost_metrics(spec: Any) -> dict[str, float]:
-    """Params, FLOPs per token (at the cost model's reference length) and state bytes."""
+def cost_metrics(spec: Any, gpu: bool) -> dict[str, float]:
+    """Params, FLOPs per token (at the cost model's reference length, of the recurrence's
+    path where the trial runs: the Triton kernel on a GPU) and state bytes."""
     from archspec.cost import estimate
 
-    return estimate(spec).metrics()
+    return estimate(spec, device="cuda" if gpu else "cpu").metrics()
 
 
 def precheck(setup: TrialSetup, overrides: Mapping[str, Any], tasks: list[Any] | None = None) -> Verdict:
@@ -93,7 +94,7 @@ def precheck(setup: TrialSetup, overrides: Mapping[str, Any], tasks: list[Any] |
             spec = compose_spec(setup.run, overrides, task=task)
         except ArchspecError as exc:
             return Verdict(INVALID, _one_line(exc))
-        cost = cost_metrics(spec)
+        cost = cost_metrics(spec, gpu=setup.search.resources.gpu > 0)
         first_cost = first_cost or cost
         broken = [f"{c.metric} = {cost[c.metric]:.4g} violates {c}" for c in setup.search.constraints if not c.holds(cost[c.metric])]
         if broken:

@@ -60,6 +60,7 @@ from .decay import (
     scores,
     store_rows,
 )
+from .kinds import CHANNEL_GATE, DIAGONAL, HOUSEHOLDER, NO_GATE, RWKV7, SCALAR_GATE
 from .state import end_decay
 
 
@@ -88,7 +89,7 @@ def chunk_backward_kernel(
         dg_tok += channel_grads(q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dw, de, dg,
                                 dm_e, dm_w, da, ds_kw, i_chunk, i_h, tok0, n_tok, scale, i_k * BKS,
                                 H, K, V, BKS, BV, BT, BQ, NH, SC, MODE, GATE, HAS_BETA, TIED, ACC, OP, PREC)
-    if GATE == 1:
+    if GATE == SCALAR_GATE:
         i_q = tl.arange(0, BQ)
         tl.store(dg + (tok0 + i_q) * H + i_h, dg_tok.to(dg.dtype.element_ty), mask=i_q < n_tok)
 
@@ -123,8 +124,8 @@ def k_sums(
     i_sub = tl.arange(0, BT)
     valid = i_sub < n_sub
     row_k = tok0 * NH * H * K + i_h * K
-    stride_g = H * K if GATE == 2 else H
-    p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
+    stride_g = H * K if GATE == CHANNEL_GATE else H
+    p_g = G + tok0 * stride_g + (i_h * K if GATE == CHANNEL_GATE else i_h)
     p_w = w + row_k
     x_k = tl.zeros([BT, BT], dtype=ACC)
     s_kw = tl.zeros([BT, BT], dtype=ACC)
@@ -173,17 +174,17 @@ def pair_grads(
     p_beta = beta + tok0 * NH * H + i_sub * H + i_h
     strict = causal_mask(i_sub, valid, i_sub, valid, True)
     qmask = causal_mask(pos_q, valid_q, i_sub, valid, False)
-    if MODE != 0:
+    if MODE != DIAGONAL:
         tinv = tl.load(Tinv + (i_chunk * H + i_h) * BT * BT + i_sub[:, None] * BT + i_sub[None, :]).to(ACC)
-    if MODE == 1:
+    if MODE == HOUSEHOLDER:
         cb = tl.load(p_beta, mask=valid, other=0.0).to(ACC)
-    if MODE == 2 and HAS_BETA:
+    if MODE == RWKV7 and HAS_BETA:
         bb = tl.load(p_beta, mask=valid, other=0.0).to(ACC)
 
     # ---- phase K (rwkv7: before A, which needs S_kw)
     x_k = tl.zeros([BT, BT], dtype=ACC)  # dP K~^T
     s_kx = tl.zeros([BT, BT], dtype=ACC)  # householder: S_ke (for dbeta); rwkv7: S_kw
-    if MODE == 2:
+    if MODE == RWKV7:
         x_k, s_kx = k_sums(k, w, G, h_all, dY, i_chunk, i_h, tok0, n_tok, H, K, V, BKS, BV, BT, NH, SC,
                            GATE, ACC, OP, PREC, CHUNK_ONLY=CHUNK_ONLY)
 
@@ -197,22 +198,22 @@ def pair_grads(
         offs_v = i_v * BV + tl.arange(0, BV)
         d_o = load_rows(do + row_o, i_q, valid_q, H * V, offs_v, V, ACC)
         vv = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)
-        if MODE != 0:
+        if MODE != DIAGONAL:
             y = load_rows(Y + row_v, i_sub, valid, H * V, offs_v, V, ACC)
             dy = load_rows(dY + row_v, i_sub, valid, H * V, offs_v, V, ACC)
             dm_e += mm(d_o, tl.trans(y), OP, PREC, ACC)
             dz = mm(tl.trans(tinv), dy, OP, PREC, ACC)
-            if MODE == 1:
+            if MODE == HOUSEHOLDER:
                 dt += mm(dy, tl.trans(vv * cb[:, None]), OP, PREC, ACC)
                 dc_v += tl.sum(dz * vv, 1)
                 store_rows(dv + row_v, dz * cb[:, None], i_sub, valid, H * V, offs_v, V)
-        if MODE != 1:
+        if MODE != HOUSEHOLDER:
             u = vv
-            if MODE == 2 and HAS_BETA:
+            if MODE == RWKV7 and HAS_BETA:
                 u = vv * bb[:, None]
             dm_w += mm(d_o, tl.trans(u), OP, PREC, ACC)
             du = load_rows(dU + row_v, i_sub, valid, H * V, offs_v, V, ACC)
-            if MODE == 2:
+            if MODE == RWKV7:
                 dt += mm(dy, tl.trans(u), OP, PREC, ACC)
                 ds_kw -= mm(dz, tl.trans(u), OP, PREC, ACC)
                 du -= mm(tl.trans(s_kx), dz, OP, PREC, ACC)
@@ -225,22 +226,22 @@ def pair_grads(
 
     # ---- the UT transform's C x C part: Y = X - P S_0, X = Tinv Z, P = Tinv diag(c) K~
     da = tl.zeros([BT, BT], dtype=ACC)
-    if MODE == 1:  # phase K after A: fewer blocks alive during A
+    if MODE == HOUSEHOLDER:  # phase K after A: fewer blocks alive during A
         x_k, s_kx = k_sums(k, w, G, h_all, dY, i_chunk, i_h, tok0, n_tok, H, K, V, BKS, BV, BT, NH, SC,
                            GATE, ACC, OP, PREC, CHUNK_ONLY=CHUNK_ONLY)
-    if MODE != 0:
-        if MODE == 1:
+    if MODE != DIAGONAL:
+        if MODE == HOUSEHOLDER:
             dt += x_k * cb[None, :]
         else:
             dt = x_k - mm(dt, tl.trans(s_kx), OP, PREC, ACC)
         da = -mm(mm(tl.trans(tinv), dt, OP, PREC, ACC), tl.trans(tinv), OP, PREC, ACC)
         da = tl.where(strict, da, 0.0)
-        if MODE == 1:
+        if MODE == HOUSEHOLDER:
             # through P: sum_k K~ * (Tinv^T dP) = column sums of Tinv * (dP K~^T)
             tl.store(dbeta + tok0 * NH * H + i_sub * H + i_h,
                      (tl.sum(tinv * x_k, 0) + tl.sum(da * s_kx, 1) + dc_v).to(dbeta.dtype.element_ty), mask=valid)
             da = da * cb[:, None]
-    if MODE == 2:
+    if MODE == RWKV7:
         ds_kw = tl.where(strict, ds_kw, 0.0)
         if HAS_BETA:
             tl.store(dbeta + tok0 * NH * H + i_sub * H + i_h, dc_v.to(dbeta.dtype.element_ty), mask=valid)
@@ -278,10 +279,10 @@ def channel_grads(
     row_v = tok0 * NH * H * V + i_h * V
     row_q = tok0 * H * K + i_h * K
     row_o = tok0 * H * V + i_h * V
-    stride_g = H * K if GATE == 2 else H
-    p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
+    stride_g = H * K if GATE == CHANNEL_GATE else H
+    p_g = G + tok0 * stride_g + (i_h * K if GATE == CHANNEL_GATE else i_h)
     p_beta = beta + tok0 * NH * H + i_sub * H + i_h
-    p_e = (w if MODE == 1 else e) + row_k  # the erase direction (householder: the write key)
+    p_e = (w if MODE == HOUSEHOLDER else e) + row_k  # the erase direction (householder: the write key)
     p_w = w + row_k
     o_state = (i_chunk * H + i_h) * K * V
     gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
@@ -291,11 +292,11 @@ def channel_grads(
     dkk = tl.zeros([BT, BKS], dtype=ACC)
     dee = tl.zeros([BT, BKS], dtype=ACC)  # d erase direction (householder: d write key)
     dww = tl.zeros([BT, BKS], dtype=ACC)  # d write key (plain writes)
-    if MODE != 0:
+    if MODE != DIAGONAL:
         tinv = tl.load(Tinv + (i_chunk * H + i_h) * BT * BT + i_sub[:, None] * BT + i_sub[None, :]).to(ACC)
         tdp = -mm(tl.trans(tinv), times_state(dY + row_v, i_sub, valid, H * V, h_all + o_state, offs_k,
                                                 K, V, BV, ACC, OP, PREC), OP, PREC, ACC)  # Tinv^T dP
-        if MODE == 1:
+        if MODE == HOUSEHOLDER:
             tdp = tdp * tl.load(p_beta, mask=valid, other=0.0).to(ACC)[:, None]
         dkk += decay_rows(tdp, gk, GATE)
         kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
@@ -304,7 +305,7 @@ def channel_grads(
                           GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
         dee = apply_right(pair_tile(da, BT, BT, ACC), kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
                           n_sub, n_sub, 1, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
-    if MODE == 2:
+    if MODE == RWKV7:
         ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
         dkk += apply_left(pair_tile(ds_kw, BT, BT, ACC), ww, gk, i_sub, valid, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
                           GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
@@ -317,11 +318,11 @@ def channel_grads(
     gq = load_gate(p_g, i_q, valid_q, stride_g, offs_k, GATE, K, ACC)
     dq_state = times_state(do + row_o, i_q, valid_q, H * V, h_all + o_state, offs_k, K, V, BV, ACC, OP, PREC)
     dqq = decay_rows(dq_state, gq, GATE) * scale
-    if MODE != 0:
+    if MODE != DIAGONAL:
         dqq += scale * apply_left(pair_tile(dm_e, BQ, BT, ACC), load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC), gq, pos_q, valid_q, gk,
                                   i_sub, valid, p_e, H * K, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP,
                                   PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
-    if MODE != 1:
+    if MODE != HOUSEHOLDER:
         dqq += scale * apply_left(pair_tile(dm_w, BQ, BT, ACC), load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC), gq, pos_q, valid_q, gk,
                                   i_sub, valid, p_w, H * K, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP,
                                   PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
@@ -338,25 +339,25 @@ def channel_grads(
         state_offs = o_state + offs_k[:, None] * V + offs_v[None, :]
         state_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
         dh = tl.load(dh_all + state_offs, mask=state_mask, other=0.0)
-        if GATE != 0:
+        if GATE != NO_GATE:
             h = tl.load(h_all + state_offs, mask=state_mask, other=0.0).to(ACC)
             dlast_state += tl.sum(h * dh.to(ACC), 1)
-        if MODE != 0:
+        if MODE != DIAGONAL:
             y = load_rows(Y + row_v, i_sub, valid, H * V, offs_v, V, ACC)
             end_e += mm(y, tl.trans(dh), OP, PREC, ACC)
-        if MODE != 1:
+        if MODE != HOUSEHOLDER:
             u = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)
-            if MODE == 2 and HAS_BETA:
+            if MODE == RWKV7 and HAS_BETA:
                 u = u * tl.load(p_beta, mask=valid, other=0.0).to(ACC)[:, None]
             end_w += mm(u, tl.trans(dh), OP, PREC, ACC)
     qq = load_rows(q + row_q, i_q, valid_q, H * K, offs_k, K, ACC)
     dlast = tl.zeros([BKS], dtype=ACC)  # d G_L (channel; a scalar gate keeps its total in slot 0)
-    if GATE == 2:
+    if GATE == CHANNEL_GATE:
         dlast += tl.exp(g_last) * dlast_state
-    elif GATE == 1:
+    elif GATE == SCALAR_GATE:
         dlast += tl.where(tl.arange(0, BKS) == 0, tl.exp(g_last) * tl.sum(dlast_state, 0), 0.0)
     dgam = tl.zeros([BT, BKS], dtype=ACC)  # dG per sub-step, before the token sums
-    if MODE != 0:
+    if MODE != DIAGONAL:
         ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
         end_e = decay_rows(end_e, to_end, GATE)
         dee += end_e
@@ -364,7 +365,7 @@ def channel_grads(
                                    n_sub, n_tok, NH, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
         dlast += _sum_rows(ee * end_e, GATE)
         dgam -= ee * dee
-    if MODE != 1:
+    if MODE != HOUSEHOLDER:
         ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
         end_w = decay_rows(end_w, to_end, GATE)
         dww += end_w
@@ -372,14 +373,14 @@ def channel_grads(
                                    n_sub, n_tok, NH, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
         dlast += _sum_rows(ww * end_w, GATE)
         dgam -= ww * dww
-    if GATE != 0:
+    if GATE != NO_GATE:
         kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
         dgam += kk * dkk
         # dg_t: the sum over the chunk's rows at or after token t, plus the chunk end
         after_tok = ((i_sub[None, :] // NH) >= i_q[:, None]) & valid[None, :] & valid_q[:, None]
         after_q = (i_q[None, :] >= i_q[:, None]) & valid_q[None, :] & valid_q[:, None]
         dgq = qq * dqq
-        if GATE == 2:
+        if GATE == CHANNEL_GATE:
             if NH == 1 and BQ == BT:  # a sub-step per token: one reverse running sum over the rows
                 dgt = tl.cumsum(dgam + dgq, axis=0, reverse=True)
             else:  # tokens of several sub-steps: the sums as products with 0/1 masks (exact in ieee)
@@ -394,13 +395,13 @@ def channel_grads(
             dg_tok += tl.sum(dlast, 0)
 
     # ---- complete de / dw (a tied write key's gradient joins k's)
-    if MODE == 1:
+    if MODE == HOUSEHOLDER:
         if TIED:
             store_rows(dk + row_k, dkk + dee, i_sub, valid, H * K, offs_k, K)
         else:
             store_rows(dw + row_k, dee, i_sub, valid, H * K, offs_k, K)
     else:
-        if MODE == 2:
+        if MODE == RWKV7:
             store_rows(de + row_k, dee, i_sub, valid, H * K, offs_k, K)
         if TIED:
             store_rows(dk + row_k, dkk + dww, i_sub, valid, H * K, offs_k, K)
@@ -412,7 +413,7 @@ def channel_grads(
 @triton.jit
 def _sum_rows(x, GATE: tl.constexpr):
     """Sum a `[BT, BK]` block over its rows; for a scalar gate, the total in slot 0."""
-    if GATE == 1:
+    if GATE == SCALAR_GATE:
         return tl.where(tl.arange(0, x.shape[1]) == 0, tl.sum(tl.sum(x, 1), 0), 0.0)
     else:
         return tl.sum(x, 0)

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from .backward import channel_grads, pair_grads
 from .decay import chunk_in_pass
+from .kinds import ALL_CHUNKS, HOUSEHOLDER, DIAGONAL, RWKV7, WITHIN_BOUND
 
 
 @triton.jit
@@ -52,7 +53,7 @@ def chunk_pairs_kernel(
     BT: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr,
     IS_VARLEN: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
-    BKG: tl.constexpr = 16, CHANNEL_PASS: tl.constexpr = 0,
+    BKG: tl.constexpr = 16, CHANNEL_PASS: tl.constexpr = ALL_CHUNKS,
 ):
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
     # the pass is decided on all K columns (BKG of them) in both kernels
@@ -61,13 +62,13 @@ def chunk_pairs_kernel(
     if runs:
         dm_e, dm_w, da, ds_kw = pair_grads(k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dbeta,
                                            i_chunk, i_h, tok0, n_tok, H, K, V, BKS, BV, BT, BQ, NH, SC,
-                                           MODE, GATE, HAS_BETA, ACC, OP, PREC, CHUNK_ONLY=CHANNEL_PASS == 1)
-        if MODE != 0:
+                                           MODE, GATE, HAS_BETA, ACC, OP, PREC, CHUNK_ONLY=CHANNEL_PASS == WITHIN_BOUND)
+        if MODE != DIAGONAL:
             tl.store(_tile(s_a, i_chunk, i_h, H, BT, BT), da.to(s_a.dtype.element_ty))
             tl.store(_tile(s_me, i_chunk, i_h, H, BQ, BT), dm_e.to(s_me.dtype.element_ty))
-        if MODE == 2:
+        if MODE == RWKV7:
             tl.store(_tile(s_kw, i_chunk, i_h, H, BT, BT), ds_kw.to(s_kw.dtype.element_ty))
-        if MODE != 1:
+        if MODE != HOUSEHOLDER:
             tl.store(_tile(s_mw, i_chunk, i_h, H, BQ, BT), dm_w.to(s_mw.dtype.element_ty))
 
 
@@ -81,7 +82,7 @@ def chunk_channels_kernel(
     BT: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, TIED: tl.constexpr,
     IS_VARLEN: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
-    BKG: tl.constexpr = 16, CHANNEL_PASS: tl.constexpr = 0,
+    BKG: tl.constexpr = 16, CHANNEL_PASS: tl.constexpr = ALL_CHUNKS,
 ):
     i_k, i_chunk, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # the pass is decided on all K columns (BKG of them) in both kernels
@@ -93,4 +94,4 @@ def chunk_channels_kernel(
         channel_grads(q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dw, de, dg,
                       dm_e, dm_w, da, ds_kw, i_chunk, i_h, tok0, n_tok, scale, i_k * BKS,
                       H, K, V, BKS, BV, BT, BQ, NH, SC, MODE, GATE, HAS_BETA, TIED, ACC, OP, PREC,
-                      CHUNK_ONLY=CHANNEL_PASS == 1)
+                      CHUNK_ONLY=CHANNEL_PASS == WITHIN_BOUND)

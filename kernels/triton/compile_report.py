@@ -8,11 +8,14 @@ off the cubin (`cuobjdump`, shipped with Triton). GPU compile errors (shapes the
 interpreter accepts but the compiler rejects) and register spills show up here, before
 any device time is spent. Usage:
 
-    python -m archspec.kernels.triton.compile_report [deltanet,kda,...]   # default: all
+    python -m archspec.kernels.triton.compile_report [--plans deltanet,kda,...] [--dtype bfloat16] [--dump DIR]
+
+`--dump DIR` writes each kernel's PTX, TTGIR and SASS there (the one debugging aid).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -30,6 +33,7 @@ _TYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232448  # bytes of shared memory a block may take on an H100/H200
 REPORT: list[dict] = []
+DUMP: Path | None = None  # `--dump`: where each kernel's PTX, TTGIR and SASS go
 
 
 def _resource_usage(cubin: bytes) -> dict:
@@ -88,11 +92,11 @@ class _OfflineLauncher:
         usage["SHARED"] = compiled.metadata.shared  # dynamic shared memory, what the launch asks for
         ptx = compiled.asm.get("ptx", "")
         usage["mma"] = ",".join(sorted({m.split(".")[0] + "." + m.split(".")[1] for m in re.findall(r"(?:wgmma|mma)\.\w+\.\w+", ptx)}))
-        if os.environ.get("ARCHSPEC_DUMP"):
-            Path(os.environ["ARCHSPEC_DUMP"]).mkdir(parents=True, exist_ok=True)
-            (Path(os.environ["ARCHSPEC_DUMP"]) / f"{fn.__name__}.ptx").write_text(ptx)
-            (Path(os.environ["ARCHSPEC_DUMP"]) / f"{fn.__name__}.ttgir").write_text(compiled.asm.get("ttgir", ""))
-            (Path(os.environ["ARCHSPEC_DUMP"]) / f"{fn.__name__}.sass").write_text(_sass(compiled.asm["cubin"]))
+        if DUMP is not None:
+            DUMP.mkdir(parents=True, exist_ok=True)
+            (DUMP / f"{fn.__name__}.ptx").write_text(ptx)
+            (DUMP / f"{fn.__name__}.ttgir").write_text(compiled.asm.get("ttgir", ""))
+            (DUMP / f"{fn.__name__}.sass").write_text(_sass(compiled.asm["cubin"]))
         flags = {k: (v if not hasattr(v, "name") else v.name) for k, v in constexprs.items() if v is not None}
         REPORT.append({"kernel": fn.__name__, **usage, "flags": flags})
 
@@ -104,26 +108,31 @@ def offline(fn_module_kernels: list) -> None:
                                 {"__getitem__": lambda self, grid: _OfflineLauncher(self, grid)})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    global DUMP
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plans", default="", help="comma-separated plan names (default: all)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--dump", type=Path, default=None, help="write each kernel's PTX, TTGIR and SASS here")
+    args = parser.parse_args(argv)
+    DUMP = args.dump
     os.environ.pop("TRITON_INTERPRET", None)
-    from . import backward, backward_channel, gate, osdn, osdn_blocked, output, prepare, state
+    from . import backward, backward_channel, gate, osdn, output, prepare, state
     from .recurrence import linear_recurrence_triton
     offline([gate.gate_cumsum_kernel, prepare.inverse_kernel, prepare.prepare_kernel, state.state_forward_kernel, state.state_backward_kernel,
              output.output_kernel, output.output_backward_kernel, backward.chunk_backward_kernel,
              backward_channel.chunk_pairs_kernel, backward_channel.chunk_channels_kernel,
-             osdn.osdn_forward_kernel, osdn.osdn_backward_kernel,
-             osdn_blocked.osdn_block_prepare_kernel, osdn_blocked.osdn_block_forward_kernel,
-             osdn_blocked.osdn_block_backward_prepare_kernel, osdn_blocked.osdn_block_backward_kernel])
+             osdn.osdn_forward_kernel, osdn.osdn_backward_kernel])
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     B, T, H, K, V = 1, 128, 2, 128, 128
-    dtype = getattr(torch, os.environ.get("ARCHSPEC_DTYPE", "bfloat16"))
+    dtype = getattr(torch, args.dtype)
     plans = [dict(name="deltanet", beta=True), dict(name="gdn", beta=True, gate="scalar"),
              dict(name="kda", beta=True, gate="channel"), dict(name="gla", gate="channel"), dict(name="gla-scalar", gate="scalar"),
              dict(name="rwkv7", erase=True, gate="channel", untied=True), dict(name="dp3-gated", beta=True, gate="scalar", n_h=3),
              # launch settings differ with these (`launch.py`): RWKV-7 with a scalar gate, n_h 8
              dict(name="rwkv7-scalar", erase=True, gate="scalar", untied=True, n_h=2),
              dict(name="rwkv7-8", erase=True, gate="channel", untied=True, n_h=8), dict(name="kda-8", beta=True, gate="channel", n_h=8)]
-    only = set(sys.argv[1].split(",")) if len(sys.argv) > 1 else None
+    only = set(args.plans.split(",")) if args.plans else None
     for plan in plans:
         if only and plan["name"] not in only:
             continue

@@ -71,16 +71,15 @@ columns only, and a kernel can work on a slice of K at a time (`backward_channel
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
 from .chunks import chunk_of_program
+from .kinds import ALL_CHUNKS, CHANNEL_GATE, NO_GATE, SCALAR_GATE, WITHIN_BOUND
 
-# The factorization bound of the inner sub-chunk pairs (module docstring), bfloat16 / float32
-# operands; ARCHSPEC_TRITON_DECAY_BOUND=-1 turns both factorized paths off (the exact loop only).
-DECAY_BOUND = tl.constexpr(float(os.environ.get("ARCHSPEC_TRITON_DECAY_BOUND", "40")))
+# The factorization bound (module docstring): the most a factor may grow is e^40 with
+# bfloat16 and float32 operands (`decay_bound`: e^8 with float16 ones).
+DECAY_BOUND = tl.constexpr(40.0)
 
 
 @triton.jit
@@ -117,9 +116,9 @@ def store_rows(p, x, rows, ok, stride, offs_k, K: tl.constexpr):
 @triton.jit
 def load_gate(p_g, rows, ok, stride_g, offs_k, GATE: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr):
     """Cumulative log-gate of token rows `rows`: `[R, BK]` (channel), `[R]` (scalar), or 0."""
-    if GATE == 2:
+    if GATE == CHANNEL_GATE:
         return load_rows(p_g, rows, ok, stride_g, offs_k, K, ACC)
-    elif GATE == 1:
+    elif GATE == SCALAR_GATE:
         return tl.load(p_g + rows * stride_g, mask=ok, other=0.0).to(ACC)
     else:
         return tl.zeros([rows.shape[0]], dtype=ACC)
@@ -128,9 +127,9 @@ def load_gate(p_g, rows, ok, stride_g, offs_k, GATE: tl.constexpr, K: tl.constex
 @triton.jit
 def decay_rows(x, gamma, GATE: tl.constexpr):
     """`x * exp(gamma)` row-wise for a `[R, BK]` block (gamma `[R, BK]`, `[R]`, or none)."""
-    if GATE == 2:
+    if GATE == CHANNEL_GATE:
         return x * tl.exp(gamma)
-    elif GATE == 1:
+    elif GATE == SCALAR_GATE:
         return x * tl.exp(gamma)[:, None]
     else:
         return x
@@ -166,15 +165,16 @@ def _chunk_within_bound(gb, valid_b, OP: tl.constexpr):
 @triton.jit
 def runs_in_pass(p_g, n_sub, stride_g, NH: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
                  CHANNEL_PASS: tl.constexpr, OP: tl.constexpr, ACC: tl.constexpr):
-    """Whether a chunk is this launch's: a channel-gate kernel may run in two passes, 1 for
-    the chunks that decay by less than the bound in every channel (`CHUNK_ONLY` products:
-    few registers), 2 for the others (every path); 0 runs every chunk in one launch. The
-    cumulative gate never rises (`g <= 0`), so the chunk's last row decides."""
-    if GATE == 2 and CHANNEL_PASS != 0:
+    """Whether a chunk is this launch's: a channel-gate kernel runs in two passes
+    (`kinds.ChannelPass`), first the chunks that decay by less than the bound in every
+    channel (`CHUNK_ONLY` products: few registers), then the others (every path); without
+    a channel gate every chunk is the one launch's. The cumulative gate never rises
+    (`g <= 0`), so the chunk's last row decides."""
+    if GATE == CHANNEL_GATE and CHANNEL_PASS != ALL_CHUNKS:
         offs_k = tl.arange(0, BK)
         g_end = tl.load(p_g + ((n_sub - 1) // NH) * stride_g + offs_k, mask=offs_k < K, other=0.0).to(ACC)
         fast = tl.max(-g_end, 0) <= decay_bound(OP)
-        return fast == (CHANNEL_PASS == 1)
+        return fast == (CHANNEL_PASS == WITHIN_BOUND)
     else:
         return True
 
@@ -188,8 +188,8 @@ def chunk_in_pass(G, i_chunk, i_h, T, NT, cu_seqlens, chunk_table, H: tl.constex
     _, bos, seq_len, c = chunk_of_program(i_chunk, T, NT, cu_seqlens, chunk_table, IS_VARLEN)
     tok0 = bos + c * TC
     n_tok = tl.minimum(TC, seq_len - c * TC)
-    stride_g = H * K if GATE == 2 else H
-    p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
+    stride_g = H * K if GATE == CHANNEL_GATE else H
+    p_g = G + tok0 * stride_g + (i_h * K if GATE == CHANNEL_GATE else i_h)
     return tok0, n_tok, runs_in_pass(p_g, n_tok * NH, stride_g, NH, K, BK, GATE, CHANNEL_PASS, OP, ACC)
 
 
@@ -367,9 +367,9 @@ def scores(
     (the part of the sum over columns `k0 .. k0 + BK` when `xa`, `xb` hold those only).
     `CHUNK_ONLY`: the caller knows the chunk is within the bound (no slower paths compiled)."""
     mask = causal_mask(pos_a, valid_a, pos_b, valid_b, STRICT)
-    if GATE == 0:
+    if GATE == NO_GATE:
         return tl.where(mask, mm(xa, tl.trans(xb), OP, PREC, ACC), 0.0)
-    elif GATE == 1:
+    elif GATE == SCALAR_GATE:
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(xa, tl.trans(xb), OP, PREC, ACC) * decay
     else:
@@ -392,9 +392,9 @@ def apply_left(
     CHUNK_ONLY: tl.constexpr = False,
 ):
     """`out[a] = sum_b m[a, b] exp(Ga_a - Gb_b) * xb[b]` (`m` zero outside the causal pairs)."""
-    if GATE == 0:
+    if GATE == NO_GATE:
         return mm(m, xb, OP, PREC, ACC)
-    elif GATE == 1:
+    elif GATE == SCALAR_GATE:
         mask = causal_mask(pos_a, valid_a, pos_b, valid_b, False)
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(m * decay, xb, OP, PREC, ACC)
@@ -422,9 +422,9 @@ def apply_right(
     `A_STEP` is 1 when rows `a` are sub-steps and `NH` when they are query tokens; `n_a`
     is the number of valid rows `a`.
     """
-    if GATE == 0:
+    if GATE == NO_GATE:
         return mm(tl.trans(m), xa, OP, PREC, ACC)
-    elif GATE == 1:
+    elif GATE == SCALAR_GATE:
         mask = causal_mask(pos_a, valid_a, pos_b, valid_b, False)
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(tl.trans(m * decay), xa, OP, PREC, ACC)

@@ -35,19 +35,6 @@ def gate_cumsum_kernel(
         x = tl.load(g + offs, mask=mask, other=0.0).to(ACC)
         tl.store(G + offs, tl.cumsum(x, 0).to(G.dtype.element_ty), mask=mask)
     else:
-        chunk_scalar_gate(g, G, bos + tok0, tl.minimum(TC, seq_len - tok0), i_h, H, BQ, ACC, True)
-
-
-@triton.jit
-def chunk_scalar_gate(g, G, tok0, n_tok, i_h, H: tl.constexpr, BQ: tl.constexpr, ACC: tl.constexpr, store):
-    """One chunk's cumulative scalar log-gate `[BQ]` (rows past `n_tok`: 0) from the raw
-    gate of its tokens `tok0 ...`, also stored in `G` where `store`: the first kernel of a
-    forward that reads it can form it this way instead of a launch of its own (the short
-    forwards wait on the host's launches; `launch.GATE_IN_FIRST`)."""
-    rows = tl.arange(0, BQ)
-    valid = rows < n_tok
-    offs = (tok0 + rows) * H + i_h
-    x = tl.load(g + offs, mask=valid, other=0.0).to(ACC)
-    G_rows = tl.where(valid, tl.cumsum(x, 0), 0.0)
-    tl.store(G + offs, G_rows.to(G.dtype.element_ty), mask=valid & store)
-    return G_rows
+        offs = (bos + tok0 + rows) * H + i_h
+        x = tl.load(g + offs, mask=valid, other=0.0).to(ACC)
+        tl.store(G + offs, tl.cumsum(x, 0).to(G.dtype.element_ty), mask=valid)

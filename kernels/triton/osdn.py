@@ -20,13 +20,33 @@ with `m = [d_min <= p <= d_max]` (`torch.clamp`'s convention) and `pbar = m * db
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from . import launch
+
 Tensor = torch.Tensor
+
+# The scan issues every step's loads `scan_prefetch` steps before the step (they do not
+# depend on `d`), so that a memory latency per step leaves its critical path (with loads at
+# their use the H200 spent about one load latency, 0.7 us, per step), and forms each step's
+# terms that do not depend on `d` off the critical path (`_ahead_terms`); one warp per
+# program (`scan_warps`) reduces a step's dot products by shuffles alone. The loop is
+# unrolled by `scan_prefetch` steps, so that each queue slot is one set of registers: a
+# step reads its slot, and the loads `scan_prefetch` steps on land in it after that last
+# read. (Shifted once per step without the unrolling, the queue costs one load latency per
+# step after all; likewise a value widened, or a 16-bit value unpacked, at its load is read
+# there: hence `_load_ahead`'s raw and packed words.) The forward also stores each step's
+# `|k|^2` and `<d, s>` (two floats that do not depend on the step's result), so that the
+# backward reads them instead of reducing them again: two of its four dot products per
+# step, the second of which its critical path waits on. `docs/kernel.md` ("OSDN phase 1")
+# gives the measured times.
+
+# How `d` starts (`initial_d`): ones, a `[H, K]` d0 shared by every sequence, or one per sequence.
+D0_ONES = tl.constexpr(0)
+D0_SHARED = tl.constexpr(1)
+D0_PER_SEQUENCE = tl.constexpr(2)
 
 
 @triton.jit
@@ -51,74 +71,23 @@ def final_dbar(dd_final, i_nh, K: tl.constexpr, BK: tl.constexpr, HAS_DD: tl.con
 
 @triton.jit
 def initial_d(d0, i_nh, i_h, K: tl.constexpr, BK: tl.constexpr, D0_MODE: tl.constexpr, ACC: tl.constexpr):
-    """`d` before a sequence's first sub-step: ones (`D0_MODE` 0), a shared `[H, K]` (1) or
-    a per-sequence `[N, H, K]` (2) `d0`; 0 past K."""
+    """`d` before a sequence's first sub-step: ones, a shared `[H, K]` or a per-sequence
+    `[N, H, K]` `d0` (`D0_MODE`); 0 past K."""
     o = tl.arange(0, BK)
     mk = o < K
-    if D0_MODE == 0:
+    if D0_MODE == D0_ONES:
         return tl.where(mk, 1.0, 0.0).to(ACC)
-    elif D0_MODE == 1:
+    elif D0_MODE == D0_SHARED:
         return tl.load(d0 + i_h * K + o, mask=mk, other=0.0).to(ACC)
     else:
         return tl.load(d0 + i_nh * K + o, mask=mk, other=0.0).to(ACC)
 
 
 @triton.jit
-def _step_terms(d, kk, b_i, eps, eta, BETA_AWARE: tl.constexpr):
-    """`(s, n, c, b, <d, s>)` of one sub-step."""
-    s = kk * kk
-    sq = tl.sum(s, 0)
-    n = tl.maximum(sq, eps)
-    if BETA_AWARE:
-        c = eta * b_i / n
-        b = b_i
-    else:
-        c = eta / n
-        b = 1.0
-    return s, sq, n, c, b, tl.sum(d * s, 0)
-
-
-# Two launch choices, the defaults since the H200 timed their first form (forward 2.77 ->
-# 1.63 ms, backward 4.26 -> 2.90 ms, B=4 T=4096 H=16 K=128 bf16,
-# benchmarks/results/variants/); ARCHSPEC_TRITON_OSDN_AHEAD=0 ARCHSPEC_TRITON_OSDN_WARPS=4
-# restore the scan with loads at their use. AHEAD issues every step's loads
-# PREFETCH steps before the step (they do not depend on `d`), so that a memory latency per
-# step leaves the scan's critical path (the H200 spent about 0.7 us per step, one load
-# latency, with loads at their use), and forms each step's terms that do not depend on `d`
-# off the critical path (`_ahead_terms`); one warp per program reduces a step's dot
-# products by shuffles alone, with no barrier between warps. Both are exact on the
-# interpreter and compile for sm_90 without spills.
-AHEAD = os.environ.get("ARCHSPEC_TRITON_OSDN_AHEAD", "1") == "1"
-SCAN_WARPS = int(os.environ.get("ARCHSPEC_TRITON_OSDN_WARPS", "1"))
-# With AHEAD: the steps whose loads are in flight ahead of the one computed (the queue's
-# length). The loop is unrolled by as many steps, so that each queue slot is one set of
-# registers: a step reads its slot, and the loads PREFETCH steps on land in it after that
-# last read, to be read a whole unrolled iteration later. (Shifted once per step, without
-# the unrolling, the queue costs one load latency per step after all: the shift reads the
-# load issued in the same step. Likewise a value widened, or a 16-bit value unpacked, at
-# its load is read there: hence `_load_ahead`'s raw and packed words.) Offline (sm_90
-# SASS) no loaded value is read in the iteration that loads it at PREFETCH 8; each step
-# then waits only on its dot product (`docs/kernel.md`, "OSDN phase 1").
-PREFETCH = int(os.environ.get("ARCHSPEC_TRITON_OSDN_PREFETCH", "8"))
-# With AHEAD, the default since session 5 (timed on the H200 in session 3: OSDN-DeltaNet
-# forward+backward 4.89 -> 4.29 ms, OSDN-APF-GDN 4.95 -> 4.94; ARCHSPEC_TRITON_OSDN_STATS=0
-# turns it off): the forward also stores each step's `|k|^2` and `<d, s>`
-# (two floats; they do not depend on the step's result), so that the backward reads them
-# instead of reducing them again: two of its four dot products per step, the second of
-# which (`<d, s>`) the mask of the step's critical path waits on.
-STATS = os.environ.get("ARCHSPEC_TRITON_OSDN_STATS", "1") == "1"
-# Opt-in (untimed): the forward and the backward in blocks of sub-steps, one dot-product
-# round per block (`osdn_blocked.py`); their programs' warps. The forward stores the same
-# trajectory and stats; the backward reads them.
-BLOCKED = os.environ.get("ARCHSPEC_TRITON_OSDN_BLOCKED", "0") == "1"
-BLOCKED_WARPS = int(os.environ.get("ARCHSPEC_TRITON_OSDN_BLOCKED_WARPS", "4"))  # offline: 1 spills, 2 leaves the backward at 255 registers
-
-
-@triton.jit
 def _load_ahead(k, beta, retain, bos, j, L, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                 NH: tl.constexpr, BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, PACKED: tl.constexpr):
     """Sub-step `j`'s key, beta (0 when unused) and retain gate (1 except at a token's first
-    sub-step with APF) for the queue of AHEAD; outside the sequence (`j < 0` or `j >= L`)
+    sub-step with APF) for the scan's queue of loads; outside the sequence (`j < 0` or `j >= L`)
     nothing is read. The values as stored, widened only at their use
     (`_widen`), and a 16-bit key as 32-bit words of two halves (`PACKED`), since a value
     is only carried in its own register from its load to its use if nothing reads it in
@@ -138,10 +107,10 @@ def _load_ahead(k, beta, retain, bos, j, L, i_h, H: tl.constexpr, K: tl.constexp
 
 @triton.jit
 def _load_ahead_trajectory(traj, dw, stats, bos, j, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                           NH: tl.constexpr, HAS_DW: tl.constexpr, PACKED_DW: tl.constexpr, STATS: tl.constexpr):
-    """The backward's other loads of sub-step `j` for the queue of AHEAD, as `_load_ahead`:
-    `d` before the step, the write key's gradient (0 without one), and with STATS the
-    forward's `|k|^2` and `<d, s>`; nothing is read for `j < 0`."""
+                           NH: tl.constexpr, HAS_DW: tl.constexpr, PACKED_DW: tl.constexpr):
+    """The backward's other loads of sub-step `j` for its queue, as `_load_ahead`: `d`
+    before the step, the write key's gradient (0 without one), and the forward's `|k|^2`
+    and `<d, s>`; nothing is read for `j < 0`."""
     i = bos * NH + j
     o = tl.arange(0, BK)
     d = tl.load(traj + (i * H + i_h) * K + o, mask=(o < K) & (j >= 0), other=0.0)
@@ -150,8 +119,8 @@ def _load_ahead_trajectory(traj, dw, stats, bos, j, i_h, H: tl.constexpr, K: tl.
         w_bar = tl.load(dw + (i * H + i_h) * (K // 2) + o2, mask=(o2 < K // 2) & (j >= 0) & HAS_DW, other=0)
     else:
         w_bar = tl.load(dw + (i * H + i_h) * K + o, mask=(o < K) & (j >= 0) & HAS_DW, other=0.0)
-    sq = tl.load(stats + (i * H + i_h) * 2, mask=(j >= 0) & STATS, other=0.0)
-    align = tl.load(stats + (i * H + i_h) * 2 + 1, mask=(j >= 0) & STATS, other=0.0)
+    sq = tl.load(stats + (i * H + i_h) * 2, mask=j >= 0, other=0.0)
+    align = tl.load(stats + (i * H + i_h) * 2 + 1, mask=j >= 0, other=0.0)
     return d, w_bar, sq, align
 
 
@@ -198,10 +167,9 @@ def step_coefficients(sq, b_i, eps, eta, BETA_AWARE: tl.constexpr):
 
 @triton.jit
 def _forward_step(d, kk, b_i, rho, i, i_h, w, traj, stats, offs, mk, eps, eta, d_min, d_max, H: tl.constexpr,
-                  K: tl.constexpr, BK: tl.constexpr, BETA_AWARE: tl.constexpr, PACKED: tl.constexpr, ACC: tl.constexpr,
-                  STATS: tl.constexpr):
-    """One step of AHEAD from its loads (`_load_ahead`) at row `i`; returns the next `d`.
-    With STATS it also stores the step's `|k|^2` and `<d, s>` for the backward."""
+                  K: tl.constexpr, BK: tl.constexpr, BETA_AWARE: tl.constexpr, PACKED: tl.constexpr, ACC: tl.constexpr):
+    """One step of the scan from its loads (`_load_ahead`) at row `i`; returns the next
+    `d`, and stores the step's `|k|^2` and `<d, s>` for the backward."""
     kk, b_i, rho = _widen(kk, BK, PACKED, ACC), b_i.to(ACC), rho.to(ACC)
     s, sq, _rn, _en, c, cb = _ahead_terms(kk, b_i, eps, eta, BETA_AWARE)
     tl.store(w + (i * H + i_h) * K + offs, (d * kk).to(w.dtype.element_ty), mask=mk)
@@ -209,30 +177,25 @@ def _forward_step(d, kk, b_i, rho, i, i_h, w, traj, stats, offs, mk, eps, eta, d
     # the step's critical path: <d, s>, one fma, the clip
     align = tl.sum(d * s, 0)
     p = (rho * d + c * s) - (cb * s) * align
-    if STATS:
-        tl.store(stats + (i * H + i_h) * 2, sq.to(stats.dtype.element_ty))
-        tl.store(stats + (i * H + i_h) * 2 + 1, align.to(stats.dtype.element_ty))
+    tl.store(stats + (i * H + i_h) * 2, sq.to(stats.dtype.element_ty))
+    tl.store(stats + (i * H + i_h) * 2 + 1, align.to(stats.dtype.element_ty))
     return tl.minimum(tl.maximum(p, d_min), d_max)
 
 
 @triton.jit
 def _backward_step(dd, kk, b_i, rho, d, w_bar, sq, align, eps, eta, d_min, d_max, mk, BK: tl.constexpr,
                    BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, HAS_DW: tl.constexpr, PACKED: tl.constexpr,
-                   PACKED_DW: tl.constexpr, ACC: tl.constexpr, STATS: tl.constexpr):
-    """One reverse step of AHEAD from its loads: `dbar` before it and the step's
-    gradients of `k`, `beta` and the retain gate (stored by `_backward_store`). With
-    STATS, `|k|^2` and `<d, s>` are the forward's (`sq`, `align`) rather than reduced again."""
+                   PACKED_DW: tl.constexpr, ACC: tl.constexpr):
+    """One reverse step of the scan from its loads: `dbar` before it and the step's
+    gradients of `k`, `beta` and the retain gate (stored by `_backward_store`); `|k|^2` and
+    `<d, s>` are the forward's (`sq`, `align`), not reduced again."""
     kk, b_i, rho, d = _widen(kk, BK, PACKED, ACC), b_i.to(ACC), rho.to(ACC), d.to(ACC)
     w_bar = _widen(w_bar, BK, PACKED_DW, ACC)
     # from the loads alone (d is the forward's trajectory): the forward's p, bit for bit
-    if STATS:
-        s = kk * kk
-        sq = sq.to(ACC)
-        align = align.to(ACC)
-        rn, en, c, cb = step_coefficients(sq, b_i, eps, eta, BETA_AWARE)
-    else:
-        s, sq, rn, en, c, cb = _ahead_terms(kk, b_i, eps, eta, BETA_AWARE)
-        align = tl.sum(d * s, 0)
+    s = kk * kk
+    sq = sq.to(ACC)
+    align = align.to(ACC)
+    rn, en, c, cb = step_coefficients(sq, b_i, eps, eta, BETA_AWARE)
     cbs = cb * s
     p = (rho * d + c * s) - cbs * align
     m = (p >= d_min) & (p <= d_max) & mk
@@ -275,8 +238,7 @@ def osdn_forward_kernel(
     k, beta, retain, d0, w, traj, stats, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NH: tl.constexpr,
     BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, D0_MODE: tl.constexpr,
-    IS_VARLEN: tl.constexpr, ACC: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
-    STATS: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -285,32 +247,16 @@ def osdn_forward_kernel(
     mk = offs < K
     d = initial_d(d0, i_nh, i_h, K, BK, D0_MODE, ACC)
     L = seq_len * NH
-    if AHEAD:
-        # a queue of the next PREFETCH steps' loads, in a loop unrolled by PREFETCH (see PREFETCH)
-        q = ()
-        for u in tl.static_range(PREFETCH):
-            q = q + (_load_ahead(k, beta, retain, bos, u, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED),)
-        for j in tl.range(L, loop_unroll_factor=PREFETCH):
-            kk, b_i, rho = q[0]
-            d = _forward_step(d, kk, b_i, rho, bos * NH + j, i_h, w, traj, stats, offs, mk, eps, eta, d_min, d_max,
-                              H, K, BK, BETA_AWARE, PACKED, ACC, STATS)
-            # the slot just read takes the loads of PREFETCH steps on, after its last use
-            q = q[1:] + (_load_ahead(k, beta, retain, bos, j + PREFETCH, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED),)
-    else:  # each load at its use (the form checked on the H200)
-        for j in range(L):
-            i = bos * NH + j
-            kk = tl.load(k + (i * H + i_h) * K + offs, mask=mk, other=0.0).to(ACC)
-            b_i = 0.0
-            if BETA_AWARE:
-                b_i = tl.load(beta + i * H + i_h).to(ACC)
-            rho = 1.0
-            if HAS_RETAIN:  # APF: the retain gate acts once per token, at its first sub-step
-                rho = tl.load(retain + (bos + j // NH) * H + i_h, mask=j % NH == 0, other=1.0).to(ACC)
-            tl.store(w + (i * H + i_h) * K + offs, (d * kk).to(w.dtype.element_ty), mask=mk)
-            tl.store(traj + (i * H + i_h) * K + offs, d.to(traj.dtype.element_ty), mask=mk)
-            s, sq, n, c, b, align = _step_terms(d, kk, b_i, eps, eta, BETA_AWARE)
-            p = rho * d + c * (1 - b * align) * s
-            d = tl.minimum(tl.maximum(p, d_min), d_max)
+    # a queue of the next PREFETCH steps' loads, in a loop unrolled by PREFETCH (module comment)
+    q = ()
+    for u in tl.static_range(PREFETCH):
+        q = q + (_load_ahead(k, beta, retain, bos, u, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED),)
+    for j in tl.range(L, loop_unroll_factor=PREFETCH):
+        kk, b_i, rho = q[0]
+        d = _forward_step(d, kk, b_i, rho, bos * NH + j, i_h, w, traj, stats, offs, mk, eps, eta, d_min, d_max,
+                          H, K, BK, BETA_AWARE, PACKED, ACC)
+        # the slot just read takes the loads of PREFETCH steps on, after its last use
+        q = q[1:] + (_load_ahead(k, beta, retain, bos, j + PREFETCH, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED),)
     tl.store(d_final + i_nh * K + offs, d.to(d_final.dtype.element_ty), mask=mk)
 
 
@@ -319,8 +265,8 @@ def osdn_backward_kernel(
     k, beta, retain, traj, stats, dw, dd_final, dk, dbeta, dretain, dd0, cu_seqlens, T, eta, d_min, d_max, eps,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NH: tl.constexpr,
     BETA_AWARE: tl.constexpr, HAS_RETAIN: tl.constexpr, HAS_DW: tl.constexpr, HAS_DD: tl.constexpr,
-    IS_VARLEN: tl.constexpr, ACC: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
-    PACKED_DW: tl.constexpr, STATS: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREFETCH: tl.constexpr, PACKED: tl.constexpr,
+    PACKED_DW: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -329,63 +275,30 @@ def osdn_backward_kernel(
     mk = offs < K
     dd = final_dbar(dd_final, i_nh, K, BK, HAS_DD, ACC)
     L = seq_len * NH
-    if AHEAD:  # as in the forward, with the steps in reverse
-        q = ()
-        for u in tl.static_range(PREFETCH):
-            q = q + (_load_ahead(k, beta, retain, bos, L - 1 - u, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED)
-                     + _load_ahead_trajectory(traj, dw, stats, bos, L - 1 - u, i_h, H, K, BK, NH, HAS_DW, PACKED_DW, STATS),)
-        for jj in tl.range(L, loop_unroll_factor=PREFETCH):
-            j = L - 1 - jj
-            kk, b_i, rho, d, w_bar, sq, align = q[0]
-            dd, dkk, dbeta_i, dretain_i = _backward_step(dd, kk, b_i, rho, d, w_bar, sq, align, eps, eta, d_min, d_max,
-                                                         mk, BK, BETA_AWARE, HAS_RETAIN, HAS_DW, PACKED, PACKED_DW,
-                                                         ACC, STATS)
-            # the slot just read takes the loads of PREFETCH steps on: after its last use
-            # (else a copy at the loop's end waits for them), before the step's stores
-            # (which a load cannot pass)
-            q = q[1:] + (_load_ahead(k, beta, retain, bos, j - PREFETCH, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED)
-                         + _load_ahead_trajectory(traj, dw, stats, bos, j - PREFETCH, i_h, H, K, BK, NH, HAS_DW, PACKED_DW, STATS),)
-            _backward_store(dkk, dbeta_i, dretain_i, bos, j, i_h, dk, dbeta, dretain, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN)
-    else:  # each load at its use (the form checked on the H200)
-        for jj in range(L):
-            j = L - 1 - jj
-            i = bos * NH + j
-            o_row = (i * H + i_h) * K + offs
-            kk = tl.load(k + o_row, mask=mk, other=0.0).to(ACC)
-            d = tl.load(traj + o_row, mask=mk, other=0.0).to(ACC)
-            b_i = 0.0
-            if BETA_AWARE:
-                b_i = tl.load(beta + i * H + i_h).to(ACC)
-            rho = 1.0
-            if HAS_RETAIN:
-                rho = tl.load(retain + (bos + j // NH) * H + i_h, mask=j % NH == 0, other=1.0).to(ACC)
-            w_bar = 0.0
-            if HAS_DW:
-                w_bar = tl.load(dw + o_row, mask=mk, other=0.0).to(ACC)
-            s, sq, n, c, b, align = _step_terms(d, kk, b_i, eps, eta, BETA_AWARE)
-            p = rho * d + c * (1 - b * align) * s
-            pbar = tl.where((p >= d_min) & (p <= d_max) & mk, dd, 0.0)
-            ps = tl.sum(pbar * s, 0)
-            dd = rho * pbar - c * b * ps * s
-            dkk = 2 * kk * (c * (1 - b * align) * pbar - c * b * ps * d)
-            cbar = ps * (1 - b * align)
-            dkk += tl.where(sq >= eps, 2 * kk * (-cbar * c / n), 0.0)  # the eps clamp passes no gradient
-            if HAS_DW:
-                dd += w_bar * kk
-                dkk += w_bar * d
-            tl.store(dk + o_row, dkk.to(dk.dtype.element_ty), mask=mk)
-            if BETA_AWARE:
-                tl.store(dbeta + i * H + i_h, (cbar * eta / n - c * align * ps).to(dbeta.dtype.element_ty))
-            if HAS_RETAIN:
-                tl.store(dretain + (bos + j // NH) * H + i_h, tl.sum(pbar * d, 0).to(dretain.dtype.element_ty), mask=j % NH == 0)
+    # as in the forward, with the steps in reverse
+    q = ()
+    for u in tl.static_range(PREFETCH):
+        q = q + (_load_ahead(k, beta, retain, bos, L - 1 - u, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED)
+                 + _load_ahead_trajectory(traj, dw, stats, bos, L - 1 - u, i_h, H, K, BK, NH, HAS_DW, PACKED_DW),)
+    for jj in tl.range(L, loop_unroll_factor=PREFETCH):
+        j = L - 1 - jj
+        kk, b_i, rho, d, w_bar, sq, align = q[0]
+        dd, dkk, dbeta_i, dretain_i = _backward_step(dd, kk, b_i, rho, d, w_bar, sq, align, eps, eta, d_min, d_max,
+                                                     mk, BK, BETA_AWARE, HAS_RETAIN, HAS_DW, PACKED, PACKED_DW, ACC)
+        # the slot just read takes the loads of PREFETCH steps on: after its last use (else a
+        # copy at the loop's end waits for them), before the step's stores (which a load
+        # cannot pass)
+        q = q[1:] + (_load_ahead(k, beta, retain, bos, j - PREFETCH, L, i_h, H, K, BK, NH, BETA_AWARE, HAS_RETAIN, PACKED)
+                     + _load_ahead_trajectory(traj, dw, stats, bos, j - PREFETCH, i_h, H, K, BK, NH, HAS_DW, PACKED_DW),)
+        _backward_store(dkk, dbeta_i, dretain_i, bos, j, i_h, dk, dbeta, dretain, offs, mk, H, K, NH, BETA_AWARE, HAS_RETAIN)
     tl.store(dd0 + i_nh * K + offs, dd.to(dd0.dtype.element_ty), mask=mk)
 
 
 def _packed(x: Tensor | None) -> tuple[Tensor | None, int]:
-    """With AHEAD, a contiguous 16-bit `[..., K]` tensor (K even) as 32-bit words of two
-    values (`_load_ahead`) and its `PACKED` code; otherwise the tensor itself and 0."""
+    """A contiguous 16-bit `[..., K]` tensor (K even) as 32-bit words of two values
+    (`_load_ahead`) and its `PACKED` code; otherwise the tensor itself and 0."""
     code = {torch.bfloat16: 1, torch.float16: 2}.get(getattr(x, "dtype", None), 0)
-    if not AHEAD or not code or x.shape[-1] % 2 or x.storage_offset() % 2 or not x.is_contiguous():
+    if not code or x.shape[-1] % 2 or x.storage_offset() % 2 or not x.is_contiguous():
         return x, 0
     return x.view(torch.int32), code
 
@@ -401,33 +314,26 @@ class OsdnScan(torch.autograd.Function):
         acc = torch.float64 if torch.float64 in (k.dtype, getattr(beta, "dtype", None), getattr(d0, "dtype", None)) else torch.float32
         beta_ = k if beta is None else beta.contiguous()
         retain_ = k if retain is None else retain.contiguous()
-        d0_mode = 0 if d0 is None else 1 if d0.dim() == 2 else 2
+        d0_mode = (D0_ONES if d0 is None else D0_SHARED if d0.dim() == 2 else D0_PER_SEQUENCE).value
         d0_ = k if d0 is None else d0.contiguous()
         w = torch.empty_like(k)
         traj = torch.empty(B, TN, H, K, device=k.device, dtype=acc)
         d_final = torch.empty(n_seq, H, K, device=k.device, dtype=acc)
+        scan = launch.scan_settings()
         meta = dict(H=H, K=K, BK=max(16, triton.next_power_of_2(K)), NH=n_h, BETA_AWARE=beta_aware,
                     HAS_RETAIN=retain is not None, IS_VARLEN=cu_seqlens is not None,
-                    ACC=tl.float64 if acc == torch.float64 else tl.float32, AHEAD=AHEAD,
-                    PREFETCH=PREFETCH)
+                    ACC=tl.float64 if acc == torch.float64 else tl.float32, PREFETCH=scan.scan_prefetch)
         k_words, meta["PACKED"] = _packed(k)
-        meta["STATS"] = AHEAD and (STATS or BLOCKED)  # the blocked forward always stores them
-        stats = torch.empty(B, TN, H, 2, device=k.device, dtype=acc) if meta["STATS"] or BLOCKED else traj
-        if BLOCKED:
-            from .osdn_blocked import block_forward  # imported here: it imports this module
-
-            block_forward(k, beta_, retain_, d0_, w, traj, stats, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
-                          n_seq=n_seq, d0_mode=d0_mode, warps=BLOCKED_WARPS, meta=meta)
-        else:
-            osdn_forward_kernel[(n_seq * H,)](
-                k_words, beta_, retain_, d0_, w, traj, stats, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
-                D0_MODE=d0_mode, num_warps=SCAN_WARPS, **meta,
-            )
+        stats = torch.empty(B, TN, H, 2, device=k.device, dtype=acc)  # |k|^2 and <d, s> per step
+        osdn_forward_kernel[(n_seq * H,)](
+            k_words, beta_, retain_, d0_, w, traj, stats, d_final, cu_seqlens, T, eta, d_min, d_max, eps,
+            D0_MODE=d0_mode, num_warps=scan.scan_warps, **meta,
+        )
         # the contiguous copies: the backward indexes beta and retain as dense [B, T*n_h, H]
         # and [B, T, H] (a view, e.g. a slice of a longer sequence, gave wrong gradients)
         ctx.save_for_backward(k, None if beta is None else beta_, None if retain is None else retain_, traj, stats,
                               cu_seqlens)
-        ctx.meta, ctx.args = meta, (T, eta, d_min, d_max, eps, n_seq, d0_mode)
+        ctx.meta, ctx.warps, ctx.args = meta, scan.scan_warps, (T, eta, d_min, d_max, eps, n_seq, d0_mode)
         ctx.d0_dtype = None if d0 is None else d0.dtype
         return w, d_final
 
@@ -444,22 +350,13 @@ class OsdnScan(torch.autograd.Function):
         dbeta = None if beta is None else torch.zeros(beta.shape, device=k.device, dtype=acc)
         dretain = None if retain is None else torch.zeros(retain.shape, device=k.device, dtype=acc)
         dd0 = torch.empty(n_seq, H, K, device=k.device, dtype=acc)
-        if BLOCKED and meta["STATS"]:
-            from .osdn_blocked import block_backward
-
-            block_backward(k, k if beta is None else beta, k if retain is None else retain, traj, stats,
-                           k if dw is None else dw.contiguous(), k if dd_final is None else dd_final.contiguous(),
-                           dk, k if dbeta is None else dbeta, k if dretain is None else dretain, dd0, cu_seqlens,
-                           T, eta, d_min, d_max, eps, n_seq=n_seq, has_dw=dw is not None,
-                           has_dd=dd_final is not None, warps=BLOCKED_WARPS, meta=meta)
-            return OsdnScan._gradients(ctx, k, beta, retain, dk, dbeta, dretain, dd0, d0_mode)
         dw_words, packed_dw = _packed(None if dw is None else dw.contiguous())
         osdn_backward_kernel[(n_seq * H,)](
             _packed(k)[0], k if beta is None else beta, k if retain is None else retain, traj, stats,
             k if dw is None else dw_words, k if dd_final is None else dd_final.contiguous(),
             dk, k if dbeta is None else dbeta, k if dretain is None else dretain, dd0, cu_seqlens,
             T, eta, d_min, d_max, eps, HAS_DW=dw is not None, HAS_DD=dd_final is not None, PACKED_DW=packed_dw,
-            num_warps=SCAN_WARPS, **meta,
+            num_warps=ctx.warps, **meta,
         )
         return OsdnScan._gradients(ctx, k, beta, retain, dk, dbeta, dretain, dd0, d0_mode)
 
@@ -468,9 +365,9 @@ class OsdnScan(torch.autograd.Function):
         """`backward`'s return: each gradient in its input's dtype, `d0`'s summed over the
         sequences when one `d0` was shared."""
         dd0_out = None
-        if d0_mode == 1:
+        if d0_mode == D0_SHARED.value:
             dd0_out = dd0.sum(0).to(ctx.d0_dtype)
-        elif d0_mode == 2:
+        elif d0_mode == D0_PER_SEQUENCE.value:
             dd0_out = dd0.to(ctx.d0_dtype)
         cast = lambda x, like: None if x is None else x.to(like.dtype)  # noqa: E731
         return dk.to(k.dtype), cast(dbeta, beta), cast(dretain, retain), dd0_out, None, None, None, None, None, None

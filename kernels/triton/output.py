@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .decay import chunk_in_pass, decay_rows, load_gate, load_rows, mm, scores, store_rows
+from .kinds import ALL_CHUNKS, CHANNEL_GATE, DIAGONAL, HOUSEHOLDER, WITHIN_BOUND
 
 
 @triton.jit
@@ -34,8 +35,8 @@ def query_scores(
     pos_q = i_q * NH + NH - 1
     offs_k = tl.arange(0, BK)
     row_k = tok0 * NH * H * K + i_h * K
-    stride_g = H * K if GATE == 2 else H
-    p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
+    stride_g = H * K if GATE == CHANNEL_GATE else H
+    p_g = G + tok0 * stride_g + (i_h * K if GATE == CHANNEL_GATE else i_h)
     # rows loaded in the operand dtype (exact: the inputs' own dtype, or wider); the scores'
     # arithmetic widens them where it needs to
     qq = load_rows(q + tok0 * H * K + i_h * K, i_q, valid_q, H * K, offs_k, K, OP)
@@ -43,12 +44,12 @@ def query_scores(
     gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
     m_e = tl.zeros([BQ, BT], dtype=ACC)
     m_w = tl.zeros([BQ, BT], dtype=ACC)
-    if MODE != 0:
-        p_e = (w if MODE == 1 else e) + row_k
+    if MODE != DIAGONAL:
+        p_e = (w if MODE == HOUSEHOLDER else e) + row_k
         ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, OP)
         m_e = scores(qq, gq, pos_q, valid_q, ee, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
                      False, GATE, NH, BT, SC, K, BK, ACC, OP, PREC, CHUNK_ONLY=CHUNK_ONLY) * scale
-    if MODE != 1:
+    if MODE != HOUSEHOLDER:
         ww = load_rows(w + row_k, i_sub, valid, H * K, offs_k, K, OP)
         m_w = scores(qq, gq, pos_q, valid_q, ww, gk, i_sub, valid, w + row_k, H * K, p_g, stride_g, n_sub,
                      False, GATE, NH, BT, SC, K, BK, ACC, OP, PREC, CHUNK_ONLY=CHUNK_ONLY) * scale
@@ -61,37 +62,35 @@ def output_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, BVO: tl.constexpr,
-    CHANNEL_PASS: tl.constexpr = 0,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
+    CHANNEL_PASS: tl.constexpr = ALL_CHUNKS,
 ):
-    """`O` of one chunk's `BVO` value columns (program axis 2): the scores are formed once
-    per program, so a cheap score (no channel gate) is formed again by each column group
-    in exchange for more, smaller programs (`recurrence.py` chooses `BVO`)."""
-    i_chunk, i_h, i_vo = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """`O` of one chunk: its scores formed once, then applied to every V block."""
+    i_chunk, i_h = tl.program_id(0), tl.program_id(1)
     tok0, n_tok, runs = chunk_in_pass(G, i_chunk, i_h, T, NT, cu_seqlens, chunk_table, H, K, BK, TC, NH, GATE, CHANNEL_PASS,
                                       IS_VARLEN, OP, ACC)
     if runs:
         qt, m_e, m_w = query_scores(q, w, e, G, tok0, n_tok, i_h, scale, H, K, BK, BT, BQ, NH, SC, MODE, GATE, ACC, OP, PREC,
-                                       CHUNK_ONLY=CHANNEL_PASS == 1)
+                                       CHUNK_ONLY=CHANNEL_PASS == WITHIN_BOUND)
         i_sub = tl.arange(0, BT)
         i_q = tl.arange(0, BQ)
         valid = i_sub < n_tok * NH
         valid_q = i_q < n_tok
         offs_k = tl.arange(0, BK)
         row_v = tok0 * NH * H * V + i_h * V
-        if MODE != 1 and HAS_BETA:
+        if MODE != HOUSEHOLDER and HAS_BETA:
             bb = tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)
         # the dot operands rounded to OP once, here and at each load, as `mm` would at every use
         qt, m_e, m_w = qt.to(OP), m_e.to(OP), m_w.to(OP)
-        for i_v in range(tl.cdiv(BVO, BV)):
-            offs_v = i_vo * BVO + i_v * BV + tl.arange(0, BV)
+        for i_v in range(tl.cdiv(V, BV)):
+            offs_v = i_v * BV + tl.arange(0, BV)
             h = tl.load(h_all + (i_chunk * H + i_h) * K * V + offs_k[:, None] * V + offs_v[None, :],
                         mask=(offs_k[:, None] < K) & (offs_v[None, :] < V), other=0.0).to(OP)
             out = mm(qt, h, OP, PREC, ACC)
-            if MODE != 0:
+            if MODE != DIAGONAL:
                 y = load_rows(Y + row_v, i_sub, valid, H * V, offs_v, V, OP)
                 out += mm(m_e, y, OP, PREC, ACC)
-            if MODE != 1:
+            if MODE != HOUSEHOLDER:
                 u = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)
                 if HAS_BETA:
                     u *= bb[:, None]
@@ -106,7 +105,7 @@ def output_backward_kernel(
     BT: tl.constexpr, TC: tl.constexpr, BQ: tl.constexpr, NH: tl.constexpr, SC: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
     ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
-    CHANNEL_PASS: tl.constexpr = 0,
+    CHANNEL_PASS: tl.constexpr = ALL_CHUNKS,
 ):
     """`dY = M_E^T dO` and `dU = M_W^T dO` (the within-chunk parts)."""
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
@@ -114,7 +113,7 @@ def output_backward_kernel(
                                       IS_VARLEN, OP, ACC)
     if runs:
         _qt, m_e, m_w = query_scores(q, w, e, G, tok0, n_tok, i_h, scale, H, K, BK, BT, BQ, NH, SC, MODE, GATE, ACC, OP, PREC,
-                                       CHUNK_ONLY=CHANNEL_PASS == 1)
+                                       CHUNK_ONLY=CHANNEL_PASS == WITHIN_BOUND)
         i_sub = tl.arange(0, BT)
         i_q = tl.arange(0, BQ)
         valid = i_sub < n_tok * NH
@@ -123,7 +122,7 @@ def output_backward_kernel(
         for i_v in range(tl.cdiv(V, BV)):
             offs_v = i_v * BV + tl.arange(0, BV)
             d_o = load_rows(do + tok0 * H * V + i_h * V, i_q, valid_q, H * V, offs_v, V, ACC)
-            if MODE != 0:
+            if MODE != DIAGONAL:
                 store_rows(dY + row_v, mm(tl.trans(m_e), d_o, OP, PREC, ACC), i_sub, valid, H * V, offs_v, V)
-            if MODE != 1:
+            if MODE != HOUSEHOLDER:
                 store_rows(dU + row_v, mm(tl.trans(m_w), d_o, OP, PREC, ACC), i_sub, valid, H * V, offs_v, V)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .chunks import chunk_of_program
 from .decay import causal_mask, decay_bound, decay_rows, load_gate, load_rows, mm, scores, store_rows
-from .gate import chunk_scalar_gate
+from .kinds import ALL_CHUNKS, CHANNEL_GATE, HOUSEHOLDER, RWKV7, SCALAR_GATE, WITHIN_BOUND
 from .solve import unit_lower_inverse
 
 
@@ -41,18 +41,18 @@ def _chunk_rows(i_chunk, i_h, G, cu_seqlens, chunk_table, T, NT, H: tl.constexpr
     tok0 = bos + c * TC
     n_sub = tl.minimum(TC, seq_len - c * TC) * NH
     i_sub = tl.arange(0, BT)
-    stride_g = H * K if GATE == 2 else H
-    p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
+    stride_g = H * K if GATE == CHANNEL_GATE else H
+    p_g = G + tok0 * stride_g + (i_h * K if GATE == CHANNEL_GATE else i_h)
     return tok0, n_sub, i_sub, i_sub < n_sub, tok0 * NH * H * K + i_h * K, stride_g, p_g
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def inverse_kernel(
-    k, w, e, beta, g, G, Tinv, slow, cu_seqlens, chunk_table, T, NT,
+    k, w, e, beta, G, Tinv, slow, cu_seqlens, chunk_table, T, NT,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKI: tl.constexpr, BT: tl.constexpr, TC: tl.constexpr,
     NH: tl.constexpr, SC: tl.constexpr, MODE: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr, DOUBLING: tl.constexpr,
-    CHANNEL_PASS: tl.constexpr = 0, FORM_G: tl.constexpr = False,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
+    CHANNEL_PASS: tl.constexpr = ALL_CHUNKS,
 ):
     """`Tinv = (I + A)^{-1}` of one chunk, `A = diag(c) strictly_lower(K~ E~^T)`.
 
@@ -63,20 +63,14 @@ def inverse_kernel(
     rows (`decay.scores`: sub-chunks, the exact loop) and leaves the rest at once. As one
     kernel, every chunk paid the registers of the slowest path (255 and spills with 4
     warps, Triton 3.6): KDA's took 0.315 ms on the H200 against DeltaNet's 0.122.
-
-    `FORM_G` (a scalar gate): the chunk's cumulative gate is formed here from the raw `g`
-    and stored in `G` (`gate.chunk_scalar_gate`), for this kernel and those after it.
     """
     i_chunk, i_h = tl.program_id(0), tl.program_id(1)
     tok0, n_sub, i_sub, valid, row_k, stride_g, p_g = _chunk_rows(i_chunk, i_h, G, cu_seqlens, chunk_table, T, NT,
                                                                    H, K, BT, TC, NH, GATE, IS_VARLEN)
-    if FORM_G:
-        chunk_scalar_gate(g, G, tok0, n_sub // NH, i_h, H, BT, ACC, True)
-        tl.debug_barrier()  # the rows just stored are read below by other threads of this program
     offs_k = tl.arange(0, BK)
-    p_e = w + row_k if MODE == 1 else e + row_k
+    p_e = w + row_k if MODE == HOUSEHOLDER else e + row_k
     o_t = (i_chunk * H + i_h) * BT * BT
-    if GATE == 2 and CHANNEL_PASS == 1:
+    if GATE == CHANNEL_GATE and CHANNEL_PASS == WITHIN_BOUND:
         # the cumulative gate never rises (g <= 0), so the last row decays the most
         g_end = tl.load(p_g + ((n_sub - 1) // NH) * stride_g + offs_k, mask=offs_k < K, other=0.0).to(ACC)
         fast = tl.max(-g_end, 0) <= decay_bound(OP)
@@ -90,19 +84,19 @@ def inverse_kernel(
                 ee = load_rows(p_e, i_sub, valid, H * K, offs_ki, K, ACC) * tl.exp(-gk)
                 a += mm(kk, tl.trans(ee), OP, PREC, ACC)
             a = tl.where(causal_mask(i_sub, valid, i_sub, valid, True), a, 0.0)
-            if MODE == 1:
+            if MODE == HOUSEHOLDER:
                 a = a * tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)[:, None]
-            unit_lower_inverse(a, Tinv + o_t, BT, SC, ACC, INV_PREC, DOUBLING)
-    elif GATE == 2:  # pass 2, or both in one (CHANNEL_PASS 0): the channel products need whole rows
-        if CHANNEL_PASS == 0 or tl.load(slow + i_chunk * H + i_h) != 0:
+            unit_lower_inverse(a, Tinv + o_t, BT, SC, ACC, INV_PREC)
+    elif GATE == CHANNEL_GATE:  # the second pass: the marked chunks' products need whole rows
+        if tl.load(slow + i_chunk * H + i_h) != 0:
             kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
             ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
             gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
             a = scores(kk, gk, i_sub, valid, ee, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
                        True, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
-            if MODE == 1:
+            if MODE == HOUSEHOLDER:
                 a = a * tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)[:, None]
-            unit_lower_inverse(a, Tinv + o_t, BT, SC, ACC, INV_PREC, DOUBLING)
+            unit_lower_inverse(a, Tinv + o_t, BT, SC, ACC, INV_PREC)
     else:  # K in slices: fewer live registers, so more programs per SM
         gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
         a = tl.zeros([BT, BT], dtype=ACC)
@@ -112,11 +106,11 @@ def inverse_kernel(
             ee = load_rows(p_e, i_sub, valid, H * K, offs_ki, K, ACC)
             a += mm(kk, tl.trans(ee), OP, PREC, ACC)
         a = tl.where(causal_mask(i_sub, valid, i_sub, valid, True), a, 0.0)
-        if GATE == 1:  # the scalar decay, once for all slices
+        if GATE == SCALAR_GATE:  # the scalar decay, once for all slices
             a *= tl.exp(tl.where(i_sub[None, :] < i_sub[:, None], gk[:, None] - gk[None, :], float("-inf")))
-        if MODE == 1:
+        if MODE == HOUSEHOLDER:
             a = a * tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)[:, None]
-        unit_lower_inverse(a, Tinv + o_t, BT, SC, ACC, INV_PREC, DOUBLING)
+        unit_lower_inverse(a, Tinv + o_t, BT, SC, ACC, INV_PREC)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -134,17 +128,17 @@ def prepare_kernel(
     offs_k = tl.arange(0, BK)
 
     tinv = tl.load(Tinv + (i_chunk * H + i_h) * BT * BT + i_sub[:, None] * BT + i_sub[None, :]).to(ACC)
-    if MODE == 1:
+    if MODE == HOUSEHOLDER:
         cb = tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)
     for i_k in range(0, BK, BKP):  # P's columns in slices (a loop, so one slice's tiles are alive)
         offs_kp = i_k + tl.arange(0, BKP)
         kt = decay_rows(load_rows(k + row_k, i_sub, valid, H * K, offs_kp, K, ACC),
                         load_gate(p_g, i_sub // NH, valid, stride_g, offs_kp, GATE, K, ACC), GATE)
-        if MODE == 1:
+        if MODE == HOUSEHOLDER:
             kt = kt * cb[:, None]
         store_rows(P + row_k, mm(tinv, kt, OP, PREC, ACC), i_sub, valid, H * K, offs_kp, K)
 
-    if MODE == 2:
+    if MODE == RWKV7:
         kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
         gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
         p_w = w + row_k
@@ -158,7 +152,7 @@ def prepare_kernel(
     for i_v in range(tl.cdiv(V, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
         vv = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)
-        if MODE == 1:
+        if MODE == HOUSEHOLDER:
             x = mm(tinv, vv * cb[:, None], OP, PREC, ACC)
         else:
             if HAS_BETA:

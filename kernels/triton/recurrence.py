@@ -4,8 +4,9 @@ One kernel family serves every plan; the flags below are `tl.constexpr`, so each
 compiles to its own specialization and a plain DeltaNet carries no gate, erase or
 beta-free code:
 
-    MODE      0 diagonal (no delta rule), 1 householder (beta, no erase), 2 rwkv7 (erase)
-    GATE      0 none, 1 scalar `[B, T, H]`, 2 channel `[B, T, H, K]`
+    MODE      the transition (`kinds.Mode`): diagonal (no delta rule), householder (beta,
+              no erase), rwkv7 (erase)
+    GATE      the gate kind (`kinds.Gate`): none, scalar `[B, T, H]`, channel `[B, T, H, K]`
     NH        sub-steps per token (chunks align to tokens, read-outs only at a token's last)
     HAS_BETA  rwkv7 writes `beta * v` (else `v`); householder always has beta
     tied write key: `w` is the same tensor as `k` (no flag needed; gradients are summed)
@@ -13,7 +14,9 @@ beta-free code:
 
 Forward: [gate cumsum] -> inverse, prepare (UT transform, delta rules only) -> state pass -> output.
 Backward: local output gradients -> reverse state pass -> one chunk-parallel kernel for
-every input gradient (`backward.py`; a channel gate: two, `backward_channel.py`). See `docs/kernel.md` for the algorithm and numbers.
+every input gradient (`backward.py`; a channel gate: two, `backward_channel.py`). Each
+launch's warps and stages come from `launch.py`'s table. See `docs/kernel.md` for the
+algorithm and numbers.
 """
 
 from __future__ import annotations
@@ -25,21 +28,27 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from ..chunking import TRITON_CHUNK_SIZE
+from ..kinds import Gate, Mode
 from . import launch
 from .backward import chunk_backward_kernel
 from .backward_channel import chunk_channels_kernel, chunk_pairs_kernel
 from .chunks import chunk_tables
 from .gate import gate_cumsum_kernel
-from .launch import pow2
+from .kinds import channel_passes
+from .launch import Launch, pow2
 from .output import output_backward_kernel, output_kernel
 from .prepare import inverse_kernel, prepare_kernel
 from .state import state_backward_kernel, state_forward_kernel
 
 Tensor = torch.Tensor
 
-CHUNK_SIZE = 64  # sub-steps per chunk (see docs/kernel.md, "Chunk size")
 SUB_CHUNK = 16  # channel-gate sub-chunk: pairs inside it are decayed element by element
 MAX_HEAD_DIM = 256
+GATE_CUMSUM_BK = 32  # a channel gate's columns per program of the cumulative sum (`gate.py`)
+PREPARE_BK = 64  # P's columns per slice in `prepare_kernel` without a channel gate
+INVERSE_BK = 32  # K columns per slice of the inverse's scores (16 in a channel gate's first pass)
+INVERSE_BK_WITHIN_BOUND = 16  # the gated slices' 166 registers at 2 warps, not 246
 
 
 @dataclass(frozen=True)
@@ -52,8 +61,8 @@ class Plan:
     K: int
     V: int
     n_h: int
-    mode: int
-    gate: int
+    mode: Mode
+    gate: Gate
     has_beta: bool
     BT: int
     TC: int
@@ -67,9 +76,7 @@ class Plan:
     n_chunks: int
     acc: torch.dtype
     prec: str
-    warps: int  # chunk-parallel kernels
-    state_warps: int  # the two sequential state passes
-
+    launch: Launch
     op: torch.dtype  # dot operands and the stored intermediates P, X, Y and chunk states
 
     @property
@@ -80,48 +87,48 @@ class Plan:
     def tl_op(self):
         return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}.get(self.op, tl.float64)
 
+    @property
+    def state_forward_bv(self) -> int:
+        return max(16, min(self.launch.state_forward_bv, pow2(self.V)))
+
+    @property
+    def backward_bk(self) -> int:
+        return min(self.launch.backward_bk or self.BK, self.BK)
+
 
 def _operand_dtype(dtype: torch.dtype, acc: torch.dtype, interpret: bool) -> torch.dtype:
     """Half inputs keep their dtype for dot operands (full-rate tensor cores); float32 and
     float64 keep theirs. Triton 3.7's interpreter computes bfloat16 dots wrongly (garbage
     magnitudes, seen on CPU), so under it bfloat16 operands are widened to float32; the
-    GPU check (`benchmarks/triton_gpu_check.py`) runs the real bfloat16 path."""
+    GPU check (`benchmarks/gpu_check.py`) runs the real bfloat16 path."""
     if dtype == torch.float16 or (dtype == torch.bfloat16 and not interpret):
         return dtype
     return acc
-
-
-def _min_query_rows(dtype: torch.dtype) -> int:
-    """Rows of the query tile at least. 16 would do (n_h >= 4 leaves 16 or fewer tokens per
-    chunk), but on the H200 with Triton 3.6 the float32 backward with 16-row query tiles
-    (and float32's 32-wide V blocks) hit an illegal memory access for every plan with
-    n_h = 4 and 8, while 32-row tiles (n_h = 2, 3) and the half-precision 16-row tiles ran
-    clean (benchmarks/results/triton_gpu_check_gaps*.json). The empty rows are masked."""
-    return 32 if dtype == torch.float32 else 16
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-
-
-def _plan(q, k, v, g, beta, erase, n_h, cu_seqlens, chunk_table_count, chunk_size) -> Plan:
+def _plan(q, k, v, gate: Gate, beta, erase, n_h, cu_seqlens, chunk_table_count, chunk_size) -> Plan:
     n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-    return _plan_of(tuple(q.shape), v.shape[-1], q.dtype, 2 if erase is not None else 1 if beta is not None else 0,
-                    0 if g is None else 1 if g.dim() == 3 else 2, beta is not None, n_h, n_seq,
-                    None if cu_seqlens is None else chunk_table_count, chunk_size, os.environ.get("TRITON_INTERPRET") == "1")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    mode = Mode.of(beta, erase)
+    settings = launch.settings(mode, gate, _operand_dtype(q.dtype, acc, interpret), n_h)
+    return _plan_of(tuple(q.shape), v.shape[-1], q.dtype, mode, gate, beta is not None, n_h, n_seq,
+                    None if cu_seqlens is None else chunk_table_count, chunk_size, interpret, settings)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_of(shape: tuple, V: int, dtype: torch.dtype, mode: int, gate: int, has_beta: bool, n_h: int, n_seq: int,
-             chunk_table_count: int | None, chunk_size: int | None, interpret: bool) -> Plan:
+def _plan_of(shape: tuple, V: int, dtype: torch.dtype, mode: Mode, gate: Gate, has_beta: bool, n_h: int, n_seq: int,
+             chunk_table_count: int | None, chunk_size: int | None, interpret: bool, settings: Launch) -> Plan:
     """The plan of a call, cached: a training step calls with the same shapes every time,
     and building the plan is host time that can leave a short forward waiting on the CPU."""
     B, T, H, K = shape
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"linear_recurrence(backend='triton'): head dims K={K}, V={V} exceed {MAX_HEAD_DIM}")
-    BT = chunk_size or CHUNK_SIZE
+    BT = chunk_size or TRITON_CHUNK_SIZE
     if n_h > BT:
         raise ValueError(f"linear_recurrence(backend='triton'): n_h={n_h} exceeds the chunk size {BT}")
     TC = BT // n_h
@@ -129,16 +136,14 @@ def _plan_of(shape: tuple, V: int, dtype: torch.dtype, mode: int, gate: int, has
     NT = _cdiv(T, TC)
     return Plan(
         B=B, T=T, H=H, K=K, V=V, n_h=n_h, mode=mode, gate=gate, has_beta=has_beta,
-        BT=BT, TC=TC, BQ=max(_min_query_rows(dtype), pow2(TC)),
-        BK=max(16, pow2(K)), BV=max(16, min(64 if dtype != torch.float32 else 32, pow2(V))),
-        BVS=max(16, min(launch.STATE_BV, pow2(V))),
+        BT=BT, TC=TC, BQ=max(settings.min_query_rows, pow2(TC)),
+        BK=max(16, pow2(K)), BV=max(16, min(settings.chunk_bv, pow2(V))),
+        BVS=max(16, min(settings.state_bv, pow2(V))),
         SC=min(SUB_CHUNK, BT), NT=NT, n_seq=n_seq,
         n_chunks=B * NT if chunk_table_count is None else chunk_table_count,
         acc=acc, prec={torch.float64: "ieee", torch.float32: "tf32x3"}.get(dtype, "tf32"),
-        warps=launch.WARPS[0], state_warps=launch.WARPS[1],
-        op=_operand_dtype(dtype, acc, interpret),
+        launch=settings, op=_operand_dtype(dtype, acc, interpret),
     )
-
 
 
 def _common(p: Plan, state: bool = False) -> dict:
@@ -150,80 +155,80 @@ def _common(p: Plan, state: bool = False) -> dict:
 
 class ChunkRecurrence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, write_key, erase, initial_state, scale, n_h, output_final_state, cu_seqlens, chunk_size):
+    def forward(ctx, q, k, v, g, gate, beta, write_key, erase, initial_state, scale, n_h, output_final_state, cu_seqlens,
+                chunk_size):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         g = None if g is None else g.contiguous()
         beta = None if beta is None else beta.contiguous()
         w = k if write_key is None else write_key.contiguous()
         e = None if erase is None else erase.contiguous()
         if cu_seqlens is not None:
-            table, offsets, count = chunk_tables(cu_seqlens, chunk_size_tokens := (chunk_size or CHUNK_SIZE) // n_h)
+            table, offsets, count = chunk_tables(cu_seqlens, (chunk_size or TRITON_CHUNK_SIZE) // n_h)
         else:
             table = offsets = None
             count = 0
-        p = _plan(q, k, v, g, beta, e, n_h, cu_seqlens, count, chunk_size)
+        p = _plan(q, k, v, gate, beta, e, n_h, cu_seqlens, count, chunk_size)
+        run = p.launch
         dev = q.device
         varlen = cu_seqlens is not None
+        channel = p.gate == Gate.CHANNEL
         dummy = k  # stands in for absent optional tensors (never read: its flag is off)
 
         G = None
-        form_g = launch.forms_gate_in_first_kernel(p)
-        if p.gate:
+        if p.gate != Gate.NONE:
             G = torch.empty_like(g, dtype=p.acc)
-        if p.gate and not form_g:
-            bkc = min(p.BK, 32) if p.gate == 2 else p.BK
-            gate_cumsum_kernel[(p.n_chunks, p.H, _cdiv(p.K, bkc) if p.gate == 2 else 1)](
+            bkc = min(p.BK, GATE_CUMSUM_BK) if channel else p.BK
+            gate_cumsum_kernel[(p.n_chunks, p.H, _cdiv(p.K, bkc) if channel else 1)](
                 g, G, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=bkc, TC=p.TC, BQ=p.BQ,
-                CHANNEL=p.gate == 2, IS_VARLEN=varlen, ACC=p.tl_acc,
+                CHANNEL=channel, IS_VARLEN=varlen, ACC=p.tl_acc,
             )
         TN = p.T * n_h
         Tinv = P = X = Y = None
-        if p.mode:
+        if p.mode != Mode.DIAGONAL:
             Tinv = torch.empty(p.n_chunks, p.H, p.BT, p.BT, device=dev, dtype=p.acc)
             P = torch.empty(p.B, TN, p.H, p.K, device=dev, dtype=p.op)
             X = torch.empty(p.B, TN, p.H, p.V, device=dev, dtype=p.op)
             Y = torch.empty_like(X)
-            # a channel gate: the chunks within decay.py's bound first (ungated warps), then the rest
-            slow = torch.empty(p.n_chunks * p.H, device=dev, dtype=torch.int8) if p.gate == 2 else dummy
-            for channel_pass in launch.channel_passes(p):
+            # a channel gate: the chunks within decay.py's bound first, marking the others in `slow`
+            slow = torch.empty(p.n_chunks * p.H, device=dev, dtype=torch.int8) if channel else dummy
+            for channel_pass in channel_passes(p.gate):
+                within = channel_pass == channel_pass.WITHIN_BOUND
                 inverse_kernel[(p.n_chunks, p.H)](
-                    k, w, dummy if e is None else e, dummy if beta is None else beta, dummy if g is None else g,
-                    dummy if G is None else G,
+                    k, w, dummy if e is None else e, dummy if beta is None else beta, dummy if G is None else G,
                     Tinv, slow, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=p.BK,
-                    BKI=min(p.BK, 16 if channel_pass == 1 else 32),  # 16: the gated slices' 166 registers at 2 warps, not 246
-                    BT=p.BT, TC=p.TC, NH=p.n_h, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, ACC=p.tl_acc, OP=p.tl_op, PREC=p.prec,
-                    INV_PREC="ieee" if p.acc == torch.float64 else "tf32x3", DOUBLING=launch.SOLVE == "doubling",
-                    CHANNEL_PASS=channel_pass, FORM_G=form_g, num_warps=launch.inverse_warps(p, channel_pass),
-                    num_stages=launch.chunk_stages(p, "inverse"),
+                    BKI=min(p.BK, INVERSE_BK_WITHIN_BOUND if within else INVERSE_BK),
+                    BT=p.BT, TC=p.TC, NH=p.n_h, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, ACC=p.tl_acc,
+                    OP=p.tl_op, PREC=p.prec, INV_PREC="ieee" if p.acc == torch.float64 else "tf32x3",
+                    CHANNEL_PASS=channel_pass, num_warps=run.inverse_warps_within_bound if within else run.inverse_warps,
+                    num_stages=run.inverse_stages,
                 )
             prepare_kernel[(p.n_chunks, p.H)](
                 k, w, dummy if beta is None else beta, v, dummy if G is None else G,
-                Tinv, P, X, cu_seqlens, table, p.T, p.NT, BKP=p.BK if p.gate == 2 else min(p.BK, 64), SC=p.SC, MODE=p.mode, GATE=p.gate,
-                HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=launch.prepare_warps(p), num_stages=launch.chunk_stages(p, "prepare"),
-                **_common(p),
+                Tinv, P, X, cu_seqlens, table, p.T, p.NT, BKP=p.BK if channel else min(p.BK, PREPARE_BK), SC=p.SC,
+                MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=run.prepare_warps,
+                num_stages=run.prepare_stages, **_common(p),
             )
         h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=dev, dtype=p.op)
         final = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if output_final_state else None
-        bvf = launch.state_forward_bv(p)
+        bvf = p.state_forward_bv
         state_forward_kernel[(_cdiv(p.V, bvf), p.n_seq * p.H)](
-            k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if g is None else g,
-            dummy if G is None else G,
+            k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
             dummy if P is None else P, dummy if X is None else X, dummy if Y is None else Y,
             h_all, dummy if initial_state is None else initial_state.contiguous(), dummy if final is None else final,
             cu_seqlens, offsets, p.T, p.NT, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta,
-            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen, FORM_G=form_g and p.mode == 0,
-            num_warps=launch.state_forward_warps(p), num_stages=launch.state_forward_stages(p),
+            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen,
+            num_warps=run.state_forward_warps, num_stages=run.state_forward_stages,
             **{**_common(p, state=True), "BV": bvf},
         )
         o = torch.empty(p.B, p.T, p.H, p.V, device=dev, dtype=v.dtype)
-        # value columns per program: all of V, or one V block with `launch.output_split`
-        bvo = p.BV if launch.output_split(p) else _cdiv(p.V, p.BV) * p.BV
-        for channel_pass in launch.channel_passes(p):
-            output_kernel[(p.n_chunks, p.H, _cdiv(p.V, bvo))](
+        for channel_pass in channel_passes(p.gate):
+            within = channel_pass == channel_pass.WITHIN_BOUND
+            output_kernel[(p.n_chunks, p.H)](
                 q, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
                 dummy if Y is None else Y, h_all, o, cu_seqlens, table, p.T, p.NT, scale,
-                BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, BVO=bvo,
-                CHANNEL_PASS=channel_pass, num_warps=launch.output_warps(p, channel_pass), num_stages=launch.chunk_stages(p, "output"), **_common(p),
+                BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen,
+                CHANNEL_PASS=channel_pass, num_warps=run.output_warps_within_bound if within else run.output_warps,
+                num_stages=run.output_stages, **_common(p),
             )
         ctx.save_for_backward(q, k, v, beta, w, e, G, Tinv, P, Y, h_all, cu_seqlens, table, offsets)
         ctx.plan, ctx.scale, ctx.tied = p, scale, write_key is None
@@ -238,21 +243,22 @@ class ChunkRecurrence(torch.autograd.Function):
     def backward(ctx, do, dfinal):
         q, k, v, beta, w, e, G, Tinv, P, Y, h_all, cu_seqlens, table, offsets = ctx.saved_tensors
         p, scale = ctx.plan, ctx.scale
+        run = p.launch
         varlen = cu_seqlens is not None
         dummy = k
         do = do.contiguous()
         TN = p.T * p.n_h
         dev = q.device
-        dY = torch.empty(p.B, TN, p.H, p.V, device=dev, dtype=p.acc) if p.mode else None
-        dU = torch.empty(p.B, TN, p.H, p.V, device=dev, dtype=p.acc) if p.mode != 1 else None
+        dY = torch.empty(p.B, TN, p.H, p.V, device=dev, dtype=p.acc) if p.mode != Mode.DIAGONAL else None
+        dU = torch.empty(p.B, TN, p.H, p.V, device=dev, dtype=p.acc) if p.mode != Mode.HOUSEHOLDER else None
         e_ = dummy if e is None else e
         G_ = dummy if G is None else G
         beta_ = dummy if beta is None else beta
-        for channel_pass in launch.channel_passes(p):
+        for channel_pass in channel_passes(p.gate):
             output_backward_kernel[(p.n_chunks, p.H)](
                 q, w, e_, G_, do, dummy if dY is None else dY, dummy if dU is None else dU, cu_seqlens, table, p.T, p.NT, scale,
                 BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, CHANNEL_PASS=channel_pass,
-                num_warps=p.warps, num_stages=launch.chunk_stages(p, "output_backward"), **_common(p),
+                num_warps=run.chunk_warps, num_stages=1, **_common(p),
             )
         dh_all = torch.empty(h_all.shape, device=dev, dtype=p.op)
         dh0 = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if ctx.has_h0 else None
@@ -260,8 +266,8 @@ class ChunkRecurrence(torch.autograd.Function):
             q, w, e_, beta_, G_, dummy if P is None else P, dummy if dY is None else dY, dummy if dU is None else dU, do,
             dh_all, dummy if dfinal is None else dfinal.contiguous(), dummy if dh0 is None else dh0,
             cu_seqlens, offsets, p.T, p.NT, scale, BQ=p.BQ, MODE=p.mode, GATE=p.gate,
-            USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, num_warps=p.state_warps,
-            num_stages=launch.state_backward_stages(p), **_common(p, state=True),
+            USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, num_warps=run.state_warps,
+            num_stages=run.state_backward_stages, **_common(p, state=True),
         )
         # every input gradient is stored once by the last kernels, from float32 registers, so
         # its buffer takes the input's dtype (no cast kernels after them)
@@ -274,12 +280,12 @@ class ChunkRecurrence(torch.autograd.Function):
         dg = None if G is None else grad(G, tg)
         args = (q, k, w, e_, beta_, v, G_, dummy if Tinv is None else Tinv, h_all, dh_all,
                 dummy if Y is None else Y, dummy if dY is None else dY, dummy if dU is None else dU, do)
-        flags = {**{name: val for name, val in _common(p).items() if name != "BK"}, "BKS": launch.backward_bk(p),
+        flags = {**{name: val for name, val in _common(p).items() if name != "BK"}, "BKS": p.backward_bk,
                  "BQ": p.BQ, "SC": p.SC, "MODE": p.mode, "GATE": p.gate, "HAS_BETA": p.has_beta, "IS_VARLEN": varlen,
-                 "num_warps": launch.backward_warps(p), "num_stages": launch.chunk_stages(p, "backward")}
-        if launch.backward_maxnreg(p):
-            flags["maxnreg"] = launch.backward_maxnreg(p)
-        if launch.split_backward(p):
+                 "num_warps": run.backward_warps, "num_stages": run.backward_stages}
+        if run.backward_maxnreg:
+            flags["maxnreg"] = run.backward_maxnreg
+        if p.gate == Gate.CHANNEL:
             _channel_backward(p, args, (dq, dk, dw, de, dv, dbeta, dg), cu_seqlens, table, scale, ctx.tied, flags)
         else:
             chunk_backward_kernel[(p.n_chunks, p.H)](
@@ -287,7 +293,7 @@ class ChunkRecurrence(torch.autograd.Function):
                 dummy if dbeta is None else dbeta, dummy if dg is None else dg,
                 cu_seqlens, table, p.T, p.NT, scale, TIED=ctx.tied, **flags,
             )
-        return (dq, dk, dv, dg, dbeta, dw, de, None if dh0 is None else dh0.to(th), None, None, None, None, None)
+        return (dq, dk, dv, dg, None, dbeta, dw, de, None if dh0 is None else dh0.to(th), None, None, None, None, None, None)
 
 
 def _channel_backward(p: Plan, args: tuple, grads: tuple, cu_seqlens, table, scale: float, tied: bool,
@@ -296,20 +302,21 @@ def _channel_backward(p: Plan, args: tuple, grads: tuple, cu_seqlens, table, sca
     on slices of `BKS` columns of K, the `C x C` matrices passed in float32 scratch."""
     q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, dU, do = args
     dq, dk, dw, de, dv, dbeta, dg = grads
+    delta, plain = p.mode != Mode.DIAGONAL, p.mode != Mode.HOUSEHOLDER
     scratch = lambda rows, used: (torch.empty(p.n_chunks, p.H, rows, p.BT, device=q.device, dtype=p.acc)  # noqa: E731
                                   if used else q)
-    s_a, s_kw, s_me, s_mw = scratch(p.BT, p.mode != 0), scratch(p.BT, p.mode == 2), scratch(p.BQ, p.mode != 0), scratch(p.BQ, p.mode != 1)
+    s_a, s_kw, s_me, s_mw = scratch(p.BT, delta), scratch(p.BT, p.mode == Mode.RWKV7), scratch(p.BQ, delta), scratch(p.BQ, plain)
     dummy = k
-    for channel_pass in launch.channel_passes(p):  # each chunk's pass decided the same way in both kernels
+    for channel_pass in channel_passes(p.gate):  # each chunk's pass decided the same way in both kernels
         chunk_pairs_kernel[(p.n_chunks, p.H)](
             k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dummy if dbeta is None else dbeta,
             s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, BKG=p.BK, CHANNEL_PASS=channel_pass, **flags,
         )
-    for channel_pass in launch.channel_passes(p):
+    for channel_pass in channel_passes(p.gate):
         chunk_channels_kernel[(_cdiv(p.K, flags["BKS"]), p.n_chunks, p.H)](
             q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dummy if dw is None else dw,
             dummy if de is None else de, dg, s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, scale, TIED=tied,
-            BKG=p.BK, CHANNEL_PASS=channel_pass, **{**flags, "num_stages": launch.chunk_stages(p, "channels")},
+            BKG=p.BK, CHANNEL_PASS=channel_pass, **{**flags, "num_stages": p.launch.channels_stages},
         )
 
 
@@ -319,6 +326,7 @@ def linear_recurrence_triton(
     v: Tensor,
     *,
     g: Tensor | None = None,
+    gate: Gate | None = None,
     beta: Tensor | None = None,
     write_key: Tensor | None = None,
     erase: Tensor | None = None,
@@ -329,11 +337,13 @@ def linear_recurrence_triton(
     cu_seqlens: Tensor | None = None,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """The Triton backend of `archspec.kernels.linear_recurrence` (inputs already checked).
+    """The Triton backend of `archspec.kernels.linear_recurrence` (inputs already checked;
+    `gate` is the kind of `g`, as the API resolved it).
 
     `chunk_size` (sub-steps per chunk, a power of two >= 16) is for tests; the default is
-    `CHUNK_SIZE`.
+    `TRITON_CHUNK_SIZE`.
     """
+    gate = Gate.of(g) if gate is None else gate
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if q.shape[1] == 0:  # nothing to run: the state passes through unchanged
         B, _, H, K = q.shape
@@ -345,6 +355,6 @@ def linear_recurrence_triton(
         final = q.new_zeros(n_seq, H, K, v.shape[-1], dtype=acc) if initial_state is None else initial_state.to(acc).clone()
         return o, final
     o, final = ChunkRecurrence.apply(
-        q, k, v, g, beta, write_key, erase, initial_state, scale, n_h, output_final_state, cu_seqlens, chunk_size
+        q, k, v, g, gate, beta, write_key, erase, initial_state, scale, n_h, output_final_state, cu_seqlens, chunk_size
     )
     return o, final

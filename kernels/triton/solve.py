@@ -1,11 +1,10 @@
 """`(I + A)^{-1}` for a strictly lower-triangular `A`: the UT transform's triangular solve.
 
 The result is written to `out` (the chunk's `BT x BT` float32 slot of `Tinv`), which the
-default method also uses as its scratch area: Triton cannot slice a register tensor into
-blocks, so blocks pass through memory (L1/L2-resident). Two methods, chosen by the
-`DOUBLING` flag (`ARCHSPEC_TRITON_SOLVE`, read by `recurrence.py`):
+solve also uses as its scratch area: Triton cannot slice a register tensor into blocks, so
+blocks pass through memory (L1/L2-resident).
 
-**Block substitution** (default). The matrix is cut into `SUB x SUB` blocks (`SUB` = 16,
+**Block substitution.** The matrix is cut into `SUB x SUB` blocks (`SUB` = 16,
 `NB = BT / SUB` per side):
 
 1. each diagonal block is inverted by forward substitution (row `i` of the inverse is
@@ -23,18 +22,11 @@ four float32 `[64, 64]` tiles alive at once, about 215 registers per thread at f
 On the H200 the old one-kernel `prepare` (this merge inside) took 1.16 ms for DeltaNet
 (B=4 T=4096 H=16): 154 barriers per program at one program per SM.
 
-**Doubling** (timed on the H200: `prepare` 1.16 -> 1.06 ms for DeltaNet, but 1.81 ->
-2.60 ms for KDA, `benchmarks/results/variants/`). Let `X_s` be the inverse of the
-block-diagonal part of `I + A` with blocks of size `s` (`X_1 = I`). A block of size `2s`
-is `[[L11, 0], [L21, L22]]`, its inverse `[[X11, 0], [-X22 L21 X11, X22]]`, so
-`X_2s = X_s - X_s M_s X_s` with `M_s` the part of `A` in rows of each 2s-block's second
-half and columns of its first half: `log2(BT)` levels of two `BT x BT` products, no
-dependent element-wise steps. Each entry is formed as in blocked substitution, from
-bounded inverse blocks and entries of `A`, never from powers of `A`: the Neumann series
-`sum (-A)^m` is exact in exact arithmetic but sums terms of order `2^m` to an inverse of
-order 1 when beta nears 2 (every factor a reflection). In float32 both methods are
-equally accurate (relative error 1e-6 at beta near 2 and key correlation 0.999, measured
-on the interpreter against float64).
+Each entry is formed from bounded inverse blocks and entries of `A`, never from powers of
+`A`: the Neumann series `sum (-A)^m` is exact in exact arithmetic but sums terms of order
+`2^m` to an inverse of order 1 when beta nears 2 (every factor a reflection). In float32
+the relative error is 1e-6 at beta near 2 and key correlation 0.999 (measured on the
+interpreter against float64).
 
 Products run at `PREC` ("tf32x3" on GPUs: float32-accurate; the inverse's entries grow
 when beta nears 2 and its errors feed every later product).
@@ -47,38 +39,9 @@ import triton.language as tl
 
 
 @triton.jit
-def unit_lower_inverse(a, out, BT: tl.constexpr, SUB: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-                       DOUBLING: tl.constexpr):
+def unit_lower_inverse(a, out, BT: tl.constexpr, SUB: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
     """Write `(I + a)^{-1}` for `a` `[BT, BT]` strictly lower triangular to `out` (BT*BT
-    floats, row-major)."""
-    rows = tl.arange(0, BT)
-    if DOUBLING:
-        x = inverse_by_doubling(a, BT, ACC, PREC)
-        tl.store(out + rows[:, None] * BT + rows[None, :], x.to(out.dtype.element_ty))
-    else:
-        inverse_by_substitution(a, out, BT, SUB, ACC, PREC)
-
-
-@triton.jit
-def inverse_by_doubling(a, BT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
-    """`(I + a)^{-1}` for `a` `[BT, BT]` strictly lower triangular (`BT` a power of two)."""
-    rows = tl.arange(0, BT)
-    r = rows[:, None]
-    c = rows[None, :]
-    # blocks of 2: the inverse of [[1, 0], [a, 1]] is [[1, 0], [-a, 1]]
-    x = tl.where(r == c, 1.0, 0.0).to(ACC) - tl.where((r // 2 == c // 2) & (r > c), a, 0.0).to(ACC)
-    for level in tl.static_range(1, 7):  # blocks of s = 2, 4, ..., BT/2 merge into 2s (BT <= 128)
-        if (1 << level) < BT:
-            s = 1 << level
-            m = tl.where((r // (2 * s) == c // (2 * s)) & (r // s != c // s) & (r > c), a, 0.0).to(ACC)
-            y = tl.dot(x, m, input_precision=PREC, out_dtype=ACC)
-            x = x - tl.dot(y, x, input_precision=PREC, out_dtype=ACC)
-    return x
-
-
-@triton.jit
-def inverse_by_substitution(a, out, BT: tl.constexpr, SUB: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
-    """Write `(I + a)^{-1}` to `out` by block forward substitution (module docstring)."""
+    floats, row-major), by block forward substitution (module docstring)."""
     NB: tl.constexpr = BT // SUB
     rows = tl.arange(0, BT)
     tl.store(out + rows[:, None] * BT + rows[None, :], a.to(out.dtype.element_ty))  # upper blocks: 0, final

@@ -22,18 +22,18 @@ import triton.language as tl
 
 from .chunks import sequence_of_program
 from .decay import load_gate, load_rows, mm, store_rows
-from .gate import chunk_scalar_gate
+from .kinds import CHANNEL_GATE, DIAGONAL, HOUSEHOLDER, SCALAR_GATE
 
 
 @triton.jit
 def end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE: tl.constexpr, NH: tl.constexpr,
                K: tl.constexpr, ACC: tl.constexpr):
     """`(G_L, G_L - G_i)`: the chunk's total log-decay and each sub-step's decay to the end."""
-    if GATE == 2:
+    if GATE == CHANNEL_GATE:
         g_last = tl.load(p_g + (n_tok - 1) * stride_g + offs_k, mask=offs_k < K, other=0.0).to(ACC)
         gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
         return g_last, tl.where(valid[:, None], g_last[None, :] - gk, 0.0)
-    elif GATE == 1:
+    elif GATE == SCALAR_GATE:
         g_last = tl.load(p_g + (n_tok - 1) * stride_g).to(ACC)
         gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
         return g_last, tl.where(valid, g_last - gk, 0.0)
@@ -43,9 +43,9 @@ def end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE: tl.constexpr, NH
 
 @triton.jit
 def _decay_state(h, g_last, GATE: tl.constexpr):
-    if GATE == 2:
+    if GATE == CHANNEL_GATE:
         return h * tl.exp(g_last)[:, None]
-    elif GATE == 1:
+    elif GATE == SCALAR_GATE:
         return h * tl.exp(g_last)
     else:
         return h
@@ -60,7 +60,7 @@ def _decay_state(h, g_last, GATE: tl.constexpr):
 @triton.jit
 def load_keys(p, rows, ok, stride, offs_k, K: tl.constexpr, GATE: tl.constexpr, OP: tl.constexpr, ACC: tl.constexpr):
     """Key-side rows `[R, BK]` in the dot operands' dtype, or the accumulator's for a channel gate."""
-    if GATE == 2:
+    if GATE == CHANNEL_GATE:
         return load_rows(p, rows, ok, stride, offs_k, K, ACC)
     else:
         return load_rows(p, rows, ok, stride, offs_k, K, OP)
@@ -69,7 +69,7 @@ def load_keys(p, rows, ok, stride, offs_k, K: tl.constexpr, GATE: tl.constexpr, 
 @triton.jit
 def key_decay(x, gamma, GATE: tl.constexpr):
     """`x * exp(gamma)` for a channel gate's `[R, BK]` rows; unchanged otherwise."""
-    if GATE == 2:
+    if GATE == CHANNEL_GATE:
         return x * tl.exp(gamma)
     else:
         return x
@@ -78,7 +78,7 @@ def key_decay(x, gamma, GATE: tl.constexpr):
 @triton.jit
 def value_decay(x, gamma, GATE: tl.constexpr):
     """`x * exp(gamma)[:, None]` for a scalar gate's `[R, BV]` rows; unchanged otherwise."""
-    if GATE == 1:
+    if GATE == SCALAR_GATE:
         return x * tl.exp(gamma)[:, None]
     else:
         return x
@@ -86,16 +86,13 @@ def value_decay(x, gamma, GATE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def state_forward_kernel(
-    k, w, e, beta, v, g, G, P, X, Y, h_all, h0, ht, cu_seqlens, chunk_offsets, T, NT,
+    k, w, e, beta, v, G, P, X, Y, h_all, h0, ht, cu_seqlens, chunk_offsets, T, NT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, TC: tl.constexpr, NH: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, FORM_G: tl.constexpr = False,
+    ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr,
 ):
-    """`FORM_G` (a scalar gate, one sub-step per token): each chunk's cumulative gate is
-    formed here from the raw `g` (`gate.chunk_scalar_gate`), and stored in `G` for the
-    kernels after this one by the programs of the first V block."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     n, i_h = i_nh // H, i_nh % H
     bos, seq_len, first, count = sequence_of_program(n, T, NT, cu_seqlens, chunk_offsets, IS_VARLEN)
@@ -104,7 +101,7 @@ def state_forward_kernel(
     i_sub = tl.arange(0, BT)
     state_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
     state_offs = offs_k[:, None] * V + offs_v[None, :]
-    stride_g = H * K if GATE == 2 else H
+    stride_g = H * K if GATE == CHANNEL_GATE else H
 
     h = tl.zeros([BK, BV], dtype=ACC)
     if USE_H0:
@@ -116,23 +113,18 @@ def state_forward_kernel(
         valid = i_sub < n_tok * NH
         row_k = tok0 * NH * H * K + i_h * K
         row_v = tok0 * NH * H * V + i_h * V
-        p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
-        if FORM_G:
-            G_rows = chunk_scalar_gate(g, G, tok0, n_tok, i_h, H, BT, ACC, i_v == 0)
-            g_last = tl.sum(tl.where(i_sub == n_tok - 1, G_rows, 0.0), 0)
-            to_end = tl.where(valid, g_last - G_rows, 0.0)
-        else:
-            g_last, to_end = end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE, NH, K, ACC)
-        if MODE != 0:  # the erase read-outs first: after them the old state is dead (registers)
+        p_g = G + tok0 * stride_g + (i_h * K if GATE == CHANNEL_GATE else i_h)
+        g_last, to_end = end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE, NH, K, ACC)
+        if MODE != DIAGONAL:  # the erase read-outs first: after them the old state is dead (registers)
             pp = load_rows(P + row_k, i_sub, valid, H * K, offs_k, K, OP)
             y = load_rows(X + row_v, i_sub, valid, H * V, offs_v, V, ACC)
             y -= mm(pp, h, OP, PREC, ACC)
             store_rows(Y + row_v, y, i_sub, valid, H * V, offs_v, V)
         h = _decay_state(h, g_last, GATE)
-        if MODE != 0:
-            ee = load_keys((w if MODE == 1 else e) + row_k, i_sub, valid, H * K, offs_k, K, GATE, OP, ACC)
+        if MODE != DIAGONAL:
+            ee = load_keys((w if MODE == HOUSEHOLDER else e) + row_k, i_sub, valid, H * K, offs_k, K, GATE, OP, ACC)
             h += mm(tl.trans(key_decay(ee, to_end, GATE)), value_decay(y, to_end, GATE), OP, PREC, ACC)
-        if MODE != 1:
+        if MODE != HOUSEHOLDER:
             ww = load_keys(w + row_k, i_sub, valid, H * K, offs_k, K, GATE, OP, ACC)
             u = load_rows(v + row_v, i_sub, valid, H * V, offs_v, V, ACC)
             if HAS_BETA:
@@ -161,7 +153,7 @@ def state_backward_kernel(
     i_q = tl.arange(0, BQ)
     state_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
     state_offs = offs_k[:, None] * V + offs_v[None, :]
-    stride_g = H * K if GATE == 2 else H
+    stride_g = H * K if GATE == CHANNEL_GATE else H
 
     dh = tl.zeros([BK, BV], dtype=ACC)
     if USE_DHT:
@@ -175,7 +167,7 @@ def state_backward_kernel(
         valid_q = i_q < n_tok
         row_k = tok0 * NH * H * K + i_h * K
         row_v = tok0 * NH * H * V + i_h * V
-        p_g = G + tok0 * stride_g + (i_h * K if GATE == 2 else i_h)
+        p_g = G + tok0 * stride_g + (i_h * K if GATE == CHANNEL_GATE else i_h)
         g_last, to_end = end_decay(p_g, n_tok, i_sub, valid, stride_g, offs_k, GATE, NH, K, ACC)
 
         qq = load_keys(q + tok0 * H * K + i_h * K, i_q, valid_q, H * K, offs_k, K, GATE, OP, ACC)
@@ -183,14 +175,14 @@ def state_backward_kernel(
         d_o = load_rows(do + tok0 * H * V + i_h * V, i_q, valid_q, H * V, offs_v, V, ACC) * scale
         dh_prev = _decay_state(dh, g_last, GATE) + mm(tl.trans(key_decay(qq, g_q, GATE)), value_decay(d_o, g_q, GATE),
                                                       OP, PREC, ACC)
-        if MODE != 0:
-            ee = load_keys((w if MODE == 1 else e) + row_k, i_sub, valid, H * K, offs_k, K, GATE, OP, ACC)
+        if MODE != DIAGONAL:
+            ee = load_keys((w if MODE == HOUSEHOLDER else e) + row_k, i_sub, valid, H * K, offs_k, K, GATE, OP, ACC)
             dy = load_rows(dY + row_v, i_sub, valid, H * V, offs_v, V, ACC)
             dy += value_decay(mm(key_decay(ee, to_end, GATE), dh, OP, PREC, ACC), to_end, GATE)
             store_rows(dY + row_v, dy, i_sub, valid, H * V, offs_v, V)
             pp = load_rows(P + row_k, i_sub, valid, H * K, offs_k, K, OP)
             dh_prev -= mm(tl.trans(pp), dy, OP, PREC, ACC)
-        if MODE != 1:
+        if MODE != HOUSEHOLDER:
             ww = load_keys(w + row_k, i_sub, valid, H * K, offs_k, K, GATE, OP, ACC)
             du = load_rows(dU + row_v, i_sub, valid, H * V, offs_v, V, ACC)
             du += value_decay(mm(key_decay(ww, to_end, GATE), dh, OP, PREC, ACC), to_end, GATE)

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from archspec.kernels import linear_recurrence, osdn_write_keys
-from archspec.kernels.chunked import CHUNK_SIZE, linear_recurrence_chunked
+from archspec.kernels.chunked import linear_recurrence_chunked
+from archspec.kernels.chunking import TORCH_CHUNK_SIZE as CHUNK_SIZE
 from archspec.kernels.osdn_scan import ClippedPreconditionerScan
 
 from .cases import Case, all_cases, make_inputs, tensor_args

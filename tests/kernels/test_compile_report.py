@@ -4,7 +4,7 @@ It is the only view of registers and spills before device time is spent, so it m
 compile what the GPU launcher compiles: pointers and integers divisible by 16 are
 specialized as such, which is what lets a row load become one 16-byte vector load per
 thread. Without that every load compiled to 2-byte scalar loads and the report's register
-and spill figures were not the GPU's (session 5). A separate process: the report rebinds
+and spill figures were not the GPU's. A separate process: the report rebinds
 the kernels' launchers for the whole process.
 """
 
@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_report_compiles_deltanet_with_vector_loads(tmp_path: Path) -> None:
-    env = {**os.environ, "ARCHSPEC_DUMP": str(tmp_path)}
+    env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-m", "archspec.kernels.triton.compile_report", "deltanet"],
+    proc = subprocess.run([sys.executable, "-m", "archspec.kernels.triton.compile_report", "--plans", "deltanet",
+                           "--dump", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=280, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = re.findall(r"^deltanet\s+(\w+)\s+regs\s+(\d+)\s+stack\s+(\d+)", proc.stdout, re.M)

@@ -1,82 +1,100 @@
-"""The launch settings' guards against what the H200 refused or miscompiled
-(`kernels/triton/launch.py`). These hazards show only on a GPU, so the rules that avoid
-them are pinned here, where CI runs: a change to a default that lifts one fails here
-first, and must then pass `benchmarks/triton_gpu_check.py` on the GPU."""
+"""The launch table (`kernels/triton/launch.py`): its guards against what the H200 refused
+or miscompiled, and the one way to change it (`launch.overridden`). These hazards show only
+on a GPU, so the entries that avoid them are pinned here, where CI runs: a change to an
+entry that lifts a guard fails here first, and must then pass `benchmarks/gpu_check.py` on
+the GPU."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
+
+from archspec.kernels.kinds import Gate, Mode
 from archspec.kernels.triton import launch
-from archspec.kernels.triton.recurrence import _plan_of
+
+FAMILIES = [(mode, gate) for mode in Mode for gate in Gate]
+HALF = (torch.bfloat16, torch.float16)
+STAGE_FIELDS = ("inverse_stages", "prepare_stages", "output_stages", "backward_stages", "channels_stages",
+                "state_forward_stages", "state_backward_stages")
 
 
-def plan(dtype=torch.bfloat16, mode=1, gate=0, n_h=1):
-    # the plan the GPU launcher builds (interpret=False keeps half-precision operands)
-    return _plan_of((4, 4096, 16, 128), 128, dtype, mode, gate, mode == 1, n_h, 4, None, None, False)
-
-
-KERNELS = ("inverse", "prepare", "output", "output_backward", "backward", "channels")
-PLANS = [(mode, gate, n_h) for mode in (0, 1, 2) for gate in (0, 1, 2) for n_h in (1, 2, 8)]
-
-
-@pytest.mark.parametrize(("mode", "gate", "n_h"), PLANS)
-def test_float32_never_pipelines_deeper(mode, gate, n_h):
+@pytest.mark.parametrize(("mode", "gate"), FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_full_precision_never_pipelines_deeper(mode, gate, dtype):
     """float32 tiles take twice the shared memory: the gated state pass asked for 257 KB at
-    2 stages (the H200 has 227 KB per block), so every float32 kernel runs at 1."""
-    p = plan(torch.float32, mode, gate, n_h)
-    assert {launch.chunk_stages(p, k) for k in KERNELS} == {1}
-    assert launch.state_forward_stages(p) == launch.state_backward_stages(p) == 1
-    assert launch.state_forward_bv(p) == (p.BVS if gate == 2 else 32)
-    assert launch.inverse_warps(p, 0) == (4 if gate == 2 else 2)
+    2 stages (the H200 has 227 KB per block), so every full-precision kernel runs at 1."""
+    entry = launch.settings(mode, gate, dtype, n_h=1)
+    assert {getattr(entry, f) for f in STAGE_FIELDS} == {1}
+    assert entry.backward_warps == 8 and entry.chunk_bv == 32 and entry.min_query_rows == 32
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_settings_the_gpu_checked(dtype):
-    # the deep forward state pass: delta rules and diagonal recurrences, not RWKV-7
-    # (272 KB of shared memory with a scalar gate) nor channel gates
-    assert launch.state_forward_stages(plan(dtype, 1, 1)) == 4 and launch.state_forward_bv(plan(dtype, 1, 1)) == 64
-    assert launch.state_forward_stages(plan(dtype, 2, 1)) == 2 and launch.state_forward_bv(plan(dtype, 2, 1)) == 32
-    assert launch.state_forward_stages(plan(dtype, 1, 2)) == 2
-    # 3 backward stages for the scalar-gated delta rule only (RWKV-7's: 247 KB)
-    assert launch.state_backward_stages(plan(dtype, 1, 1)) == 3
-    assert launch.state_backward_stages(plan(dtype, 2, 1)) == 2
-    # chunk_channels_kernel at 2 stages miscompiled for GLA-channel and for RWKV-7 at n_h 8
-    assert launch.chunk_stages(plan(dtype, 0, 2), "channels") == 1
-    assert launch.chunk_stages(plan(dtype, 2, 2, 8), "channels") == 1
-    assert launch.chunk_stages(plan(dtype, 2, 2, 1), "channels") == 1
-    assert launch.chunk_stages(plan(dtype, 1, 2, 8), "channels") == 1
-    assert launch.chunk_stages(plan(dtype, 1, 2, 4), "channels") == 2
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_precision_guards(dtype):
+    def entry(mode, gate, n_h=1):
+        return launch.settings(mode, gate, dtype, n_h)
+
+    # the deep forward state pass: delta rules and diagonal recurrences, not RWKV-7 (272 KB
+    # of shared memory with a scalar gate) nor channel gates
+    assert (entry(Mode.HOUSEHOLDER, Gate.SCALAR).state_forward_stages, entry(Mode.HOUSEHOLDER, Gate.SCALAR).state_forward_bv) == (4, 64)
+    assert (entry(Mode.RWKV7, Gate.SCALAR).state_forward_stages, entry(Mode.RWKV7, Gate.SCALAR).state_forward_bv) == (2, 32)
+    assert entry(Mode.HOUSEHOLDER, Gate.CHANNEL).state_forward_stages == 2
+    # 3 backward state stages for the scalar-gated delta rule only (RWKV-7's: 247 KB)
+    assert entry(Mode.HOUSEHOLDER, Gate.SCALAR).state_backward_stages == 3
+    assert entry(Mode.RWKV7, Gate.SCALAR).state_backward_stages == 2
+    # chunk_channels_kernel at 2 stages miscompiled for GLA-channel and for RWKV-7 at n_h 8;
+    # KDA's was checked right up to n_h 4
+    assert entry(Mode.DIAGONAL, Gate.CHANNEL).channels_stages == 1
+    assert entry(Mode.RWKV7, Gate.CHANNEL, 8).channels_stages == entry(Mode.RWKV7, Gate.CHANNEL).channels_stages == 1
+    assert entry(Mode.HOUSEHOLDER, Gate.CHANNEL, 8).channels_stages == 1
+    assert entry(Mode.HOUSEHOLDER, Gate.CHANNEL, 4).channels_stages == 2
     # the one-kernel backward and chunk_pairs_kernel stay at 1 (slower at 2)
-    assert {launch.chunk_stages(plan(dtype, m, g), "backward") for m in (0, 1, 2) for g in (0, 1, 2)} == {1}
+    assert {entry(m, g).backward_stages for m, g in FAMILIES} == {1}
+    # 4 backward warps only for the ungated delta rule: at 4 KDA's channel kernels gave
+    # gradients 7e-2 off and GLA-channel's an illegal memory access (miscompiles)
+    assert {(m, g) for m, g in FAMILIES if entry(m, g).backward_warps == 4} == {(Mode.HOUSEHOLDER, Gate.NONE)}
+    # K slices of 64 with a channel gate's delta rule (32 gave d_k = inf in bfloat16 for KDA
+    # and RWKV-7), 32 for GLA-channel, whose capped registers pay for it
+    assert entry(Mode.HOUSEHOLDER, Gate.CHANNEL).backward_bk == entry(Mode.RWKV7, Gate.CHANNEL).backward_bk == 64
+    assert (entry(Mode.DIAGONAL, Gate.CHANNEL).backward_bk, entry(Mode.DIAGONAL, Gate.CHANNEL).backward_maxnreg) == (32, 128)
+    # 64-wide V blocks in the state backward (32-wide miscompiled with 8-warp chunk kernels)
+    assert {entry(m, g).state_bv for m, g in FAMILIES} == {64}
 
 
-def test_environment_overrides_every_default(monkeypatch):
-    monkeypatch.setattr(launch, "STAGES", "3")
-    monkeypatch.setattr(launch, "STATE_STAGES", "1")
-    p = plan()
-    assert {launch.chunk_stages(p, k) for k in KERNELS} == {3}
-    assert launch.state_forward_stages(p) == launch.state_backward_stages(p) == 1
+def test_overrides_apply_inside_the_block_and_nest():
+    base = launch.settings(Mode.HOUSEHOLDER, Gate.NONE, torch.bfloat16, 1)
+    with launch.overridden(backward_warps=2, state_forward_stages=1):
+        inner = launch.settings(Mode.HOUSEHOLDER, Gate.NONE, torch.bfloat16, 1)
+        assert (inner.backward_warps, inner.state_forward_stages) == (2, 1)
+        assert launch.settings(Mode.RWKV7, Gate.CHANNEL, torch.float32, 1).backward_warps == 2  # every family
+        with launch.overridden(backward_warps=16, scan_prefetch=3):
+            nested = launch.settings(Mode.HOUSEHOLDER, Gate.NONE, torch.bfloat16, 1)
+            assert (nested.backward_warps, nested.state_forward_stages) == (16, 1)
+            assert launch.scan_settings().scan_prefetch == 3
+        assert launch.settings(Mode.HOUSEHOLDER, Gate.NONE, torch.bfloat16, 1).backward_warps == 2
+    assert launch.settings(Mode.HOUSEHOLDER, Gate.NONE, torch.bfloat16, 1) == base
+    assert launch.scan_settings().scan_prefetch == launch.HALF.scan_prefetch
 
 
-@pytest.mark.parametrize(("mode", "gate", "n_h"), PLANS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_the_backward_runs_at_4_warps_only_where_the_gpu_checked_it(dtype, mode, gate, n_h):
-    """The last backward kernels at 4 warps: only the ungated delta rule's one kernel in
-    half precision (checked right, and faster, on the H200 in session 9). KDA's channel
-    kernels gave gradients 7e-2 off and GLA-channel's an illegal memory access at 4: a
-    channel gate keeps 8, and so does a scalar gate (slower at 4) and float32 (untimed)."""
-    p = plan(dtype, mode, gate, n_h)
-    four = dtype != torch.float32 and mode == 1 and gate == 0
-    assert launch.backward_warps(p) == (4 if four else p.warps)
-    if gate == 2:
-        assert launch.backward_warps(p) == 8
+@pytest.mark.parametrize("settings", [{"backward_warp": 4}, {"backward_warps": -1}, {"backward_warps": 2.5},
+                                      {"backward_warps": True}])
+def test_overrides_refuse_unknown_names_and_bad_values(settings):
+    with pytest.raises(ValueError, match="launch settings"), launch.overridden(**settings):
+        pass
 
 
-def test_the_read_out_is_one_program_per_chunk_unless_asked(monkeypatch):
-    """Not split over V (session 9: DeltaNet's read-out 0.140 -> 0.113 ms whole);
-    ARCHSPEC_TRITON_OUTPUT_SPLIT=1 splits it, for every plan."""
-    assert not any(launch.output_split(plan(torch.bfloat16, m, g)) for m in (0, 1, 2) for g in (0, 1, 2))
-    monkeypatch.setattr(launch, "OUTPUT_SPLIT", "1")
-    monkeypatch.setattr(launch, "BACKWARD_WARPS", "16")
-    assert launch.output_split(plan()) and launch.backward_warps(plan(gate=2)) == 16
+def test_no_environment_variable_changes_a_kernel():
+    """`kernels/` reads the environment for one thing: whether Triton runs its interpreter
+    (`TRITON_INTERPRET`, Triton's own switch). The SASS dump of `compile_report` is an
+    argument, not a variable."""
+    root = Path(__file__).resolve().parents[2] / "kernels"
+    reads = []
+    for path in sorted(root.rglob("*.py")):
+        for line in path.read_text().splitlines():
+            for name in re.findall(r"environ(?:\.get)?\(?\[?[\"']([A-Z_]+)", line):
+                reads.append((path.name, name))
+            if "getenv" in line:
+                reads.append((path.name, line.strip()))
+    assert {name for _, name in reads} <= {"TRITON_INTERPRET"}, reads

@@ -9,7 +9,7 @@ precisions are checked separately against the float64 reference.
 
 Every test compares outputs, the final state and the gradient of every input (q, k, v,
 g, beta, write_key, erase, initial_state) under random output and state cotangents.
-The GPU counterpart at realistic shapes is `benchmarks/triton_gpu_check.py`.
+The GPU counterpart at realistic shapes is `benchmarks/gpu_check.py`.
 """
 
 from __future__ import annotations
@@ -131,95 +131,16 @@ SCALAR_PATHS = [
     [(48, 16, CHANNEL_PATHS), (40, 16, CHANNEL_PATHS[1::2]), (24, 64, CHANNEL_PATHS[::3]), (48, 16, SCALAR_PATHS)],
     ids=["K48-3slices", "K40-ragged", "K24-one-slice", "K48-scalar-or-no-gate"],
 )
-def test_backward_in_k_slices(monkeypatch, K: int, slice_k: int, paths: list[Case]) -> None:
-    """The backward's per-channel phases over slices of K (`ARCHSPEC_TRITON_BACKWARD_BK`):
+def test_backward_in_k_slices(K: int, slice_k: int, paths: list[Case]) -> None:
+    """The backward's per-channel phases over slices of K (the launch table's `backward_bk`):
     several slices, a last slice that reaches past K (its columns masked), a K below the
     slice width; with a channel gate one program per slice (`backward_channel.py`)."""
     from archspec.kernels.triton import launch
 
-    monkeypatch.setattr(launch, "BACKWARD_BK", slice_k)
-    for case in paths:
-        inputs = make_inputs(case, B=1, T=20, H=2, K=K, V=16, device=DEVICE, seed=8)
-        _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
-
-
-@pytest.mark.parametrize("K,slice_k", [(32, None), (48, 16)], ids=["two-64-or-one", "K48-3slices"])
-def test_ungated_backward_in_two_kernels(monkeypatch, K: int, slice_k: int | None) -> None:
-    """`ARCHSPEC_TRITON_SPLIT_UNGATED=1` (opt-in): DeltaNet, DeltaProduct and an ungated
-    RWKV-7 run the backward's last step as `chunk_pairs_kernel` + `chunk_channels_kernel`,
-    one program per K slice, like a channel gate."""
-    from archspec.kernels.triton import launch, recurrence
-
-    launches = []
-
-    class Counted:  # the pairs kernel's launches, to see that the split path ran
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return self.kernel[grid]
-
-    monkeypatch.setattr(launch, "SPLIT_UNGATED", True)
-    monkeypatch.setattr(launch, "BACKWARD_BK", slice_k)
-    monkeypatch.setattr(recurrence, "chunk_pairs_kernel", Counted(recurrence.chunk_pairs_kernel))
-    for case in (Case(gate="none", transition="householder", initial_state=True),
-                 Case(gate="none", transition="householder", n_h=3, beta_scale=2.0),
-                 Case(gate="none", transition="rwkv7", write_key="untied")):
-        inputs = make_inputs(case, B=1, T=20, H=2, K=K, V=16, device=DEVICE, seed=12)
-        _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
-    assert len(launches) == 3
-
-
-def test_scalar_gate_formed_in_the_first_kernel(monkeypatch) -> None:
-    """`ARCHSPEC_TRITON_GATE_IN_FIRST=1` (opt-in): no cumulative-gate launch for a scalar
-    gate; the inverse (delta rules) or the state pass (diagonal) forms it and stores it for
-    the kernels after it and the backward. Every scalar-gate path (n_h 1-3, rwkv7, GLA, a
-    packed batch with a short and an empty sequence), forward and backward, against the
-    token loop; and the gate's launch still made where the state pass cannot form it (a
-    diagonal transition with sub-steps) and for a channel gate."""
-    from archspec.kernels.triton import launch, recurrence
-
-    launches = []
-    cumsum = recurrence.gate_cumsum_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return cumsum[grid]
-
-    monkeypatch.setattr(launch, "GATE_IN_FIRST", True)
-    monkeypatch.setattr(recurrence, "gate_cumsum_kernel", Counted())
-    for case in SCALAR_PATHS[1:] + [Case(gate="scalar", transition="householder", n_h=3, initial_state=True)]:
-        inputs = make_inputs(case, B=2, T=21, H=2, K=16, V=16, device=DEVICE, seed=13)
-        _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
-    case = Case(gate="scalar", transition="householder", n_h=2, initial_state=True)
-    inputs, cu = _packed(case, [13, 0, 30], seed=14)
-    got = _run(lambda a: linear_recurrence_triton(**a, output_final_state=True, cu_seqlens=cu, chunk_size=16), inputs)
-    ref = {k: (v.detach().double().cpu().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
-    want = _run(lambda a: linear_recurrence(**a, output_final_state=True, cu_seqlens=cu.cpu(), backend="naive"), ref)
-    _assert_close(got, want, tol=1e-9)
-    inputs, cu = _packed(Case(gate="scalar", transition="diagonal"), [13, 0, 30], seed=15)
-    got = _run(lambda a: linear_recurrence_triton(**a, output_final_state=True, cu_seqlens=cu, chunk_size=16), inputs)
-    ref = {k: (v.detach().double().cpu().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
-    want = _run(lambda a: linear_recurrence(**a, output_final_state=True, cu_seqlens=cu.cpu(), backend="naive"), ref)
-    _assert_close(got, want, tol=1e-9)
-    assert not launches
-    for case in (Case(gate="scalar", transition="diagonal", n_h=2), Case(gate="channel", transition="householder")):
-        inputs = make_inputs(case, B=1, T=21, H=2, K=16, V=16, device=DEVICE, seed=16)
-        _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
-    assert len(launches) == 2
-
-
-def test_channel_backward_in_one_kernel(monkeypatch) -> None:
-    """`ARCHSPEC_TRITON_CHANNEL_SPLIT=0`: the channel-gate backward in `chunk_backward_kernel`
-    (the whole of K in one program), kept for comparison on the GPU."""
-    from archspec.kernels.triton import launch
-
-    monkeypatch.setattr(launch, "CHANNEL_SPLIT", False)
-    for case in CHANNEL_PATHS:
-        inputs = make_inputs(case, B=1, T=20, H=2, K=16, V=16, device=DEVICE, seed=9)
-        _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
+    with launch.overridden(backward_bk=slice_k):
+        for case in paths:
+            inputs = make_inputs(case, B=1, T=20, H=2, K=K, V=16, device=DEVICE, seed=8)
+            _assert_close(_triton(inputs), _naive(inputs), tol=1e-9)
 
 
 def test_default_chunk_and_deep_products() -> None:
@@ -230,23 +151,9 @@ def test_default_chunk_and_deep_products() -> None:
         _assert_close(_triton(inputs, chunk_size=None), _naive(inputs), tol=1e-9)
 
 
-@pytest.mark.parametrize("chunk_size", [16, None])
-def test_inverse_by_doubling_matches_naive(monkeypatch, chunk_size) -> None:
-    """The other UT inverse (`solve.py`, `ARCHSPEC_TRITON_SOLVE=doubling`) on the paths
-    whose inverse matters most: products of reflections (beta up to 2, n_h = 3) and
-    RWKV-7's erase with a channel gate; the production chunk of 64 and a chunk of 16."""
-    from archspec.kernels.triton import launch
-
-    monkeypatch.setattr(launch, "SOLVE", "doubling")
-    for case in (Case(gate="scalar", transition="householder", n_h=3, beta_scale=2.0, initial_state=True),
-                 Case(gate="channel", transition="rwkv7", write_key="untied", beta_scale=2.0)):
-        inputs = make_inputs(case, B=1, T=40, H=1, K=16, V=16, device=DEVICE, seed=3)
-        _assert_close(_triton(inputs, chunk_size=chunk_size), _naive(inputs), tol=1e-9)
-
-
 def test_float32_deep_products_use_wider_query_tiles() -> None:
     """float32 with n_h = 4 and 8 at the production chunk: 16 and 8 query tokens in a
-    32-row tile (`recurrence._min_query_rows`), the empty rows masked."""
+    32-row tile (the launch table's `min_query_rows`), the empty rows masked."""
     for n_h in (4, 8):
         case = Case(gate="scalar", transition="householder", n_h=n_h, beta_scale=2.0, initial_state=True)
         inputs = make_inputs(case, B=1, T=21, H=1, K=16, V=16, device=DEVICE, seed=n_h)

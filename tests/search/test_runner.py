@@ -54,7 +54,7 @@ def params_of(tmp_path: Path, overrides: dict) -> float:
     task = make_task(search.tasks[0])
     from archspec import load_spec
 
-    return cost_metrics(load_spec(TINY, list(overrides.items()) + [("model.vocab_size", task.vocab_size)]))["params"]
+    return cost_metrics(load_spec(TINY, list(overrides.items()) + [("model.vocab_size", task.vocab_size)]), gpu=False)["params"]
 
 
 FAILURES = """\

@@ -1,0 +1,301 @@
+"""What the kernel benchmark, the GPU check and the sweep share: plans from `specs/models`
+through the compiler, inputs that look like a layer's, the peer's call, timing, results.
+
+A plan is a model spec (with optional `--set`-style overrides) lowered by `archspec.lower`:
+the benchmarks time the recurrence that spec's layers run, never a second description of it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import platform
+import subprocess
+import multiprocessing as mp
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from archspec.blocks.plan import RecurrencePlan
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = ROOT / "specs" / "models"
+
+# Gate statistics (log-decay per token). Mild: `logsigmoid(x + 4)`, a few nats per 64-token
+# chunk, so a channel gate's chunks stay within `decay.py`'s bound (one product each).
+# Strong: `logsigmoid(x)` clamped at -5, what the channel gates of trained KDA layers
+# produce: most chunks decay past the bound (the sub-chunk paths).
+GATE_REGIMES = ("mild", "strong")
+STRONG_GATE_FLOOR = -5.0
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One benchmarked recurrence: a row name and its plan."""
+
+    name: str
+    spec: str  # a file in specs/models, without .yaml
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def plan(self) -> RecurrencePlan:
+        import archspec
+
+        return archspec.lower(archspec.load_spec(SPECS / f"{self.spec}.yaml", list(self.overrides))).mixer
+
+
+# The benchmarked recurrences: every spec of specs/models, and larger n_h and the other
+# gate kinds where a spec fixes them.
+PLANS = [
+    Bench("deltanet", "deltanet"),
+    Bench("gated-deltanet", "gated-deltanet"),
+    Bench("kda", "kda"),
+    Bench("rwkv7", "rwkv7"),
+    Bench("gla", "gla"),
+    Bench("gla-scalar", "gla", (("mixer.gate", "scalar"),)),
+    Bench("deltaproduct-2", "deltaproduct-2"),
+    Bench("deltaproduct-3", "deltaproduct-3"),
+    Bench("deltaproduct-4", "deltaproduct-2", (("mixer.transition.n_h", 4),)),
+    Bench("gated-deltaproduct-2", "gated-deltaproduct-2"),
+    Bench("gated-deltaproduct-3", "gated-deltaproduct-2", (("mixer.transition.n_h", 3),)),
+    Bench("gated-deltaproduct-4", "gated-deltaproduct-2", (("mixer.transition.n_h", 4),)),
+    Bench("osdn", "osdn"),
+    Bench("osdn-apf", "osdn-apf"),
+    Bench("osgdn", "osgdn-apf", (("mixer.preconditioner.apf", False),)),
+    Bench("osgdn-apf", "osgdn-apf"),
+    Bench("oskda", "oskda"),
+]
+
+
+def make_inputs(plan: RecurrencePlan, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: Any,
+                gates: str = "mild", seed: int = 0, states: bool = False, lengths: list[int] | None = None) -> dict:
+    """Leaf tensors as the plan's layer produces them: unit keys, sigmoid beta and erase,
+    log-sigmoid gates (`GATE_REGIMES`), the OSDN-APF retain gate. `states` adds an initial
+    state (float32); `lengths` packs sequences of these token counts into one row (`B = 1`,
+    `T = sum(lengths)`) and adds `cu_seqlens`."""
+    if lengths is not None:
+        assert B == 1 and sum(lengths) == T, "a packed batch is one row of sum(lengths) tokens"
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    n = plan.n_h
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    def log_gate(*shape):
+        x = rand(*shape)
+        return F.logsigmoid(x + 4.0) if gates == "mild" else F.logsigmoid(x).clamp_min(STRONG_GATE_FLOOR)
+
+    x: dict = {"q": F.normalize(rand(B, T, H, K), dim=-1), "k": F.normalize(rand(B, T * n, H, K), dim=-1),
+               "v": rand(B, T * n, H, V)}
+    if plan.gate == "scalar":
+        x["g"] = log_gate(B, T, H)
+    elif plan.gate == "channel":
+        x["g"] = log_gate(B, T, H, K)
+    if plan.transition == "householder":
+        x["beta"] = plan.beta_scale * torch.sigmoid(rand(B, T * n, H))
+    if plan.transition == "rwkv7":
+        x["erase"] = plan.beta_scale * torch.sigmoid(rand(B, T * n, H, K)) * x["k"]
+        x["write_key"] = F.normalize(rand(B, T * n, H, K), dim=-1)
+    if plan.preconditioner is not None and plan.preconditioner.apf:
+        x["retain"] = torch.sigmoid(rand(B, T, H) + 4.0)
+    out = {name: val.to(dtype).requires_grad_() for name, val in x.items()}
+    if states:
+        rows = B if lengths is None else len(lengths)
+        out["initial_state"] = (0.1 * rand(rows, H, K, V)).requires_grad_()
+    if lengths is not None:
+        out["cu_seqlens"] = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+    return out
+
+
+def run_ours(plan: RecurrencePlan, inputs: dict, backend: str, **options) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(o, final_state)` of the plan on `backend`, OSDN's write keys included, as the
+    plan's mixer calls the kernels."""
+    from archspec.kernels import linear_recurrence, osdn_write_keys
+
+    args = {k: v for k, v in inputs.items() if k != "retain"}
+    if plan.preconditioner is not None:
+        pre = plan.preconditioner
+        args["write_key"], _ = osdn_write_keys(
+            inputs["k"], inputs["beta"], eta=pre.eta, d_min=pre.d_min, d_max=pre.d_max, retain=inputs.get("retain"),
+            beta_aware=pre.beta_aware, cu_seqlens=inputs.get("cu_seqlens"), n_h=plan.n_h, backend=backend)
+    return linear_recurrence(**args, gate=plan.gate, n_h=plan.n_h, backend=backend, **options)
+
+
+def fla_op(plan: RecurrencePlan) -> str | None:
+    """The `fla.ops` function of the same recurrence, or None where flash-linear-attention
+    has none (OSDN; RWKV-7 with a scalar gate; sub-steps with a channel gate)."""
+    if plan.preconditioner is not None:
+        return None
+    if plan.transition == "householder" and plan.n_h > 1:
+        return None if plan.gate == "channel" else "gated_delta_product"
+    if plan.n_h > 1:
+        return None
+    return {("householder", "none"): "delta_rule", ("householder", "scalar"): "gated_delta_rule",
+            ("householder", "channel"): "kda", ("diagonal", "channel"): "gla", ("diagonal", "scalar"): "simple_gla",
+            ("rwkv7", "channel"): "rwkv7"}.get((plan.transition, plan.gate))
+
+
+def fla_call(plan: RecurrencePlan, x: dict) -> Callable[[], Any] | None:
+    """flash-linear-attention's call of the plan's recurrence on the inputs `x`, or None
+    (`fla_op`); raises ImportError without fla."""
+    op = fla_op(plan)
+    if op is None:
+        return None
+    import importlib
+
+    fn = getattr(importlib.import_module(f"fla.ops.{op}"), f"chunk_{op}")
+    g = None if x.get("g") is None else x["g"].float()
+    if op == "gated_delta_product":
+        return lambda: fn(x["q"], x["k"], x["v"], g, x["beta"], num_householder=plan.n_h)
+    if op == "delta_rule":
+        return lambda: fn(x["q"], x["k"], x["v"], x["beta"])
+    if op in ("gated_delta_rule", "kda"):
+        return lambda: fn(x["q"], x["k"], x["v"], g, x["beta"])
+    if op in ("gla", "simple_gla"):
+        return lambda: fn(x["q"], x["k"], x["v"], g)
+    # RWKV-7's DPLR form: S <- S (D + a b^T) + k v^T with a = -(erase direction), b = key
+    return lambda: fn(x["q"], x["g"], x["write_key"], x["v"], -x["k"], x["erase"])
+
+
+def forward_and_backward(fn: Callable[[], Any], inputs: dict) -> Callable[[], None]:
+    """One forward and backward of `fn` from fixed output gradients (as fla's benchmarks
+    do: a loss inside the step would add its own kernels to every row alike)."""
+    leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+    o, s = fn()
+    with_state = s is not None and s.requires_grad  # a peer may hand back a detached state
+    grads = [1e-3 * torch.randn_like(o)] + ([1e-3 * torch.randn_like(s)] if with_state else [])
+    del o, s
+
+    def step() -> None:
+        o, s = fn()
+        torch.autograd.grad([o] + ([s] if with_state else []), leaves, grads, allow_unused=True)
+
+    return step
+
+
+def median_ms(fn: Callable[[], Any]) -> float:
+    """The median time of `fn`, ms (`triton.testing.do_bench`: CUDA events around each call)."""
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+
+
+def machine() -> dict:
+    """The machine, versions, date and commit a result was measured at; `kernels_sha1`
+    fingerprints the kernel sources (a copied tree's .git can be stale)."""
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "date": datetime.date.today().isoformat()}
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        cwd=ROOT, check=False).stdout.strip() or None
+    except OSError:
+        info["commit"] = None
+    sources = sorted((ROOT / "kernels").rglob("*.py"))
+    info["kernels_sha1"] = hashlib.sha1(b"".join(f.read_bytes() for f in sources)).hexdigest()[:12]
+    for package in ("triton", "fla"):
+        try:
+            info[package] = __import__(package).__version__
+        except (ImportError, AttributeError):
+            info[package] = None
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    return info
+
+
+def write_results(out: Path, name: str, results: dict, table: str) -> None:
+    """`out/name.json` and `out/name.md`, each written whole or not at all."""
+    from archspec.atomic import write_text_atomic
+
+    write_text_atomic(out / f"{name}.json", json.dumps(results, indent=1))
+    write_text_atomic(out / f"{name}.md", table)
+
+
+# ----------------------------------------------------------------------------- compile first
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """Run one implementation of a plan forward and backward once, as the timing or the
+    check will, so that its kernels are compiled into Triton's disk cache."""
+
+    bench: Bench
+    impl: str  # "ours" | "fla"
+    gates: str
+    dtype: str
+    shape: tuple[int, int, int, int, int]  # B, T, H, K, V
+    states: bool = False
+    lengths: tuple[int, ...] | None = None
+    shard: tuple[int, int] | None = None  # fla's autotuners compile configs[j::n] only
+
+
+def _compile_only(self, kernel_call, quantiles=None):  # an autotuner's timing, replaced: launch once
+    kernel_call()
+    return [0.0, 0.0, 0.0]
+
+
+_SHARD: tuple[int, int] | None = None
+
+
+def _worker_init() -> None:
+    """Autotuners in a compile worker compile (and launch once) only this job's share of
+    their configs; the measuring process times them all itself, alone on the GPU."""
+    os.environ["FLA_CACHE_RESULTS"] = "0"  # a share's pick (every timing 0) must not reach fla's disk cache
+    from triton.runtime.autotuner import Autotuner
+
+    prune, run = Autotuner.prune_configs, Autotuner.run
+
+    def shard_prune(self, kwargs):
+        configs = prune(self, kwargs)
+        j, n = _SHARD or (0, 1)
+        return configs[j::n] or configs[j % len(configs):][:1]
+
+    def fresh_run(self, *args, **kwargs):  # tune again for each job: a reused worker compiles its share
+        self.cache.clear()
+        return run(self, *args, **kwargs)
+
+    Autotuner.prune_configs, Autotuner.run = shard_prune, fresh_run
+    Autotuner.do_bench = property(lambda self: _compile_only)
+
+
+def _compile(job: CompileJob) -> str:
+    global _SHARD
+    _SHARD = job.shard
+    try:
+        x = make_inputs(job.bench.plan, *job.shape, getattr(torch, job.dtype), "cuda", gates=job.gates,
+                        states=job.states, lengths=None if job.lengths is None else list(job.lengths))
+        if job.impl == "fla":
+            fn = fla_call(job.bench.plan, x)
+        else:
+            fn = lambda: run_ours(job.bench.plan, x, "triton", output_final_state=job.states)  # noqa: E731
+        if fn is not None:
+            fn()
+            forward_and_backward(fn, x)()
+        torch.cuda.synchronize()
+        return "ok"
+    except Exception as err:  # noqa: BLE001  (a refusal or a fault is reported by the timing or the check)
+        return first_line(err)
+    finally:
+        torch.cuda.empty_cache()  # an idle worker must not hold its peak while the others compile
+
+
+def compile_in_workers(jobs: list[CompileJob], workers: int, fla_shards: int = 1, fresh_process: bool = False) -> list[str]:
+    """Compile every job's kernels in `workers` spawned processes (fla's jobs split into
+    `fla_shards` shares of their autotune configs); `fresh_process`: one process per job, so
+    that a kernel fault in one cannot poison the CUDA context of the next. The statuses."""
+    from dataclasses import replace
+
+    expanded = [replace(job, shard=(j, fla_shards)) if job.impl == "fla" else job
+                for job in jobs for j in range(fla_shards if job.impl == "fla" else 1)]
+    with mp.get_context("spawn").Pool(workers, initializer=_worker_init, maxtasksperchild=1 if fresh_process else None) as pool:
+        return pool.map(_compile, expanded, chunksize=1)

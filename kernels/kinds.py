@@ -1,0 +1,52 @@
+"""Names for what selects a code path: the gate kind and the transition (the kernel's mode).
+
+The plan (`blocks.plan.RecurrencePlan`) says `gate: "none" | "scalar" | "channel"` and
+`transition: "diagonal" | "householder" | "rwkv7"`; these enums carry the same names to
+the backends, and their integer values are what the Triton kernels specialize on
+(`triton/kinds.py` names them there as `tl.constexpr`s).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+
+class Gate(IntEnum):
+    """The decay applied once per token: none, one scalar per head `[B, T, H]`, or one
+    value per key channel `[B, T, H, K]`."""
+
+    NONE = 0
+    SCALAR = 1
+    CHANNEL = 2
+
+    @classmethod
+    def named(cls, name: str) -> Gate:
+        """`Gate.named("scalar")`: the plan's name of a gate kind."""
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(f"gate must be one of {[g.name.lower() for g in cls]}, got {name!r}") from None
+
+    @classmethod
+    def of(cls, g: torch.Tensor | None) -> Gate:
+        """The kind a gate tensor's shape stands for (the public API's contract)."""
+        if g is None:
+            return cls.NONE
+        return cls.SCALAR if g.dim() == 3 else cls.CHANNEL
+
+
+class Mode(IntEnum):
+    """The transition, as the kernels see it: which writes and erases a sub-step has."""
+
+    DIAGONAL = 0  # S += w v^T (no delta rule)
+    HOUSEHOLDER = 1  # the delta rule: S += beta w (v - S^T k)^T
+    RWKV7 = 2  # an erase vector and an untied write key
+
+    @classmethod
+    def of(cls, beta: torch.Tensor | None, erase: torch.Tensor | None) -> Mode:
+        """The mode that `linear_recurrence`'s arguments select (`RECURRENCE.md`)."""
+        if erase is not None:
+            return cls.RWKV7
+        return cls.HOUSEHOLDER if beta is not None else cls.DIAGONAL

@@ -8,6 +8,7 @@ the benchmarks time the recurrence that spec's layers run, never a second descri
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import platform
@@ -45,9 +46,14 @@ class Bench:
 
     @property
     def plan(self) -> RecurrencePlan:
-        import archspec
+        return _lowered(self.spec, self.overrides)
 
-        return archspec.lower(archspec.load_spec(SPECS / f"{self.spec}.yaml", list(self.overrides))).mixer
+
+@functools.lru_cache(maxsize=None)
+def _lowered(spec: str, overrides: tuple[tuple[str, Any], ...]) -> RecurrencePlan:
+    import archspec
+
+    return archspec.lower(archspec.load_spec(SPECS / f"{spec}.yaml", list(overrides))).mixer
 
 
 # The benchmarked recurrences: every spec of specs/models, and larger n_h and the other

@@ -90,11 +90,39 @@ def floors(bench: Bench, inputs: dict, shape: dict) -> dict:
     }
 
 
-def calls(bench: Bench, inputs: dict, with_fla: bool) -> dict:
-    """`{impl: {pass: fn}}` for ours and, where it has the recurrence, fla's."""
+def kernels_before(path: Path):
+    """An earlier copy of `kernels/` (`git archive REV kernels | tar -x -C PATH`) imported as
+    a package of its own, to time beside the current kernels (`--against`)."""
+    import importlib.util
+
+    init = path / "kernels" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("kernels_before", init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels_before"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_before(module, plan, inputs: dict, **options):
+    """`run_ours` on the earlier kernels (whose API may not take `gate`: the shape says it)."""
+    args = {k: v for k, v in inputs.items() if k != "retain"}
+    if plan.preconditioner is not None:
+        pre = plan.preconditioner
+        args["write_key"], _ = module.osdn_write_keys(
+            inputs["k"], inputs["beta"], eta=pre.eta, d_min=pre.d_min, d_max=pre.d_max, retain=inputs.get("retain"),
+            beta_aware=pre.beta_aware, n_h=plan.n_h, backend="triton")
+    return module.linear_recurrence(**args, n_h=plan.n_h, backend="triton", **options)
+
+
+def calls(bench: Bench, inputs: dict, with_fla: bool, before=None) -> dict:
+    """`{impl: {pass: fn}}` for ours, the earlier kernels (`before`) if given, and fla's
+    where it has the recurrence."""
     plan = bench.plan
     ours = functools.partial(run_ours, plan, inputs, "triton")
     out = {"ours": {"forward": ours, "forward+backward": forward_and_backward(ours, inputs)}}
+    if before is not None:
+        earlier = functools.partial(run_before, before, plan, inputs)
+        out["before"] = {"forward": earlier, "forward+backward": forward_and_backward(earlier, inputs)}
     try:
         peer = fla_call(plan, inputs) if with_fla else None
     except ImportError as err:
@@ -118,12 +146,12 @@ def quick_tuning(rep_ms: int) -> None:
 # ----------------------------------------------------------------------------- timing
 
 
-def time_plan(bench: Bench, gates: str, shape: dict, rounds: int, with_fla: bool, time_fn) -> dict:
+def time_plan(bench: Bench, gates: str, shape: dict, rounds: int, with_fla: bool, time_fn, before=None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     inputs = make_inputs(bench.plan, *(shape[n] for n in "BTHKV"), torch.bfloat16, device, gates=gates)
     row: dict = {"plan": bench.name, "gates": gates, "floors": floors(bench, inputs, shape), "ms": {}, "errors": {}}
     try:
-        fns = calls(bench, inputs, with_fla)
+        fns = calls(bench, inputs, with_fla, before)
     except Exception as err:  # noqa: BLE001  (ours failing is a result: the row says so)
         row["errors"]["ours"] = first_line(err)
         return row
@@ -161,6 +189,18 @@ def markdown(results: dict) -> str:
                       f"{ours / peer:.2f}" if ours and peer else "—"]
         lines.append("| " + " | ".join(cells) + " |")
     errors = [f"- {row['plan']} ({row['gates']}), {what}: {err}" for row in results["rows"] for what, err in row["errors"].items()]
+    compared = [row for row in results["rows"] if "before" in row["ms"].get("forward", {})]
+    if compared:
+        lines += ["", f"Against the kernels of {results.get('against')} (both timed alternately in this run):", "",
+                  "| plan | gates | before fwd | ours fwd | ours/before | before f+b | ours f+b | ours/before |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for row in compared:
+            cells = [row["plan"], row["gates"]]
+            for key in PASSES:
+                ms = row["ms"].get(key, {})
+                cells += [fmt(ms.get("before")), fmt(ms.get("ours")),
+                          f"{ms['ours'] / ms['before']:.3f}" if ms.get("ours") and ms.get("before") else "—"]
+            lines.append("| " + " | ".join(cells) + " |")
     if errors:
         lines += ["", "Refusals and errors:", *errors]
     if results.get("stopped"):
@@ -174,10 +214,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gates", default=",".join(GATE_REGIMES), help="gate regimes of the gated plans")
     parser.add_argument("--shape", default="4,4096,16,128,128", help="B,T,H,K,V")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of ours and fla's call")
-    parser.add_argument("--no-fla", action="store_true", help="ours only")
+    parser.add_argument("--fla", default="all", help="the plans timed beside fla's kernel: all (those it has), none, or a,b")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no plan after this many seconds")
     parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)), help="compile processes")
     parser.add_argument("--fla-shards", type=int, default=6, help="compile jobs that share one fla plan's configs")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="a folder holding an earlier copy of kernels/ (git archive REV kernels | tar -x -C DIR): "
+                        "timed beside the current kernels, alternately")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, ours only: the script runs")
     args = parser.parse_args(argv)
@@ -192,24 +235,27 @@ def main(argv: list[str] | None = None) -> dict:
     time_fn = median_ms
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        args.shape, args.no_fla, args.rounds = "1,32,1,16,16", True, 1
+        args.shape, args.fla, args.rounds = "1,32,1,16,16", "none", 1
         time_fn = lambda fn: (fn(), 0.0)[1]  # noqa: E731  (the interpreter has no timer: run each path once)
     B, T, H, K, V = (int(x) for x in args.shape.split(","))
     shape = dict(B=B, T=T, H=H, K=K, V=V)
     work = [(b, gates) for b in benches for gates in regimes(b, asked)]
+    with_fla = {b.name for b in benches} if args.fla == "all" else set() if args.fla == "none" else set(args.fla.split(","))
     if torch.cuda.is_available() and args.workers > 0:
-        impls = ["ours"] + ([] if args.no_fla else ["fla"])
-        jobs = [CompileJob(b, impl, g, "bfloat16", (B, T, H, K, V)) for b, g in work for impl in impls]
+        jobs = [CompileJob(b, impl, g, "bfloat16", (B, T, H, K, V)) for b, g in work
+                for impl in ("ours", "fla") if impl == "ours" or b.name in with_fla]
         statuses = compile_in_workers(jobs, args.workers, args.fla_shards)
         print(f"[{time.monotonic() - start:6.1f}s] compiled: {sum(s == 'ok' for s in statuses)} of {len(statuses)} jobs ok",
               flush=True)
         quick_tuning(20)
-    results = {"machine": machine(), "shape": shape, "rounds": args.rounds, "rows": [], "stopped": None}
+    results = {"machine": machine(), "shape": shape, "rounds": args.rounds, "rows": [], "stopped": None,
+               "against": None if args.against is None else str(args.against)}
+    before = None if args.against is None else kernels_before(args.against)
     for bench, gates in work:
         if time.monotonic() - start > args.budget_s:
             results["stopped"] = f"budget of {args.budget_s:.0f} s spent before {bench.name} ({gates})"
             break
-        row = time_plan(bench, gates, shape, args.rounds, not args.no_fla, time_fn)
+        row = time_plan(bench, gates, shape, args.rounds, bench.name in with_fla, time_fn, before)
         results["rows"].append(row)
         print(f"[{time.monotonic() - start:6.1f}s] {bench.name} ({gates}): {row['ms']} {row['errors'] or ''}", flush=True)
         write_results(args.out, "kernel_times", results, markdown(results))  # after every plan: a cut-short run keeps them

@@ -7,8 +7,8 @@ explicit backward (`torch.autograd.Function`) because autograd's is several time
 there: the chunk-to-chunk state chain (`_StateChain`) and the channel-gate scores
 (`decay_scores._DyadicScores`); the rest is ordinary autograd.
 
-Without autograd (no input requires a gradient, or grad mode is off: inference, and the
-forward that `benchmarks/torch_vs_naive.py` times) the same matmuls run with less
+Without autograd (no input requires a gradient, or grad mode is off: inference) the
+same matmuls run with less
 memory traffic, since nothing need be kept for a backward (the no-grad forward of every
 path is tested against the naive loop too):
 
@@ -27,32 +27,12 @@ path is tested against the naive loop too):
     in the chain to `r = k Gamma S_0 + A_kw U` (`nu = -T r`), so `P = T (k Gamma)` and
     `T A_kw` are never formed.
 
-At T=512, B=2, H=4, K=V=64 on one CPU thread (`benchmarks/torch_vs_naive.py`) these,
-with the dyadic scores' running products (`decay_scores.py`) and the right-side
-triangular solve (`_unit_lower_inverse`), took the forwards from 5.2, 7.3 and 3.6 ms to
-about 3.9, 5.3 and 2.4 ms for KDA, RWKV-7 and GLA, and the delta paths without a
-channel gate 10-25% down; the machine is shared, and repeated runs spread by 5-10%
-(back-to-back timings of the same call by up to 15%). The RWKV-7 chain above then took
-its forward from about 5.1-5.3 to 4.9-5.0 ms (3-4% in alternated A/B runs, 14 rounds).
-
-Where RWKV-7's forward goes (about 5 ms, measured in place, stage by stage): the chain
-~2.1-2.2 ms, of which ~1.8 ms are its matmuls at ~85-90 GFLOP/s (per chunk one
-`[8: 32x64 @ 64x64]`, two `[8: 64x16 @ 16x64]` and two `[8: 16x16 @ 16x64]`: MKL's
-rate for these shapes whichever way they are transposed or merged; the state update's
-`w_end^T U` does not depend on the state but must enter it, and batching it over all
-chunks measured the same); the dyadic scores ~1.7-1.9 ms (two row and two column
-operands: four levels of small batched matmuls ~0.5 ms, in-place doublings ~0.4 ms,
-the read-outs' within-token leaves ~0.17 ms, copies into the score matrices ~0.13 ms,
-the first rescaling and the column copy ~0.25 ms, ~0.17 ms of fixed per-call cost);
-layout copies of q, v, beta, g ~0.3 ms; the solve ~0.15 ms; `[M_qw; A_kw] U` ~0.2 ms;
-the output copy ~0.1 ms. Passes over memory cost 2-4 times their isolated time there
-(the forward touches ~14 MB). Tried for RWKV-7 and dropped: reading q in place with the
-read-out scale moved into the output copy (3% slower, as reading it in place with the
-scale inside the scores was before); the leaves one column operand at a time, summed
-straight into the scores (no measurable change); 8 or 32 sub-steps per chunk again (16
-stays fastest); splitting the batch into calls of B=1 (slower: fixed costs double);
-`W = M_qa T` and `T^T a_end` formed beforehand to drop `T r` from the chain (the batched
-matmuls cost more than the chain saves).
+On one CPU thread (T=512, B=2, H=4, K=V=64) these, with the dyadic scores' running
+products (`decay_scores.py`) and the right-side triangular solve (`_unit_lower_inverse`),
+take the forwards of KDA, RWKV-7 and GLA from 5.2, 7.3 and 3.6 ms to about 3.9, 4.9 and
+2.4 ms, and the delta paths without a channel gate 10-25% down. RWKV-7's forward then
+spends about 2.1 ms in the chain (matmuls at MKL's 85-90 GFLOP/s for these small shapes)
+and 1.8 ms in the dyadic scores.
 
 One generalized form serves every path
 --------------------------------------
@@ -131,10 +111,8 @@ dyadic channel-gate scores need. The state chain and the read-out of `S_0` cost 
 delta rule the parallel part also holds the triangular inverse, whose batched LAPACK
 solve costs per matrix rather than per multiply-add (left-side solve 32x32: ~3.6 us,
 16x16: ~0.9 us on the development CPU; the right-side solve now used: ~1.6 and ~0.4 us),
-so 16 sub-steps measured 6-10% faster than 32 for every delta path at head size 64
-(T=512, one thread; `benchmarks/torch_vs_naive.py`; re-measured after the no-grad
-forward above and the right-side solve: 10-20% for DeltaNet, Gated DeltaNet, KDA and
-RWKV-7, and 8 no better than 16). Without one (GLA-like), 32 and 16 now measure the same (fewer chain steps against
+so 16 sub-steps measure 10-20% faster than 32 for every delta path at head size 64
+(T=512, one thread), and 8 no better than 16. Without one (GLA-like), 32 and 16 now measure the same (fewer chain steps against
 fewer dyadic levels); 32 stays.
 
 Matmuls per chunk (per batch row and head; `Ct` tokens, `L = Ct n_h` sub-steps)

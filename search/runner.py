@@ -382,7 +382,7 @@ def run_search(
     def define_by_run(trial: Any) -> dict[str, Any]:
         return {"trial_number": trial.number, "overrides": suggest_overrides(trial, spec.space, base_values)}
 
-    handed_out: dict[str, int] = {}  # overrides -> trial number, accepted this session (no files yet)
+    handed_out: dict[str, int] = {}  # overrides -> trial number, accepted by this process (no files yet)
 
     def reject(number: int, overrides: dict[str, Any]) -> Rejection | None:
         repeat = _repeat_of(run, overrides, handed_out)

@@ -197,15 +197,15 @@ class ChunkRecurrence(torch.autograd.Function):
                     k, w, dummy if e is None else e, dummy if beta is None else beta, dummy if G is None else G,
                     Tinv, slow, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=p.BK,
                     BKI=min(p.BK, INVERSE_BK_WITHIN_BOUND if within else INVERSE_BK),
-                    BT=p.BT, TC=p.TC, NH=p.n_h, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, ACC=p.tl_acc,
+                    BT=p.BT, TC=p.TC, NH=p.n_h, SC=p.SC, MODE=p.mode.value, GATE=p.gate.value, IS_VARLEN=varlen, ACC=p.tl_acc,
                     OP=p.tl_op, PREC=p.prec, INV_PREC="ieee" if p.acc == torch.float64 else "tf32x3",
-                    CHANNEL_PASS=channel_pass, num_warps=run.inverse_warps_within_bound if within else run.inverse_warps,
+                    CHANNEL_PASS=channel_pass.value, num_warps=run.inverse_warps_within_bound if within else run.inverse_warps,
                     num_stages=run.inverse_stages,
                 )
             prepare_kernel[(p.n_chunks, p.H)](
                 k, w, dummy if beta is None else beta, v, dummy if G is None else G,
                 Tinv, P, X, cu_seqlens, table, p.T, p.NT, BKP=p.BK if channel else min(p.BK, PREPARE_BK), SC=p.SC,
-                MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=run.prepare_warps,
+                MODE=p.mode.value, GATE=p.gate.value, HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=run.prepare_warps,
                 num_stages=run.prepare_stages, **_common(p),
             )
         h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=dev, dtype=p.op)
@@ -215,7 +215,7 @@ class ChunkRecurrence(torch.autograd.Function):
             k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
             dummy if P is None else P, dummy if X is None else X, dummy if Y is None else Y,
             h_all, dummy if initial_state is None else initial_state.contiguous(), dummy if final is None else final,
-            cu_seqlens, offsets, p.T, p.NT, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta,
+            cu_seqlens, offsets, p.T, p.NT, MODE=p.mode.value, GATE=p.gate.value, HAS_BETA=p.has_beta,
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen,
             num_warps=run.state_forward_warps, num_stages=run.state_forward_stages,
             **{**_common(p, state=True), "BV": bvf},
@@ -226,8 +226,8 @@ class ChunkRecurrence(torch.autograd.Function):
             output_kernel[(p.n_chunks, p.H)](
                 q, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
                 dummy if Y is None else Y, h_all, o, cu_seqlens, table, p.T, p.NT, scale,
-                BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, HAS_BETA=p.has_beta, IS_VARLEN=varlen,
-                CHANNEL_PASS=channel_pass, num_warps=run.output_warps_within_bound if within else run.output_warps,
+                BQ=p.BQ, SC=p.SC, MODE=p.mode.value, GATE=p.gate.value, HAS_BETA=p.has_beta, IS_VARLEN=varlen,
+                CHANNEL_PASS=channel_pass.value, num_warps=run.output_warps_within_bound if within else run.output_warps,
                 num_stages=run.output_stages, **_common(p),
             )
         ctx.save_for_backward(q, k, v, beta, w, e, G, Tinv, P, Y, h_all, cu_seqlens, table, offsets)
@@ -257,7 +257,7 @@ class ChunkRecurrence(torch.autograd.Function):
         for channel_pass in channel_passes(p.gate):
             output_backward_kernel[(p.n_chunks, p.H)](
                 q, w, e_, G_, do, dummy if dY is None else dY, dummy if dU is None else dU, cu_seqlens, table, p.T, p.NT, scale,
-                BQ=p.BQ, SC=p.SC, MODE=p.mode, GATE=p.gate, IS_VARLEN=varlen, CHANNEL_PASS=channel_pass,
+                BQ=p.BQ, SC=p.SC, MODE=p.mode.value, GATE=p.gate.value, IS_VARLEN=varlen, CHANNEL_PASS=channel_pass.value,
                 num_warps=run.chunk_warps, num_stages=1, **_common(p),
             )
         dh_all = torch.empty(h_all.shape, device=dev, dtype=p.op)
@@ -265,7 +265,7 @@ class ChunkRecurrence(torch.autograd.Function):
         state_backward_kernel[(_cdiv(p.V, p.BVS), p.n_seq * p.H)](
             q, w, e_, beta_, G_, dummy if P is None else P, dummy if dY is None else dY, dummy if dU is None else dU, do,
             dh_all, dummy if dfinal is None else dfinal.contiguous(), dummy if dh0 is None else dh0,
-            cu_seqlens, offsets, p.T, p.NT, scale, BQ=p.BQ, MODE=p.mode, GATE=p.gate,
+            cu_seqlens, offsets, p.T, p.NT, scale, BQ=p.BQ, MODE=p.mode.value, GATE=p.gate.value,
             USE_DHT=dfinal is not None, STORE_DH0=dh0 is not None, IS_VARLEN=varlen, num_warps=run.state_warps,
             num_stages=run.state_backward_stages, **_common(p, state=True),
         )
@@ -281,7 +281,7 @@ class ChunkRecurrence(torch.autograd.Function):
         args = (q, k, w, e_, beta_, v, G_, dummy if Tinv is None else Tinv, h_all, dh_all,
                 dummy if Y is None else Y, dummy if dY is None else dY, dummy if dU is None else dU, do)
         flags = {**{name: val for name, val in _common(p).items() if name != "BK"}, "BKS": p.backward_bk,
-                 "BQ": p.BQ, "SC": p.SC, "MODE": p.mode, "GATE": p.gate, "HAS_BETA": p.has_beta, "IS_VARLEN": varlen,
+                 "BQ": p.BQ, "SC": p.SC, "MODE": p.mode.value, "GATE": p.gate.value, "HAS_BETA": p.has_beta, "IS_VARLEN": varlen,
                  "num_warps": run.backward_warps, "num_stages": run.backward_stages}
         if run.backward_maxnreg:
             flags["maxnreg"] = run.backward_maxnreg
@@ -310,13 +310,13 @@ def _channel_backward(p: Plan, args: tuple, grads: tuple, cu_seqlens, table, sca
     for channel_pass in channel_passes(p.gate):  # each chunk's pass decided the same way in both kernels
         chunk_pairs_kernel[(p.n_chunks, p.H)](
             k, w, e, beta, v, G, Tinv, h_all, Y, dY, dU, do, dv, dummy if dbeta is None else dbeta,
-            s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, BKG=p.BK, CHANNEL_PASS=channel_pass, **flags,
+            s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, BKG=p.BK, CHANNEL_PASS=channel_pass.value, **flags,
         )
     for channel_pass in channel_passes(p.gate):
         chunk_channels_kernel[(_cdiv(p.K, flags["BKS"]), p.n_chunks, p.H)](
             q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dummy if dw is None else dw,
             dummy if de is None else de, dg, s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, scale, TIED=tied,
-            BKG=p.BK, CHANNEL_PASS=channel_pass, **{**flags, "num_stages": p.launch.channels_stages},
+            BKG=p.BK, CHANNEL_PASS=channel_pass.value, **{**flags, "num_stages": p.launch.channels_stages},
         )
 
 

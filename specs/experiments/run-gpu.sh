@@ -4,9 +4,9 @@
 #   bash specs/experiments/run-gpu.sh [EXPERIMENT ...]     (default: the S4 and A5 DeltaProduct runs)
 #
 # Results go to $OUT/<experiment>/ (results.md, results.json, one metrics.json per run);
-# OUT defaults to runs/experiments. On the lent GPU machine, which lacks pydantic, first
-# fill .whl/ here with ../shared/tools/device-wheels.sh, carry it, and begin the command
-# with the two install lines that script prints, e.g.
+# OUT defaults to runs/experiments. On a GPU machine without a registry, which lacks
+# pydantic, first fill .whl/ with scripts/gpu-wheels.sh, copy it there, and begin with the
+# install lines that script's header gives, e.g.
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site &&

@@ -41,6 +41,20 @@ def test_kernel_times_smoke_writes_every_row(tmp_path: Path) -> None:
     assert "| kda | strong |" in (tmp_path / "kernel_times.md").read_text()
 
 
+def test_kernel_times_against_an_earlier_copy_of_the_kernels(tmp_path: Path) -> None:
+    """`--against DIR`: an earlier copy of `kernels/` (here the current one, copied) timed
+    beside ours, and its rows in a table of their own."""
+    import shutil
+
+    shutil.copytree(BENCHMARKS.parent / "kernels", tmp_path / "copy" / "kernels")
+    with benchmark_module("kernel_times") as bench:
+        results = bench.main(["--smoke", "--plans", "gated-deltanet", "--against", str(tmp_path / "copy"),
+                              "--out", str(tmp_path)])
+        sys.modules.pop("kernels_before", None)
+    assert set(results["rows"][0]["ms"]["forward"]) == {"ours", "before"} and not results["rows"][0]["errors"]
+    assert "| gated-deltanet | mild |" in (tmp_path / "kernel_times.md").read_text().split("Against the kernels of")[1]
+
+
 def test_floors_count_the_kernels_products() -> None:
     """DeltaNet's forward floor, counted here by hand from the kernel's products per chunk
     (`docs/kernel.md`): A = K~ W~^T, P = Tinv K~, X = Tinv Z (three [64, 64] x 64-wide

@@ -169,6 +169,33 @@ def fla_call(plan: RecurrencePlan, x: dict) -> Callable[[], Any] | None:
     return lambda: fn(x["q"], x["g"], x["write_key"], x["v"], -x["k"], x["erase"])
 
 
+def kernels_before(path: Path) -> Any:
+    """An earlier copy of `kernels/` (`git archive REV kernels | tar -x -C PATH`) imported as
+    a package of its own, to time beside the current kernels (`--against`)."""
+    import importlib.util
+    import sys
+
+    if "kernels_before" in sys.modules:
+        return sys.modules["kernels_before"]
+    init = path / "kernels" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("kernels_before", init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels_before"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_before(module, plan, inputs: dict, **options):
+    """`run_ours` on the earlier kernels (whose API may not take `gate`: the shape says it)."""
+    args = {k: v for k, v in inputs.items() if k != "retain"}
+    if plan.preconditioner is not None:
+        pre = plan.preconditioner
+        args["write_key"], _ = module.osdn_write_keys(
+            inputs["k"], inputs["beta"], eta=pre.eta, d_min=pre.d_min, d_max=pre.d_max, retain=inputs.get("retain"),
+            beta_aware=pre.beta_aware, n_h=plan.n_h, backend="triton")
+    return module.linear_recurrence(**args, n_h=plan.n_h, backend="triton", **options)
+
+
 def forward_and_backward(fn: Callable[[], Any], inputs: dict) -> Callable[[], None]:
     """One forward and backward of `fn` from fixed output gradients (as fla's benchmarks
     do: a loss inside the step would add its own kernels to every row alike)."""
@@ -243,6 +270,7 @@ class CompileJob:
     states: bool = False
     lengths: tuple[int, ...] | None = None
     shard: tuple[int, int] | None = None  # fla's autotuners compile configs[j::n] only
+    against: str | None = None  # impl "before": the folder of the earlier kernels/ (`kernels_before`)
 
 
 def _compile_only(self, kernel_call, quantiles=None):  # an autotuner's timing, replaced: launch once
@@ -282,6 +310,9 @@ def _compile(job: CompileJob) -> str:
                         states=job.states, lengths=None if job.lengths is None else list(job.lengths))
         if job.impl == "fla":
             fn = fla_call(job.bench.plan, x)
+        elif job.impl == "before":
+            module = kernels_before(Path(job.against))
+            fn = lambda: run_before(module, job.bench.plan, x, output_final_state=job.states)  # noqa: E731
         else:
             fn = lambda: run_ours(job.bench.plan, x, "triton", output_final_state=job.states)  # noqa: E731
         if fn is not None:

@@ -44,6 +44,8 @@ from common import (  # noqa: E402  (a script beside its helpers)
     compile_in_workers,
     first_line,
     fla_call,
+    kernels_before,
+    run_before,
     forward_and_backward,
     machine,
     make_inputs,
@@ -88,30 +90,6 @@ def floors(bench: Bench, inputs: dict, shape: dict) -> dict:
         "floor_forward_ms": 1e3 * max(bytes_fwd / COPY_BYTES_PER_S, f_fwd / MATMUL_FLOPS_PER_S),
         "floor_forward+backward_ms": 1e3 * max(bytes_all / COPY_BYTES_PER_S, (f_fwd + f_bwd) / MATMUL_FLOPS_PER_S),
     }
-
-
-def kernels_before(path: Path):
-    """An earlier copy of `kernels/` (`git archive REV kernels | tar -x -C PATH`) imported as
-    a package of its own, to time beside the current kernels (`--against`)."""
-    import importlib.util
-
-    init = path / "kernels" / "__init__.py"
-    spec = importlib.util.spec_from_file_location("kernels_before", init, submodule_search_locations=[str(init.parent)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kernels_before"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def run_before(module, plan, inputs: dict, **options):
-    """`run_ours` on the earlier kernels (whose API may not take `gate`: the shape says it)."""
-    args = {k: v for k, v in inputs.items() if k != "retain"}
-    if plan.preconditioner is not None:
-        pre = plan.preconditioner
-        args["write_key"], _ = module.osdn_write_keys(
-            inputs["k"], inputs["beta"], eta=pre.eta, d_min=pre.d_min, d_max=pre.d_max, retain=inputs.get("retain"),
-            beta_aware=pre.beta_aware, n_h=plan.n_h, backend="triton")
-    return module.linear_recurrence(**args, n_h=plan.n_h, backend="triton", **options)
 
 
 def calls(bench: Bench, inputs: dict, with_fla: bool, before=None) -> dict:
@@ -242,8 +220,9 @@ def main(argv: list[str] | None = None) -> dict:
     work = [(b, gates) for b in benches for gates in regimes(b, asked)]
     with_fla = {b.name for b in benches} if args.fla == "all" else set() if args.fla == "none" else set(args.fla.split(","))
     if torch.cuda.is_available() and args.workers > 0:
-        jobs = [CompileJob(b, impl, g, "bfloat16", (B, T, H, K, V)) for b, g in work
-                for impl in ("ours", "fla") if impl == "ours" or b.name in with_fla]
+        impls = ("ours", "fla") + (("before",) if args.against else ())
+        jobs = [CompileJob(b, impl, g, "bfloat16", (B, T, H, K, V), against=None if args.against is None else str(args.against))
+                for b, g in work for impl in impls if impl != "fla" or b.name in with_fla]
         statuses = compile_in_workers(jobs, args.workers, args.fla_shards)
         print(f"[{time.monotonic() - start:6.1f}s] compiled: {sum(s == 'ok' for s in statuses)} of {len(statuses)} jobs ok",
               flush=True)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, Bench, CompileJob, compile_in_workers, first_line, machine, make_inputs, run_ours  # noqa: E402
 
 TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}  # relative Frobenius error (docs/kernel.md, "Numerics")
-BETA2 = (("mixer.transition.beta_range", [0, 2]),)
+BETA2 = (("mixer.transition.beta_range", (0, 2)),)
 CHECK_PLANS = [
     Bench("linear-attention", "gla", (("mixer.gate", "none"),)),
     Bench("gla-scalar", "gla", (("mixer.gate", "scalar"),)),

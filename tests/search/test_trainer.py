@@ -163,7 +163,7 @@ def test_early_stop_and_evaluation_of_a_perfect_model(monkeypatch):
         return built
 
     monkeypatch.setattr(trainer, "build_model_for_task", build)
-    monkeypatch.setattr(trainer, "cost_metrics", lambda plan: {})
+    monkeypatch.setattr(trainer, "cost_metrics", lambda plan, device="cpu": {})
     result = trainer.train(DELTANET, task, steps=50, eval_every=4, overrides=TINY, quiet=True, measure_throughput=False)
     assert result.status == "ok" and result.steps_done == 4 and result.record["train"]["early_stopped"]
     assert result.metrics["token_acc@32"] == 1.0 and result.metrics["seq_acc@32"] == 1.0

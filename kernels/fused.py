@@ -1,0 +1,36 @@
+"""The fused pieces of a training step beside the recurrence, and how each picks its path.
+
+- `linear_ce.linear_cross_entropy`: the LM head and its cross-entropy without the logits.
+- `rms_norm.rms_norm`: RMSNorm with an optional SiLU or sigmoid output gate.
+- `short_conv.short_conv`: the causal depthwise convolution with its SiLU (and the
+  per-head L2 normalisation of the streams that need unit keys), packed documents and
+  carried tails.
+
+Each has a plain torch path (the definition, and what runs on the CPU) and a Triton path
+in `kernels/triton/`; `backend="auto"` takes Triton on CUDA tensors and torch elsewhere,
+`"torch"` and `"triton"` force one (the tests run the Triton path under the interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+FUSED_BACKENDS = ("torch", "triton", "auto")
+
+
+def resolve_fused_backend(backend: str, device: torch.device) -> str:
+    """`auto`: the Triton kernel on CUDA tensors, plain torch elsewhere."""
+    if backend not in FUSED_BACKENDS:
+        raise ValueError(f"backend must be one of {FUSED_BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def compute_dtype(t: Tensor) -> torch.dtype:
+    """The dtype a matmul on `t` runs in: autocast's when it is on for `t`'s device, else `t`'s."""
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.get_autocast_dtype(t.device.type)
+    return t.dtype

@@ -1,0 +1,138 @@
+"""Linear cross-entropy without the logits: `mean CE(hidden @ weight^T, targets)` and its
+gradients, one chunk of tokens at a time.
+
+A language model's head maps `N` hidden rows `[N, d]` to `N x V` logits; at N = 16,384
+tokens and V = 32,000 words those are 524M numbers, 2 GB in float32 and as much again for
+their gradient. Here the logits exist one chunk of rows at a time, in the compute dtype
+(bfloat16 under autocast): each chunk's logits are made, turned in place into their
+gradient (`softmax - one_hot`, scaled for the mean), and multiplied straight into the
+gradients of the hidden rows and of the weight, all during the forward. The backward
+only scales the two saved gradients by the incoming one, so nothing of size `N x V`
+outlives a chunk. The design follows Liger-Kernel's fused linear cross-entropy.
+
+- `softmax_ce_grad_` is the per-chunk step in plain torch (the definition, and the CPU
+  path); `kernels/triton/cross_entropy.py` is the same step as one Triton kernel.
+- `linear_cross_entropy(hidden, weight, targets, ...)` is the public entry: autograd
+  through `hidden` and `weight`; `backend="auto"` is the Triton step on CUDA, torch elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fused import compute_dtype, resolve_fused_backend
+
+Tensor = torch.Tensor
+
+IGNORE_INDEX = -100  # PyTorch's and HuggingFace's convention for unscored positions
+# Rows per chunk: the chunk's logits [rows, V] are about as large as the hidden rows
+# [N, d] (Liger-Kernel's rule), so the head's transient memory stays that of its input;
+# never fewer rows than this, so that each chunk's matmuls stay large.
+MIN_CHUNK_ROWS = 256
+
+
+def softmax_ce_grad_(logits: Tensor, targets: Tensor, *, ignore_index: int = IGNORE_INDEX, scale: float = 1.0) -> Tensor:
+    """Loss of each row `[N]`, and `logits` `[N, V]` overwritten with
+    `scale * (softmax(logits) - one_hot(targets))` (zero rows where `targets == ignore_index`).
+
+    Float32 arithmetic (float64 for float64 logits) on one chunk of rows at a time (the
+    caller chunks); the loss comes back in that dtype.
+    """
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    scored = targets != ignore_index
+    safe = torch.where(scored, targets, torch.zeros_like(targets))
+    lse = torch.logsumexp(x, dim=-1)
+    loss = torch.where(scored, lse - x.gather(1, safe[:, None]).squeeze(1), torch.zeros_like(lse))
+    grad = torch.exp(x - lse[:, None])
+    grad.scatter_add_(1, safe[:, None], -torch.ones_like(lse)[:, None])
+    grad.mul_(torch.where(scored, scale, 0.0)[:, None])
+    logits.copy_(grad)
+    return loss
+
+
+def _softmax_ce_grad(backend: str):
+    if backend == "triton":
+        from .triton.cross_entropy import softmax_ce_grad_triton
+
+        return softmax_ce_grad_triton
+    return softmax_ce_grad_
+
+
+def chunk_rows_for(n_rows: int, d: int, vocab: int) -> int:
+    """Rows per chunk: logits `[rows, V]` about the size of the hidden rows `[N, d]`."""
+    rows = max(MIN_CHUNK_ROWS, -(-n_rows * d // vocab))
+    return max(1, min(n_rows, 1 << (rows - 1).bit_length()))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, chunk_rows: int,
+                backend: str, cdtype: torch.dtype) -> Tensor:
+        N, d = hidden.shape
+        V = weight.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # One host sync for both the check and the count (the mean's denominator).
+        bad, scored = torch.stack([
+            ((targets != ignore_index) & ((targets < 0) | (targets >= V))).sum(), (targets != ignore_index).sum()
+        ]).tolist()
+        if bad:
+            raise ValueError(f"linear_cross_entropy: {bad} target(s) outside [0, {V}) that are not ignore_index={ignore_index}")
+        scale = 1.0 / max(scored, 1)  # no scored row: loss 0 and zero gradients
+        step = _softmax_ce_grad(backend)
+        h = hidden.to(cdtype)
+        w = weight.to(cdtype)
+        loss_rows = torch.empty(N, device=hidden.device, dtype=torch.promote_types(cdtype, torch.float32))
+        grad_h = torch.empty_like(hidden) if need_h else None
+        acc = torch.promote_types(cdtype, torch.float32)
+        grad_w = torch.zeros(V, d, device=weight.device, dtype=acc) if need_w else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for lo in range(0, N, chunk_rows):
+                hi = min(N, lo + chunk_rows)
+                logits = h[lo:hi] @ w.T  # [rows, V] in the compute dtype: the only logits there are
+                loss_rows[lo:hi] = step(logits, targets[lo:hi], ignore_index=ignore_index, scale=scale)
+                if grad_h is not None:
+                    grad_h[lo:hi] = logits @ w
+                if grad_w is not None:
+                    grad_w += logits.T @ h[lo:hi]
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return loss_rows.sum() * scale
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        dh = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
+        dw = None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype)
+        return dh, dw, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_rows: int | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """Mean cross-entropy of `hidden @ weight^T` against `targets` over the rows whose target
+    is not `ignore_index`; a float32 scalar (float64 for float64 inputs), differentiable in `hidden` and `weight`.
+
+    `hidden` `[..., d]`, `weight` `[V, d]`, `targets` `[...]` (int). Under autocast the
+    matmuls run in its dtype; gradients come back in each input's own dtype. The loss is 0
+    (with zero gradients) when no row is scored.
+    """
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} must be targets' shape {tuple(targets.shape)} + [d]")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"linear_cross_entropy: weight must be [V, d] with d = {hidden.shape[-1]}, got {tuple(weight.shape)}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"linear_cross_entropy: targets must be integer, got {targets.dtype}")
+    name = resolve_fused_backend(backend, hidden.device)
+    cdtype = compute_dtype(hidden)
+    hidden2 = hidden.reshape(-1, hidden.shape[-1])
+    flat = targets.reshape(-1).contiguous()
+    rows = chunk_rows or chunk_rows_for(hidden2.shape[0], weight.shape[1], weight.shape[0])
+    if rows < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_rows must be >= 1, got {rows}")
+    return _LinearCrossEntropy.apply(hidden2, weight, flat, ignore_index, rows, name, cdtype)

@@ -1,0 +1,177 @@
+"""The short causal depthwise convolution of the mixer's streams, with its SiLU and the
+optional per-head L2 normalisation, for whole sequences, packed documents and carried tails.
+
+`y[t, c] = normalize(silu(sum_j w[c, j] * x[t - (W-1) + j, c]))`: inputs before a
+sequence's first token come from its carried tail (the last W-1 inputs of the previous
+piece, for decoding) or are zero, and with `cu_seqlens` (token offsets of the documents
+packed in one row, B = 1) a token never reads another document's inputs.
+`normalize` divides each group of `head_dim` channels by `max(|.|, eps)` (F.normalize);
+`head_dim=0` skips it.
+
+`short_conv_ref` is the definition in plain torch (the CPU path; autograd saves what it
+saves); on CUDA `short_conv` runs `kernels/triton/short_conv.py`, whose backward
+recomputes the pre-activation instead of saving it. `conv_tails` gives the tail each
+sequence carries on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .fused import resolve_fused_backend
+
+Tensor = torch.Tensor
+
+
+def sequence_index(cu_seqlens: Tensor | None, batch: int, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Per token (`[T]`, long): the start of its sequence and the sequence's index (the row
+    of its tail). Without `cu_seqlens` every row of the batch is one sequence from 0."""
+    if cu_seqlens is None:
+        return torch.zeros(T, dtype=torch.long, device=device), torch.zeros(T, dtype=torch.long, device=device)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    docs = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths, output_size=T)
+    return cu_seqlens.long()[docs], docs
+
+
+def _shifted(x: Tensor, tail: Tensor | None, start: Tensor, doc: Tensor, shift: int, packed: bool) -> Tensor:
+    """`x[:, t - shift]` within each sequence; the tail (or zero) before its start."""
+    T = x.shape[1]
+    src = torch.arange(T, device=x.device) - shift
+    inseq = src >= start
+    out = x[:, src.clamp(min=0)] * inseq[None, :, None]
+    if tail is not None:
+        W1 = tail.shape[1]
+        ti = (W1 + src - start).clamp(0, W1 - 1)
+        from_tail = tail[doc, ti][None] if packed else tail[:, ti]
+        out = out + from_tail * (~inseq)[None, :, None]
+    return out
+
+
+def short_conv_ref(x: Tensor, weight: Tensor, *, tail: Tensor | None = None, cu_seqlens: Tensor | None = None,
+                   activation: bool = True, head_dim: int = 0, eps: float = 1e-6) -> Tensor:
+    """`x` `[B, T, C]`, `weight` `[C, W]` (or `[C, 1, W]`), `tail` `[B or N, W-1, C]`; float32
+    arithmetic (float64 for float64 inputs), output in `x`'s dtype."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    w = weight.reshape(weight.shape[0], -1).to(acc)
+    W = w.shape[1]
+    start, doc = sequence_index(cu_seqlens, x.shape[0], x.shape[1], x.device)
+    xa = x.to(acc)
+    ta = None if tail is None or W == 1 else tail.to(acc)
+    z = sum(_shifted(xa, ta, start, doc, W - 1 - j, cu_seqlens is not None) * w[:, j] for j in range(W))
+    y = F.silu(z) if activation else z
+    if head_dim:
+        y = F.normalize(y.unflatten(-1, (-1, head_dim)), dim=-1, eps=eps).flatten(-2)
+    return y.to(x.dtype)
+
+
+def conv_tails(x: Tensor, tail: Tensor | None, cu_seqlens: Tensor | None, kernel_size: int) -> Tensor:
+    """The last W-1 inputs of each sequence, tail included: `[B or N, W-1, C]`."""
+    B, T, C = x.shape
+    W1 = kernel_size - 1
+    if cu_seqlens is None:
+        start = torch.zeros(B, dtype=torch.long, device=x.device)
+        end = torch.full((B,), T, dtype=torch.long, device=x.device)
+        rows = torch.arange(B, device=x.device)
+    else:
+        start, end = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
+        rows = torch.zeros(start.numel(), dtype=torch.long, device=x.device)
+    pos = end[:, None] - W1 + torch.arange(W1, device=x.device)  # [S, W-1]
+    inseq = pos >= start[:, None]
+    out = x[rows[:, None], pos.clamp(0, max(T - 1, 0))] if T else x.new_zeros(rows.numel(), W1, C)
+    out = out * inseq[..., None]
+    if tail is not None:
+        ti = (W1 + pos - start[:, None]).clamp(0, W1 - 1)
+        out = out + tail.to(x.dtype)[torch.arange(tail.shape[0], device=x.device)[:, None], ti] * (~inseq)[..., None]
+    return out
+
+
+def _head_tokens(x: Tensor, cu_seqlens: Tensor | None, count: int) -> tuple[Tensor, Tensor]:
+    """The first `count` positions of each sequence as a batch `[S, count, C]` (zeros past
+    a short sequence's end), and their flat token indices (for gathering `dy`)."""
+    B, T, C = x.shape
+    if cu_seqlens is None:
+        idx = torch.arange(min(count, T), device=x.device)
+        return x[:, idx], idx
+    start, end = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
+    pos = start[:, None] + torch.arange(count, device=x.device)
+    valid = pos < end[:, None]
+    flat = pos.clamp(max=max(T - 1, 0))
+    return x[0, flat] * valid[..., None], torch.where(valid, flat, -1)
+
+
+class _ShortConvTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, tail: Tensor | None, cu_seqlens: Tensor | None,
+                activation: bool, head_dim: int, eps: float) -> Tensor:
+        from .triton.short_conv import short_conv_forward_triton
+
+        x3 = x.contiguous()
+        w2 = weight.reshape(weight.shape[0], -1).contiguous()
+        tail_c = None if tail is None else tail.to(x.dtype).contiguous()
+        starts = docs = None
+        if cu_seqlens is not None:
+            start, doc = sequence_index(cu_seqlens, 1, x.shape[1], x.device)
+            starts, docs = start.to(torch.int32), doc.to(torch.int32)
+        y = short_conv_forward_triton(x3, w2, tail_c, starts, docs, activation=activation, head=head_dim, eps=eps)
+        ctx.save_for_backward(x3, w2, tail_c, starts, docs, tail, cu_seqlens)
+        ctx.settings = (activation, head_dim, eps, weight.shape, weight.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        from .triton.short_conv import short_conv_backward_triton
+
+        x3, w2, tail_c, starts, docs, tail, cu_seqlens = ctx.saved_tensors
+        activation, head_dim, eps, w_shape, w_dtype = ctx.settings
+        dx, dw = short_conv_backward_triton(x3, w2, tail_c, starts, docs, dy.contiguous(),
+                                            activation=activation, head=head_dim, eps=eps)
+        dtail = None
+        if ctx.needs_input_grad[2]:
+            dtail = _tail_grad(x3, w2, tail, cu_seqlens, dy, activation, head_dim, eps)
+        return dx, dw.reshape(w_shape).to(w_dtype), dtail, None, None, None, None
+
+
+def _tail_grad(x: Tensor, w: Tensor, tail: Tensor, cu_seqlens: Tensor | None, dy: Tensor,
+               activation: bool, head_dim: int, eps: float) -> Tensor:
+    """The carried tail reaches only the first W-1 outputs of its sequence: differentiate
+    the definition on those few positions (decoding with gradients; never in training)."""
+    count = w.shape[1] - 1
+    heads, idx = _head_tokens(x, cu_seqlens, count)
+    if cu_seqlens is None:
+        dy_heads = dy[:, idx]
+    else:
+        dy_heads = dy[0, idx.clamp(min=0)] * (idx >= 0)[..., None]
+    with torch.enable_grad():
+        leaf = tail.detach().requires_grad_(True)
+        y = short_conv_ref(heads.detach(), w.detach(), tail=leaf, activation=activation, head_dim=head_dim, eps=eps)
+        (grad,) = torch.autograd.grad(y, leaf, dy_heads.to(y.dtype))
+    return grad
+
+
+def short_conv(x: Tensor, weight: Tensor, *, tail: Tensor | None = None, cu_seqlens: Tensor | None = None,
+               activation: bool = True, head_dim: int = 0, eps: float = 1e-6, backend: str = "auto") -> Tensor:
+    """`normalize(silu(causal depthwise conv(x)))` `[B, T, C]` in `x`'s dtype; differentiable
+    in `x`, `weight` and `tail`. `weight` `[C, W]` or `[C, 1, W]`; `tail` `[B, W-1, C]`, or
+    `[N, W-1, C]` with `cu_seqlens` (N documents, B = 1); `head_dim` > 0 L2-normalises
+    each group of that many channels."""
+    if x.dim() != 3:
+        raise ValueError(f"short_conv: x must be [B, T, C], got {tuple(x.shape)}")
+    B, T, C = x.shape
+    if weight.shape[0] != C or weight.numel() % C:
+        raise ValueError(f"short_conv: weight must be [C, W] with C = {C}, got {tuple(weight.shape)}")
+    W = weight.numel() // C
+    rows = B
+    if cu_seqlens is not None:
+        if B != 1 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
+            raise ValueError(f"short_conv: with cu_seqlens the batch must be 1 and the offsets run from 0 to T = {T}")
+        rows = cu_seqlens.numel() - 1
+    if tail is not None and tuple(tail.shape) != (rows, W - 1, C):
+        raise ValueError(f"short_conv: tail must be [{rows}, {W - 1}, {C}], got {tuple(tail.shape)}")
+    if head_dim and C % head_dim:
+        raise ValueError(f"short_conv: head_dim {head_dim} must divide the {C} channels")
+    if W == 1 and tail is not None:
+        tail = None  # nothing to carry
+    if resolve_fused_backend(backend, x.device) == "triton":
+        return _ShortConvTriton.apply(x, weight, tail, cu_seqlens, activation, head_dim, eps)
+    return short_conv_ref(x, weight, tail=tail, cu_seqlens=cu_seqlens, activation=activation, head_dim=head_dim, eps=eps)

@@ -1,0 +1,90 @@
+"""Cross-entropy of a chunk of logits, its gradient written over the logits in place.
+
+One program per row: a first pass over the vocabulary in blocks keeps the running maximum
+and the sum of exponentials (the online log-sum-exp), a second pass overwrites each logit
+`x_j` with `scale * (softmax(x)_j - [j == target])`, the gradient of the row's loss. The
+logits arrive in the compute dtype (bfloat16 under autocast) and only one chunk of rows
+exists at a time (`kernels/linear_ce.py`), so no float32 copy of the whole vocabulary's
+logits is ever made; the arithmetic is float32 in registers.
+
+Rows whose target is `ignore_index` get loss 0 and a zero gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class CrossEntropyLaunch:
+    """Launch settings: vocabulary columns per loop iteration and warps per row.
+
+    A row of 32,000 bfloat16 logits is 64 KB: 8 blocks of 4,096 columns keep each pass a
+    short loop of wide, coalesced loads; 8 warps give every thread 16 columns a block.
+    """
+
+    block_v: int = 4096
+    num_warps: int = 8
+
+
+CROSS_ENTROPY_LAUNCH = CrossEntropyLaunch()
+
+
+@triton.jit(do_not_specialize=["V", "ignore_index"])
+def softmax_ce_grad_kernel(
+    logits, stride_row, targets, loss, V, ignore_index, scale,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride_row
+    target = tl.load(targets + row).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+
+    # Pass 1: log-sum-exp online. The first block holds at least one finite logit, so the
+    # running maximum is finite after it and exp(m_old - m_new) never sees inf - inf.
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.full((), 0.0, tl.float32)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m = m_new
+    lse = m + tl.log(s)
+
+    ignored = target == ignore_index
+    safe_target = tl.where(ignored, 0, target)
+    x_target = tl.load(base + safe_target).to(tl.float32)
+    tl.store(loss + row, tl.where(ignored, 0.0, lse - x_target))
+
+    # Pass 2: the gradient over the logits, in place.
+    row_scale = tl.where(ignored, 0.0, scale)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        valid = offs < V
+        x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
+        grad = tl.exp(x - lse) - tl.where(offs == target, 1.0, 0.0)
+        tl.store(base + offs, (grad * row_scale).to(logits.dtype.element_ty), mask=valid)
+
+
+def softmax_ce_grad_triton(
+    logits: Tensor, targets: Tensor, *, ignore_index: int, scale: float, launch: CrossEntropyLaunch = CROSS_ENTROPY_LAUNCH
+) -> Tensor:
+    """Loss per row `[N]` (float32); `logits` `[N, V]` (unit stride along V) now hold
+    `scale * d loss_row / d logits`. Same contract as `kernels.linear_ce.softmax_ce_grad_`."""
+    N, V = logits.shape
+    loss = torch.empty(N, device=logits.device, dtype=torch.float32)
+    if N == 0:
+        return loss
+    block_v = min(launch.block_v, triton.next_power_of_2(V))
+    softmax_ce_grad_kernel[(N,)](
+        logits, logits.stride(0), targets, loss, V, ignore_index, float(scale),
+        BLOCK_V=block_v, num_warps=launch.num_warps,
+    )
+    return loss

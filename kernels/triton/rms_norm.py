@@ -1,0 +1,154 @@
+"""RMSNorm with an optional output gate, `y = x * rstd * w * act(gate)`, forward and backward.
+
+Gated DeltaNet reads out `RMSNorm(o) * SiLU(g)`, KDA `RMSNorm(o) * sigmoid(g)`, and every
+block's pre-norm is the ungated case. One program normalises a block of rows (each row is
+one head's features, or the model width); the backward recomputes `x * rstd` and the
+gate's activation from `x`, the gate and the saved `rstd` (one float per row) instead of
+saving the normalised rows, and sums the weight's gradient per program (a `[programs, D]`
+float32 buffer that the host reduces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+Tensor = torch.Tensor
+
+# The gate's activation, as a compile-time constant of the kernels.
+ACT_NONE, ACT_SILU, ACT_SIGMOID = 0, 1, 2
+ACTIVATIONS = {"none": ACT_NONE, "silu": ACT_SILU, "sigmoid": ACT_SIGMOID}
+
+
+@dataclass(frozen=True)
+class RMSNormLaunch:
+    """Launch settings. A block of rows per program keeps a narrow head (V = 128) from
+    leaving most of a warp idle; the backward runs a few programs per multiprocessor, each
+    looping over its share of rows, so the weight's gradient has few partial sums."""
+
+    row_elements: int = 4096  # rows per block = max(1, row_elements // pow2(D))
+    num_warps: int = 4
+    backward_programs_per_sm: int = 2
+    cpu_programs: int = 4  # the interpreter's backward grid
+
+
+RMS_NORM_LAUNCH = RMSNormLaunch()
+
+
+@triton.jit
+def _gate_act(gate, ACT: tl.constexpr):
+    if ACT == 1:
+        return gate * tl.sigmoid(gate)
+    elif ACT == 2:
+        return tl.sigmoid(gate)
+    else:
+        return gate
+
+
+@triton.jit(do_not_specialize=["M"])
+def rms_norm_forward_kernel(
+    x, gate, w, y, rstd, M, eps,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, ACT: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < M) & (cols[None, :] < D)
+    offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+    xr = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xr * xr, 1) / D + eps)
+    wr = tl.load(w + cols, mask=cols < D, other=0.0).to(tl.float32)
+    out = xr * r[:, None] * wr[None, :]
+    if ACT != 0:
+        g = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
+        out = out * _gate_act(g, ACT)
+    tl.store(y + offs, out.to(y.dtype.element_ty), mask=mask)
+    tl.store(rstd + rows, r, mask=rows < M)
+
+
+@triton.jit(do_not_specialize=["M", "rows_per_program"])
+def rms_norm_backward_kernel(
+    x, gate, w, rstd, dy, dx, dgate, dw_partial, M, rows_per_program,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, ACT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    wr = tl.load(w + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    first = pid * rows_per_program
+    last = tl.minimum(first + rows_per_program, M)
+    for r0 in range(first, last, BLOCK_ROWS):
+        rows = r0 + tl.arange(0, BLOCK_ROWS)
+        mask = (rows[:, None] < last) & col_ok[None, :]
+        offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+        xr = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(rstd + rows, mask=rows < last, other=0.0)
+        dyr = tl.load(dy + offs, mask=mask, other=0.0).to(tl.float32)
+        xhat = xr * r[:, None]
+        if ACT != 0:
+            g = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
+            s = tl.sigmoid(g)
+            if ACT == 1:
+                a = g * s
+                da = s * (1.0 + g * (1.0 - s))
+            else:
+                a = s
+                da = s * (1.0 - s)
+            tl.store(dgate + offs, (dyr * xhat * wr[None, :] * da).to(dgate.dtype.element_ty), mask=mask)
+            dyr = dyr * a
+        dw_acc += tl.sum(dyr * xhat, 0)
+        dxhat = dyr * wr[None, :]
+        # d/dx of x * rstd(x): rstd * (dxhat - xhat * mean(dxhat * xhat))
+        c = tl.sum(dxhat * xhat, 1) / D
+        tl.store(dx + offs, (r[:, None] * (dxhat - xhat * c[:, None])).to(dx.dtype.element_ty), mask=mask)
+    tl.store(dw_partial + pid * D + cols, dw_acc, mask=col_ok)
+
+
+def _block_rows(D: int, launch: RMSNormLaunch) -> tuple[int, int]:
+    block_d = triton.next_power_of_2(D)
+    return block_d, max(1, launch.row_elements // block_d)
+
+
+def rms_norm_forward_triton(
+    x: Tensor, weight: Tensor, gate: Tensor | None, eps: float, activation: str, out_dtype: torch.dtype,
+    launch: RMSNormLaunch = RMS_NORM_LAUNCH,
+) -> tuple[Tensor, Tensor]:
+    """`x`, `gate` `[M, D]` contiguous, `weight` `[D]` -> (`y` `[M, D]` in `out_dtype`, `rstd` `[M]` float32)."""
+    M, D = x.shape
+    y = torch.empty(M, D, device=x.device, dtype=out_dtype)
+    rstd = torch.empty(M, device=x.device, dtype=torch.float32)
+    if M == 0:
+        return y, rstd
+    block_d, block_rows = _block_rows(D, launch)
+    act = ACTIVATIONS[activation]
+    rms_norm_forward_kernel[(triton.cdiv(M, block_rows),)](
+        x, x if gate is None else gate, weight, y, rstd, M, float(eps),
+        D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, ACT=act, num_warps=launch.num_warps,
+    )
+    return y, rstd
+
+
+def rms_norm_backward_triton(
+    x: Tensor, weight: Tensor, gate: Tensor | None, rstd: Tensor, dy: Tensor, activation: str,
+    launch: RMSNormLaunch = RMS_NORM_LAUNCH,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(`dx` like `x`, `dgate` like `gate` or None, `dweight` float32 `[D]`)."""
+    M, D = x.shape
+    dx = torch.empty_like(x)
+    dgate = None if gate is None else torch.empty_like(gate)
+    if x.device.type == "cuda":
+        programs = torch.cuda.get_device_properties(x.device).multi_processor_count * launch.backward_programs_per_sm
+    else:
+        programs = launch.cpu_programs
+    programs = max(1, min(programs, M))
+    rows_per_program = triton.cdiv(max(M, 1), programs)
+    dw_partial = torch.empty(programs, D, device=x.device, dtype=torch.float32)
+    block_d, block_rows = _block_rows(D, launch)
+    rms_norm_backward_kernel[(programs,)](
+        x, x if gate is None else gate, weight, rstd, dy, dx, dx if dgate is None else dgate, dw_partial, M, rows_per_program,
+        D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, ACT=ACTIVATIONS[activation], num_warps=launch.num_warps,
+    )
+    return dx, dgate, dw_partial.sum(0)

@@ -1,0 +1,205 @@
+"""The short causal depthwise convolution with its SiLU (and, optionally, the per-head L2
+normalisation that unit keys need), forward and backward, recomputing the pre-activation.
+
+`z[t, c] = sum_j w[c, j] * x[t - (W-1) + j, c]`, reading the sequence's carried tail (or
+zeros) before its first token and never across a document boundary of a packed batch;
+`y = normalize(silu(z))`. The backward recomputes `z` (and the norm) from `x` instead of
+saving it: a program owns a tile of output positions, forms `dz` there for the weight's
+gradient, and `dx[t] = sum_i w[c, W-1-i] * dz[t+i]`, recomputing `dz` at the `W-1`
+positions after the tile (W-1 extra taps of a tile already in cache). The weight's
+gradient is summed per program into a float32 `[programs, C, W]` buffer; the tail's (only
+when decoding with gradients) is left to the caller (`kernels/short_conv.py`).
+
+Layout: `x`, `y` `[B, T, C]` contiguous; with `cu_seqlens` B is 1 and `starts[t]` /
+`docs[t]` give each token's document start and index. With normalisation a program's
+channels are one head (`HEAD` consecutive channels), so the norm is a row sum in registers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class ShortConvLaunch:
+    """Tokens and channels per program. The backward holds several `[BT, BC]` float32
+    tiles at once (z, dy, dz and a shifted one), so it takes half the forward's tokens."""
+
+    block_t: int = 64
+    backward_block_t: int = 32
+    block_c: int = 64  # without normalisation; with it, one head (the next power of two)
+    num_warps: int = 4
+
+
+SHORT_CONV_LAUNCH = ShortConvLaunch()
+
+
+@triton.jit
+def _tap(x, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, j: tl.constexpr, W: tl.constexpr, HAS_TAIL: tl.constexpr):
+    """Tap j's input at positions `tt`: `x[tt - (W-1) + j]` within the sequence, the
+    carried tail before its start (zeros without one)."""
+    src = tt - (W - 1) + j
+    inseq = src >= start
+    m = (tok_ok & inseq)[:, None] & ch_ok[None, :]
+    xj = tl.load(x + (b * T + src).to(tl.int64)[:, None] * C + cc[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_TAIL:
+        ti = (W - 1) + src - start
+        mt = (tok_ok & (src < start))[:, None] & ch_ok[None, :]
+        xj += tl.load(tail + (doc * (W - 1) + ti).to(tl.int64)[:, None] * C + cc[None, :], mask=mt, other=0.0).to(tl.float32)
+    return xj
+
+
+@triton.jit
+def _conv_at(x, w, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C,
+             W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_TAIL: tl.constexpr):
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        xj = _tap(x, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, j, W, HAS_TAIL)
+        wj = tl.load(w + cc * W + j, mask=ch_ok, other=0.0).to(tl.float32)
+        acc += xj * wj[None, :]
+    return acc
+
+
+@triton.jit
+def _dz_at(x, w, tail, dy, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, eps,
+           W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
+           HAS_TAIL: tl.constexpr):
+    """`dL/dz` at positions `tt` (zero where `tok_ok` is false), recomputing z."""
+    z = _conv_at(x, w, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, W, BT, BC, HAS_TAIL)
+    m = tok_ok[:, None] & ch_ok[None, :]
+    g = tl.load(dy + (b * T + tt).to(tl.int64)[:, None] * C + cc[None, :], mask=m, other=0.0).to(tl.float32)
+    if ACT:
+        s = tl.sigmoid(z)
+        u = z * s
+        dact = s * (1.0 + z * (1.0 - s))
+    else:
+        u = z
+        dact = 1.0
+    if NORM:
+        # y = u / max(|u|, eps): du = (dy - y (y . dy)) / |u|, or dy / eps where clamped.
+        n = tl.sqrt(tl.sum(u * u, 1))
+        denom = tl.maximum(n, eps)
+        yv = u / denom[:, None]
+        proj = tl.where(n > eps, tl.sum(yv * g, 1), 0.0)
+        g = (g - yv * proj[:, None]) / denom[:, None]
+    return g * dact
+
+
+@triton.jit
+def _tile(i_t, i_c, b, starts, docs, T, C,
+          BT: tl.constexpr, BC: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr, VARLEN: tl.constexpr):
+    tt = i_t * BT + tl.arange(0, BT)
+    tok_ok = tt < T
+    if NORM:
+        cc = i_c * HEAD + tl.arange(0, BC)
+        ch_ok = tl.arange(0, BC) < HEAD
+    else:
+        cc = i_c * BC + tl.arange(0, BC)
+        ch_ok = cc < C
+    if VARLEN:
+        start = tl.load(starts + tt, mask=tok_ok, other=0)
+        doc = tl.load(docs + tt, mask=tok_ok, other=0)
+    else:
+        start = tl.zeros([BT], dtype=tl.int32)
+        doc = tl.zeros([BT], dtype=tl.int32) + b
+    return tt, tok_ok, cc, ch_ok, start, doc
+
+
+@triton.jit(do_not_specialize=["T"])
+def short_conv_forward_kernel(
+    x, w, tail, starts, docs, y, T, C, eps,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HEAD: tl.constexpr,
+    ACT: tl.constexpr, NORM: tl.constexpr, HAS_TAIL: tl.constexpr, VARLEN: tl.constexpr,
+):
+    i_t, i_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tt, tok_ok, cc, ch_ok, start, doc = _tile(i_t, i_c, b, starts, docs, T, C, BT, BC, HEAD, NORM, VARLEN)
+    u = _conv_at(x, w, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, W, BT, BC, HAS_TAIL)
+    if ACT:
+        u = u * tl.sigmoid(u)
+    if NORM:
+        u = u / tl.maximum(tl.sqrt(tl.sum(u * u, 1)), eps)[:, None]
+    m = tok_ok[:, None] & ch_ok[None, :]
+    tl.store(y + (b * T + tt).to(tl.int64)[:, None] * C + cc[None, :], u.to(y.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["T"])
+def short_conv_backward_kernel(
+    x, w, tail, starts, docs, dy, dx, dw_partial, T, C, eps,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HEAD: tl.constexpr,
+    ACT: tl.constexpr, NORM: tl.constexpr, HAS_TAIL: tl.constexpr, VARLEN: tl.constexpr,
+):
+    i_t, i_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tt, tok_ok, cc, ch_ok, start, doc = _tile(i_t, i_c, b, starts, docs, T, C, BT, BC, HEAD, NORM, VARLEN)
+    dz = _dz_at(x, w, tail, dy, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, eps, W, BT, BC, ACT, NORM, HAS_TAIL)
+
+    # The weight's gradient from this tile's outputs: tap j meets dz[t] * input[t - (W-1) + j].
+    part = ((b * tl.num_programs(0) + i_t) * C + cc) * W
+    for j in tl.static_range(W):
+        xj = _tap(x, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, j, W, HAS_TAIL)
+        tl.store(dw_partial + part + j, tl.sum(dz * xj, 0), mask=ch_ok)
+
+    # The input's: x[t] feeds z[t + i] through tap W-1-i, within its own sequence.
+    acc = dz * tl.load(w + cc * W + (W - 1), mask=ch_ok, other=0.0).to(tl.float32)[None, :]
+    for i in tl.static_range(1, W):
+        t2 = tt + i
+        ok2 = tok_ok & (t2 < T)
+        if VARLEN:
+            ok2 = ok2 & (tl.load(starts + t2, mask=ok2, other=-1) == start)
+        dz2 = _dz_at(x, w, tail, dy, b, t2, cc, ok2, ch_ok, start, doc, T, C, eps, W, BT, BC, ACT, NORM, HAS_TAIL)
+        acc += dz2 * tl.load(w + cc * W + (W - 1 - i), mask=ch_ok, other=0.0).to(tl.float32)[None, :]
+    m = tok_ok[:, None] & ch_ok[None, :]
+    tl.store(dx + (b * T + tt).to(tl.int64)[:, None] * C + cc[None, :], acc.to(dx.dtype.element_ty), mask=m)
+
+
+def _grid_shape(T: int, C: int, B: int, head: int, block_t: int, launch: ShortConvLaunch) -> tuple[tuple[int, int, int], int]:
+    if head:
+        return (triton.cdiv(T, block_t), C // head, B), triton.next_power_of_2(head)
+    block_c = min(launch.block_c, triton.next_power_of_2(C))
+    return (triton.cdiv(T, block_t), triton.cdiv(C, block_c), B), block_c
+
+
+def short_conv_forward_triton(
+    x: Tensor, w: Tensor, tail: Tensor | None, starts: Tensor | None, docs: Tensor | None, *,
+    activation: bool, head: int, eps: float, launch: ShortConvLaunch = SHORT_CONV_LAUNCH,
+) -> Tensor:
+    """`x` `[B, T, C]`, `w` `[C, W]`, `tail` `[B or N, W-1, C]` or None, `starts`/`docs`
+    `[T]` int32 (packed) or None; `head` > 0 normalises each group of `head` channels."""
+    B, T, C = x.shape
+    W = w.shape[1]
+    y = torch.empty_like(x)
+    if T == 0:
+        return y
+    grid, block_c = _grid_shape(T, C, B, head, launch.block_t, launch)
+    short_conv_forward_kernel[grid](
+        x, w, x if tail is None else tail, x if starts is None else starts, x if docs is None else docs, y, T, C, float(eps),
+        W=W, BT=launch.block_t, BC=block_c, HEAD=max(head, 1), ACT=activation, NORM=head > 0,
+        HAS_TAIL=tail is not None, VARLEN=starts is not None, num_warps=launch.num_warps,
+    )
+    return y
+
+
+def short_conv_backward_triton(
+    x: Tensor, w: Tensor, tail: Tensor | None, starts: Tensor | None, docs: Tensor | None, dy: Tensor, *,
+    activation: bool, head: int, eps: float, launch: ShortConvLaunch = SHORT_CONV_LAUNCH,
+) -> tuple[Tensor, Tensor]:
+    """(`dx` like `x`, `dw` `[C, W]` float32); the tail's gradient is not formed here."""
+    B, T, C = x.shape
+    W = w.shape[1]
+    dx = torch.empty_like(x)
+    if T == 0:
+        return dx, torch.zeros(C, W, device=x.device, dtype=torch.float32)
+    grid, block_c = _grid_shape(T, C, B, head, launch.backward_block_t, launch)
+    dw_partial = torch.empty(B * grid[0], C, W, device=x.device, dtype=torch.float32)
+    short_conv_backward_kernel[grid](
+        x, w, x if tail is None else tail, x if starts is None else starts, x if docs is None else docs, dy, dx, dw_partial,
+        T, C, float(eps),
+        W=W, BT=launch.backward_block_t, BC=block_c, HEAD=max(head, 1), ACT=activation, NORM=head > 0,
+        HAS_TAIL=tail is not None, VARLEN=starts is not None, num_warps=launch.num_warps,
+    )
+    return dx, dw_partial.sum(0)

@@ -1,13 +1,22 @@
 """archspec.kernels: the recurrence of RECURRENCE.md and its backends.
 
 Imports only torch (and triton, lazily, for the Triton backend): no pydantic, so this
-package runs on a bare GPU machine.
+package runs on a bare GPU machine. Beside the recurrence, the fused pieces of a training
+step (`kernels/fused.py`): linear cross-entropy, gated RMSNorm, short conv.
 """
 
 from .api import BACKENDS, linear_recurrence, osdn_write_keys, register_backend, resolve_backend
+from .linear_ce import IGNORE_INDEX, linear_cross_entropy
 from .naive import linear_recurrence_naive, osdn_write_keys_naive, recurrence_step
+from .rms_norm import rms_norm
+from .short_conv import conv_tails, short_conv
 
 __all__ = [
+    "IGNORE_INDEX",
+    "conv_tails",
+    "linear_cross_entropy",
+    "rms_norm",
+    "short_conv",
     "BACKENDS",
     "linear_recurrence",
     "osdn_write_keys",

@@ -45,7 +45,7 @@ def softmax_ce_grad_(logits: Tensor, targets: Tensor, *, ignore_index: int = IGN
     loss = torch.where(scored, lse - x.gather(1, safe[:, None]).squeeze(1), torch.zeros_like(lse))
     grad = torch.exp(x - lse[:, None])
     grad.scatter_add_(1, safe[:, None], -torch.ones_like(lse)[:, None])
-    grad.mul_(torch.where(scored, scale, 0.0)[:, None])
+    grad.mul_((scored.to(x.dtype) * scale)[:, None])
     logits.copy_(grad)
     return loss
 

@@ -1,0 +1,285 @@
+"""The fused pieces of the training step against independent definitions: values and every
+gradient.
+
+- Linear cross-entropy: against `F.cross_entropy` on the full float64 logits.
+- RMSNorm (plain, SiLU- and sigmoid-gated): against the formula written out in float64.
+- Short conv + SiLU (+ per-head L2 norm): against a loop over each sequence on its own,
+  with carried tails and packed documents.
+
+The torch paths are compared in float64; the Triton paths (the interpreter on the CPU,
+small shapes) in float32. `gpu` tests repeat the Triton checks on CUDA in float32 and
+bfloat16 at training shapes, against the torch path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from archspec.kernels import linear_cross_entropy, rms_norm, short_conv
+from archspec.kernels.linear_ce import IGNORE_INDEX, softmax_ce_grad_
+from archspec.kernels.short_conv import conv_tails
+
+BACKENDS = ["torch", "triton"]
+
+
+def _tol(backend: str, dtype: torch.dtype = torch.float64) -> dict:
+    if dtype == torch.bfloat16:
+        return dict(atol=3e-2, rtol=3e-2)
+    return dict(atol=1e-10, rtol=1e-9) if backend == "torch" else dict(atol=2e-5, rtol=2e-4)
+
+
+def _dtype(backend: str) -> torch.dtype:
+    return torch.float64 if backend == "torch" else torch.float32
+
+
+def _grads(out: torch.Tensor, inputs: list[torch.Tensor], dy: torch.Tensor | None = None) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(out, inputs, dy))
+
+
+# --------------------------------------------------------------------------- cross-entropy
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk_rows", [None, 7])
+def test_linear_cross_entropy_equals_full_logits(backend, chunk_rows):
+    gen = torch.Generator().manual_seed(0)
+    N, d, V = 45, 16, 70
+    dtype = _dtype(backend)
+    hidden = torch.randn(3, 15, d, generator=gen, dtype=dtype, requires_grad=True)
+    weight = torch.randn(V, d, generator=gen, dtype=dtype, requires_grad=True)
+    targets = torch.randint(V, (3, 15), generator=gen)
+    targets[0, ::4] = IGNORE_INDEX
+    targets[2, :] = IGNORE_INDEX
+
+    loss = linear_cross_entropy(hidden, weight, targets, chunk_rows=chunk_rows, backend=backend)
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref = F.cross_entropy((h64 @ w64.T).reshape(N, V), targets.reshape(N))
+    # A weight on the loss checks that the backward scales by the incoming gradient.
+    got = _grads(2.5 * loss, [hidden, weight])
+    want = _grads(2.5 * ref, [h64, w64])
+    torch.testing.assert_close(loss.double(), ref, **_tol(backend))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g.double(), r, **_tol(backend))
+
+
+def test_linear_cross_entropy_with_nothing_scored_is_zero():
+    hidden = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
+    loss = linear_cross_entropy(hidden, weight, torch.full((4,), IGNORE_INDEX), backend="torch")
+    loss.backward()
+    assert loss.item() == 0.0 and hidden.grad.abs().max() == 0 and weight.grad.abs().max() == 0
+
+
+def test_linear_cross_entropy_refuses_bad_targets():
+    hidden, weight = torch.randn(4, 8), torch.randn(10, 8)
+    with pytest.raises(ValueError, match=r"outside \[0, 10\)"):
+        linear_cross_entropy(hidden, weight, torch.tensor([0, 3, 10, 2]), backend="torch")
+    with pytest.raises(ValueError, match="targets' shape"):
+        linear_cross_entropy(hidden, weight, torch.tensor([0, 3]), backend="torch")
+    with pytest.raises(ValueError, match="weight must be"):
+        linear_cross_entropy(hidden, torch.randn(10, 7), torch.tensor([0, 3, 1, 2]), backend="torch")
+
+
+def test_softmax_step_kernel_equals_torch_step():
+    """The Triton in-place step against the torch one, with a vocabulary that is not a
+    multiple of the kernel's block."""
+    from archspec.kernels.triton.cross_entropy import CrossEntropyLaunch, softmax_ce_grad_triton
+
+    gen = torch.Generator().manual_seed(1)
+    logits = 4 * torch.randn(9, 300, generator=gen)
+    targets = torch.randint(300, (9,), generator=gen)
+    targets[3] = IGNORE_INDEX
+    a, b = logits.clone(), logits.clone()
+    loss_t = softmax_ce_grad_(a, targets, scale=0.25)
+    loss_k = softmax_ce_grad_triton(b, targets, ignore_index=IGNORE_INDEX, scale=0.25, launch=CrossEntropyLaunch(block_v=128))
+    torch.testing.assert_close(loss_k, loss_t)
+    torch.testing.assert_close(b, a)
+    assert b[3].abs().max() == 0
+
+
+# --------------------------------------------------------------------------- RMSNorm
+
+
+def _rms_norm_definition(x, w, gate, activation, eps):
+    y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+    if activation == "silu":
+        y = y * gate / (1 + torch.exp(-gate))
+    elif activation == "sigmoid":
+        y = y / (1 + torch.exp(-gate))
+    return y
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("activation", ["none", "silu", "sigmoid"])
+@pytest.mark.parametrize("D", [8, 12])
+def test_rms_norm_equals_definition(backend, activation, D):
+    gen = torch.Generator().manual_seed(2)
+    dtype = _dtype(backend)
+    x = torch.randn(3, 7, D, generator=gen, dtype=dtype, requires_grad=True)
+    w = (1 + 0.3 * torch.randn(D, generator=gen, dtype=dtype)).requires_grad_()
+    gate = None if activation == "none" else torch.randn(3, 7, D, generator=gen, dtype=dtype, requires_grad=True)
+    inputs = [x, w] + ([gate] if gate is not None else [])
+    y = rms_norm(x, w, gate, eps=1e-5, activation=activation, backend=backend)
+    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    ref = _rms_norm_definition(ref_inputs[0], ref_inputs[1], ref_inputs[2] if gate is not None else None, activation, 1e-5)
+    dy = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(y.double(), ref, **_tol(backend))
+    for g, r in zip(_grads(y, inputs, dy.to(dtype)), _grads(ref, ref_inputs, dy)):
+        torch.testing.assert_close(g.double(), r, **_tol(backend))
+
+
+def test_rms_norm_writes_the_requested_dtype_and_refuses_bad_gates():
+    x, w = torch.randn(2, 8), torch.ones(8)
+    assert rms_norm(x, w, out_dtype=torch.bfloat16, backend="triton").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="needs a gate"):
+        rms_norm(x, w, activation="silu")
+    with pytest.raises(ValueError, match="activation must be"):
+        rms_norm(x, w, torch.randn(2, 8), activation="gelu")
+    with pytest.raises(ValueError, match="weight must be"):
+        rms_norm(x, torch.ones(7))
+
+
+# --------------------------------------------------------------------------- short conv
+
+
+def _conv_definition(x, w, tail, cu_seqlens, activation, head_dim, eps=1e-6):
+    """Each sequence alone: prepend its tail (or zeros), slide the window, token by token."""
+    B, T, C = x.shape
+    W = w.shape[1]
+    if cu_seqlens is None:
+        sequences = [(b, 0, T, b) for b in range(B)]
+    else:
+        sequences = [(0, int(cu_seqlens[n]), int(cu_seqlens[n + 1]), n) for n in range(len(cu_seqlens) - 1)]
+    y = x.new_zeros(x.shape)
+    for b, start, end, n in sequences:
+        pad = torch.zeros(W - 1, C, dtype=x.dtype) if tail is None else tail[n]
+        padded = torch.cat([pad, x[b, start:end]])
+        for t in range(end - start):
+            z = (padded[t : t + W] * w.T).sum(0)
+            u = z * torch.sigmoid(z) if activation else z
+            if head_dim:
+                u = (u.view(-1, head_dim) / u.view(-1, head_dim).norm(dim=-1, keepdim=True).clamp_min(eps)).flatten()
+            y[b, start + t] = u
+    return y
+
+
+CONV_CASES = [
+    # (packed, tail, head_dim, activation)
+    (False, False, 0, True),
+    (False, True, 8, True),
+    (False, True, 0, False),
+    (True, False, 8, True),
+    (True, True, 0, True),
+    (True, True, 8, False),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("packed,with_tail,head_dim,activation", CONV_CASES)
+def test_short_conv_equals_each_sequence_alone(backend, packed, with_tail, head_dim, activation):
+    gen = torch.Generator().manual_seed(3)
+    dtype = _dtype(backend)
+    W, C = 4, 16
+    if packed:
+        B, T, cu = 1, 45, torch.tensor([0, 2, 19, 20, 45])  # one document shorter than the window
+    else:
+        B, T, cu = 2, 37, None
+    rows = B if cu is None else len(cu) - 1
+    x = torch.randn(B, T, C, generator=gen, dtype=dtype, requires_grad=True)
+    w = torch.randn(C, W, generator=gen, dtype=dtype, requires_grad=True)
+    tail = torch.randn(rows, W - 1, C, generator=gen, dtype=dtype, requires_grad=True) if with_tail else None
+    inputs = [x, w] + ([tail] if tail is not None else [])
+    y = short_conv(x, w, tail=tail, cu_seqlens=cu, activation=activation, head_dim=head_dim, backend=backend)
+    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    ref = _conv_definition(ref_inputs[0], ref_inputs[1], ref_inputs[2] if tail is not None else None, cu, activation, head_dim)
+    dy = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(y.double(), ref, **_tol(backend))
+    for g, r in zip(_grads(y, inputs, dy.to(dtype)), _grads(ref, ref_inputs, dy)):
+        torch.testing.assert_close(g.double(), r, **_tol(backend))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_conv_tails_are_the_last_inputs_of_each_sequence(packed):
+    gen = torch.Generator().manual_seed(4)
+    W, C = 4, 3
+    x = torch.randn(1 if packed else 2, 9, C, generator=gen)
+    cu = torch.tensor([0, 1, 7, 9]) if packed else None
+    rows = 3 if packed else 2
+    tail = torch.randn(rows, W - 1, C, generator=gen)
+    got = conv_tails(x, tail, cu, W)
+    bounds = [(0, int(cu[n]), int(cu[n + 1])) for n in range(rows)] if packed else [(b, 0, 9) for b in range(2)]
+    for n, (b, start, end) in enumerate(bounds):
+        torch.testing.assert_close(got[n], torch.cat([tail[n], x[b, start:end]])[-(W - 1):])
+
+
+def test_short_conv_refuses_bad_shapes():
+    x, w = torch.randn(2, 5, 8), torch.randn(8, 4)
+    with pytest.raises(ValueError, match="tail must be"):
+        short_conv(x, w, tail=torch.randn(2, 2, 8))
+    with pytest.raises(ValueError, match="batch must be 1"):
+        short_conv(x, w, cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="head_dim 3"):
+        short_conv(x, w, head_dim=3)
+
+
+# --------------------------------------------------------------------------- on CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_linear_cross_entropy_kernel_equals_torch(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(4096, 256, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    weight = (0.05 * torch.randn(32000, 256, device="cuda", generator=gen)).requires_grad_()
+    targets = torch.randint(32000, (4096,), device="cuda", generator=gen)
+    targets[::7] = IGNORE_INDEX
+    results = []
+    for backend in BACKENDS:
+        loss = linear_cross_entropy(hidden, weight.to(dtype), targets, backend=backend)
+        results.append([loss, *_grads(loss, [hidden, weight])])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), **_tol("triton", dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["none", "silu", "sigmoid"])
+def test_gpu_rms_norm_kernel_equals_torch(dtype, activation):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8, 2048, 8, 128, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    w = (1 + 0.1 * torch.randn(128, device="cuda", generator=gen)).requires_grad_()
+    gate = None if activation == "none" else torch.randn(x.shape, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    inputs = [x, w] + ([gate] if gate is not None else [])
+    dy = torch.randn(x.shape, device="cuda", dtype=dtype, generator=gen)
+    results = []
+    for backend in BACKENDS:
+        y = rms_norm(x, w, gate, activation=activation, backend=backend)
+        results.append([y, *_grads(y, inputs, dy)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), **_tol("triton", dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed,with_tail,head_dim,activation", CONV_CASES)
+def test_gpu_short_conv_kernel_equals_torch(dtype, packed, with_tail, head_dim, activation):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    head_dim = 128 if head_dim else 0
+    C, W = 1024, 4
+    B, T = (1, 8192) if packed else (4, 2048)
+    cu = torch.tensor([0, 3, 1000, 1001, 5000, 8192], device="cuda") if packed else None
+    rows = B if cu is None else len(cu) - 1
+    x = torch.randn(B, T, C, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    w = (0.5 * torch.randn(C, W, device="cuda", generator=gen)).requires_grad_()
+    tail = torch.randn(rows, W - 1, C, device="cuda", dtype=dtype, generator=gen).requires_grad_() if with_tail else None
+    inputs = [x, w] + ([tail] if tail is not None else [])
+    dy = torch.randn(x.shape, device="cuda", dtype=dtype, generator=gen)
+    results = []
+    for backend in BACKENDS:
+        y = short_conv(x, w, tail=tail, cu_seqlens=cu, activation=activation, head_dim=head_dim, backend=backend)
+        results.append([y, *_grads(y, inputs, dy)])
+    for a, b in zip(*results):
+        # The weight's gradient sums over B*T tokens: compare relative to its size.
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2 * max(1.0, b.float().abs().max().item() / 10), rtol=3e-2)

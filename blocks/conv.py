@@ -1,15 +1,23 @@
 """Short causal depthwise convolution over time, with the tail it needs for decoding.
 
 The three backbones (DeltaNet, Gated DeltaNet, KDA in flash-linear-attention) run q, k and
-v through a kernel-size-4 depthwise causal conv before the recurrence. A causal conv of
-kernel size W at position t reads inputs t-W+1..t, so to continue a sequence in pieces the
-layer only has to remember the last W-1 inputs: that tail is its decoding state.
+v through a kernel-size-4 depthwise causal conv and a SiLU before the recurrence. A causal
+conv of kernel size W at position t reads inputs t-W+1..t, so to continue a sequence in
+pieces the layer only has to remember the last W-1 inputs: that tail is its decoding state.
+With packed documents (`cu_seqlens`) each document starts from its own tail (or zeros)
+and carries its own on: no token reads another document's inputs.
+
+The conv, its SiLU and (for the streams that need unit keys) the per-head L2 norm run as
+one `archspec.kernels.short_conv` call: one Triton kernel each way on CUDA, whose backward
+recomputes the pre-activation instead of saving it; plain torch elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from archspec.kernels import conv_tails, short_conv
 
 Tensor = torch.Tensor
 
@@ -24,18 +32,26 @@ class ShortConv(nn.Module):
         self.channels = channels
         self.kernel_size = kernel_size
         # nn.Conv1d holds the weight [C, 1, W] with PyTorch's default initialisation; the
-        # causal padding is done by hand so that a carried tail can stand in for zeros.
+        # causal padding is done by the kernel so that a carried tail can stand in for zeros.
         self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=False)
+        self.fused_backend = "auto"
 
     def empty_tail(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
         """The tail of a sequence that has not started: W-1 zero inputs."""
         return torch.zeros(batch_size, self.kernel_size - 1, self.channels, device=device, dtype=dtype)
 
-    def forward(self, x: Tensor, tail: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Return (conv(x) [B, T, C], new tail [B, W-1, C]); `tail` continues a sequence."""
-        if tail is None:
-            tail = self.empty_tail(x.shape[0], x.device, x.dtype)
-        padded = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
-        y = self.conv(padded.transpose(1, 2)).transpose(1, 2)
-        return y, padded[:, padded.shape[1] - (self.kernel_size - 1) :]
-
+    def forward(
+        self, x: Tensor, tail: Tensor | None = None, *, cu_seqlens: Tensor | None = None,
+        activation: bool = False, head_dim: int = 0, norm_eps: float = 1e-6, return_tail: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
+        """`(y [B, T, C], new tail)`: `y = normalize(act(conv(x)))` with `act` SiLU when
+        `activation`, `normalize` (to unit L2 norm, `norm_eps` below) per group of `head_dim`
+        channels when it is > 0. `tail`
+        (`[B, W-1, C]`, or `[N, W-1, C]` with `cu_seqlens`) continues each sequence; the new
+        tail has the same layout, or is None when `return_tail` is False."""
+        if tail is not None:
+            tail = tail.to(x.dtype)
+        y = short_conv(x, self.conv.weight, tail=tail, cu_seqlens=cu_seqlens, activation=activation,
+                       head_dim=head_dim, eps=norm_eps, backend=self.fused_backend)
+        new_tail = conv_tails(x, tail, cu_seqlens, self.kernel_size) if return_tail else None
+        return y, new_tail

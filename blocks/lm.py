@@ -5,6 +5,10 @@ plan says `mlp: none`), as in nanoGPT and fla's models. The decoding state is on
 `MixerState` per layer; `forward(ids, state)` continues the sequences that `state`
 describes, so prefill and token-by-token generation are the same call.
 
+Training: `forward(ids, labels=labels)` returns the mean next-token loss without making
+the logits (`loss.py`); `cu_seqlens` packs documents in one row (B = 1) so that none sees
+another, each as if it ran alone.
+
 Initialisation (nanoGPT / fla): every linear and embedding weight ~ N(0, 0.02); the
 projections that write into the residual stream (`o_proj`, `down_proj`) are scaled by
 1/sqrt(2 * layers) so the residual's variance does not grow with depth. Biases and the
@@ -19,8 +23,10 @@ import math
 import torch
 import torch.nn as nn
 
+from .loss import next_token_loss
 from .mixer import Mixer, MixerState
 from .mlp import MLP
+from .norm import RMSNorm
 from .plan import ModelPlan
 
 Tensor = torch.Tensor
@@ -32,13 +38,14 @@ RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
 class Block(nn.Module):
     def __init__(self, plan: ModelPlan):
         super().__init__()
-        self.mixer_norm = nn.RMSNorm(plan.d_model, eps=plan.norm_eps)
+        self.mixer_norm = RMSNorm(plan.d_model, eps=plan.norm_eps)
         self.mixer = Mixer(plan.mixer, plan.d_model, norm_eps=plan.norm_eps)
-        self.mlp_norm = nn.RMSNorm(plan.d_model, eps=plan.norm_eps) if plan.mlp != "none" else None
+        self.mlp_norm = RMSNorm(plan.d_model, eps=plan.norm_eps) if plan.mlp != "none" else None
         self.mlp = MLP(plan.mlp, plan.d_model, plan.mlp_ratio) if plan.mlp != "none" else None
 
-    def forward(self, x: Tensor, state: MixerState | None, return_state: bool) -> tuple[Tensor, MixerState | None]:
-        h, state = self.mixer(self.mixer_norm(x), state, return_state)
+    def forward(self, x: Tensor, state: MixerState | None, return_state: bool,
+                cu_seqlens: Tensor | None = None) -> tuple[Tensor, MixerState | None]:
+        h, state = self.mixer(self.mixer_norm(x), state, return_state, cu_seqlens=cu_seqlens)
         x = x + h
         if self.mlp is not None:
             x = x + self.mlp(self.mlp_norm(x))
@@ -51,8 +58,9 @@ class LanguageModel(nn.Module):
         self.plan = plan
         self.embed = nn.Embedding(plan.vocab_size, plan.d_model)
         self.blocks = nn.ModuleList(Block(plan) for _ in range(plan.layers))
-        self.norm = nn.RMSNorm(plan.d_model, eps=plan.norm_eps)
+        self.norm = RMSNorm(plan.d_model, eps=plan.norm_eps)
         self.head = nn.Linear(plan.d_model, plan.vocab_size, bias=False)
+        self.fused_backend = "auto"  # the loss's path; `set_backend` changes it
         self._init_weights()
         if plan.tie_embeddings:
             self.head.weight = self.embed.weight
@@ -68,21 +76,54 @@ class LanguageModel(nn.Module):
         return [block.mixer for block in self.blocks]
 
     def set_backend(self, name: str) -> None:
-        """Run every mixer's recurrence on `name` (`naive`, `torch`, `triton`, `auto`)."""
+        """Run every mixer's recurrence on `name` (`naive`, `torch`, `triton`, `auto`), and
+        the fused norms, convs and loss on its torch or Triton path (`naive`: torch)."""
         for mixer in self.mixers():
             mixer.backend = name
+        fused = {"naive": "torch"}.get(name, name)
+        for module in self.modules():
+            if hasattr(module, "fused_backend"):
+                module.fused_backend = fused
+        self.fused_backend = fused
 
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> list[MixerState]:
         return [mixer.init_state(batch_size, device) for mixer in self.mixers()]
 
     def forward(
-        self, input_ids: Tensor, state: list[MixerState] | None = None, return_state: bool = False
+        self,
+        input_ids: Tensor,
+        state: list[MixerState] | None = None,
+        return_state: bool = False,
+        *,
+        labels: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, list[MixerState]]:
-        """Logits `[B, T, vocab]`, and the state after the last token if `return_state`."""
+        """Logits `[B, T, vocab]`, or with `labels` the mean next-token loss (a scalar; the
+        logits are never made); and the state after the last token if `return_state`.
+
+        `labels` `[B, T]`: what each position should predict (already shifted), or
+        `IGNORE_INDEX` (-100) where nothing is scored. `cu_seqlens` (`[N+1]` token offsets,
+        B = 1) packs N documents in the row: each starts from its own state (`state` with N
+        rows) or from zeros, and the returned state has one row per document.
+        """
+        if cu_seqlens is not None:
+            _check_packed(input_ids, cu_seqlens)
         x = self.embed(input_ids)
         new_state = []
         for i, block in enumerate(self.blocks):
-            x, layer_state = block(x, None if state is None else state[i], return_state)
+            x, layer_state = block(x, None if state is None else state[i], return_state, cu_seqlens)
             new_state.append(layer_state)
-        logits = self.head(self.norm(x))
-        return (logits, new_state) if return_state else logits
+        x = self.norm(x)
+        out = self.head(x) if labels is None else next_token_loss(x, self.head.weight, labels, backend=self.fused_backend)
+        return (out, new_state) if return_state else out
+
+
+def _check_packed(input_ids: Tensor, cu_seqlens: Tensor) -> None:
+    B, T = input_ids.shape
+    if B != 1:
+        raise ValueError(f"cu_seqlens packs documents in one row: input_ids must be [1, T], got {tuple(input_ids.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor of N+1 token offsets, got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
+    first, last, decreasing = torch.stack([cu_seqlens[0], cu_seqlens[-1], (cu_seqlens[1:] < cu_seqlens[:-1]).sum()]).tolist()
+    if first != 0 or last != T or decreasing:
+        raise ValueError(f"cu_seqlens must rise from 0 to T = {T} without decreasing, got {cu_seqlens.tolist()}")

@@ -21,6 +21,14 @@ DeltaNet / GatedDeltaNet / GatedDeltaProduct / KDA / GLA layers:
 
 Decoding state (`MixerState`): the matrix state S, the conv tails, OSDN's d. Calling the
 mixer on a sequence in one piece or in several, carrying the state, gives the same output.
+Packed documents (`cu_seqlens`, B = 1) run as if each were alone: the conv, the OSDN scan
+and the recurrence restart at every document, and the state has one row per document.
+
+Saved for the backward, per layer (what is recomputed instead): each stream's projection
+output (the conv's SiLU, pre-activation and L2 norm are recomputed by the fused conv); the
+gate's projection (its float32 softplus and decay are recomputed, `gates.py`); the
+recurrence's own inputs; the output norm's input and gate (the normalised rows are
+recomputed, `norm.py`); the `o_proj` input.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from archspec.kernels import linear_recurrence
 from .conv import ShortConv
 from .gates import ChannelGate, ScalarGate
 from .lowrank import LowRankLinear
-from .norm import GatedRMSNorm
+from .norm import GatedRMSNorm, RMSNorm
 from .plan import RecurrencePlan
 from .preconditioner import OSDNPreconditioner
 
@@ -109,7 +117,7 @@ class Mixer(nn.Module):
         )
 
         if plan.backbone == "deltanet":
-            self.o_norm: nn.Module = nn.RMSNorm(V, eps=norm_eps)
+            self.o_norm: nn.Module = RMSNorm(V, eps=norm_eps)
             self.g_proj = None
         elif plan.backbone == "gdn":
             self.o_norm = GatedRMSNorm(V, "silu", eps=norm_eps)
@@ -133,27 +141,43 @@ class Mixer(nn.Module):
         d = None if self.preconditioner is None else self.preconditioner.start_state(batch_size, device, acc)
         return MixerState(torch.zeros(batch_size, H, K, V, device=device, dtype=acc), conv, d)
 
-    def _stream(self, name: str, x: Tensor, state: MixerState | None, tails: dict[str, Tensor]) -> Tensor:
-        """Projection, optional short conv (its new tail goes to `tails`), SiLU."""
+    def _stream(self, name: str, x: Tensor, state: MixerState | None, tails: dict[str, Tensor],
+                cu_seqlens: Tensor | None, unit: bool, return_state: bool) -> Tensor:
+        """Projection, optional short conv (its new tail goes to `tails` when the state is
+        returned), SiLU, and with `unit` the L2 norm of each head: the conv, SiLU and norm
+        are one fused call that recomputes rather than saves its intermediates."""
         h = self.proj[name](x)
+        head_dim = self.plan.head_dim if unit else 0
         if self.conv is not None:
-            h, tails[name] = self.conv[name](h, None if state is None else state.conv[name])
-        return F.silu(h)
+            h, tail = self.conv[name](h, None if state is None else state.conv[name], cu_seqlens=cu_seqlens,
+                                      activation=True, head_dim=head_dim, norm_eps=L2_EPS, return_tail=return_state)
+            if return_state:
+                tails[name] = tail
+            return h
+        h = F.silu(h)
+        if unit:
+            h = F.normalize(h.unflatten(-1, (-1, head_dim)), dim=-1, eps=L2_EPS).flatten(-2)
+        return h
 
     def forward(
-        self, x: Tensor, state: MixerState | None = None, return_state: bool = False
+        self, x: Tensor, state: MixerState | None = None, return_state: bool = False, *, cu_seqlens: Tensor | None = None
     ) -> tuple[Tensor, MixerState | None]:
+        """`x` `[B, T, d_model]` -> `[B, T, d_model]`, and the state after the last token.
+
+        `cu_seqlens` (token offsets `[N+1]`, B = 1) packs N documents in one row: each starts
+        from its own state (`state` then holds N rows) or from zeros, and no token sees
+        another document; the returned state has one row per document.
+        """
         plan = self.plan
         B, T, _ = x.shape
         H, K, V, n = plan.heads, plan.head_dim, plan.value_dim, plan.n_h
         tails: dict[str, Tensor] = {}
+        unit = plan.transition != "diagonal"  # the delta rule and RWKV-7 need unit q, k
 
-        q = self._stream("q", x, state, tails).reshape(B, T, H, K)
+        q = self._stream("q", x, state, tails, cu_seqlens, unit, return_state).reshape(B, T, H, K)
         # (t, n, h, d) order: the n_h sub-steps of token t are rows t*n_h .. t*n_h + n_h - 1.
-        k = self._stream("k", x, state, tails).reshape(B, T * n, H, K)
-        v = self._stream("v", x, state, tails).reshape(B, T * n, H, V)
-        if plan.transition != "diagonal":
-            q, k = F.normalize(q, dim=-1, eps=L2_EPS), F.normalize(k, dim=-1, eps=L2_EPS)
+        k = self._stream("k", x, state, tails, cu_seqlens, unit, return_state).reshape(B, T * n, H, K)
+        v = self._stream("v", x, state, tails, cu_seqlens, False, return_state).reshape(B, T * n, H, V)
 
         beta = erase = write_key = None
         if self.b_proj is not None:
@@ -161,12 +185,12 @@ class Mixer(nn.Module):
         if self.a_proj is not None:
             erase = plan.beta_scale * torch.sigmoid(self.a_proj(x)).reshape(B, T * n, H, K) * k
         if "w" in self.proj:
-            write_key = F.normalize(self._stream("w", x, state, tails).reshape(B, T * n, H, K), dim=-1, eps=L2_EPS)
+            write_key = self._stream("w", x, state, tails, cu_seqlens, True, return_state).reshape(B, T * n, H, K)
 
         d_final, osdn_inputs = None, None
         if self.preconditioner is not None:
             write_key, d_final, osdn_inputs = self.preconditioner(
-                x, k, beta, None if state is None else state.d, backend=self.backend
+                x, k, beta, None if state is None else state.d, backend=self.backend, cu_seqlens=cu_seqlens, n_h=n
             )
 
         kwargs = dict(
@@ -182,6 +206,7 @@ class Mixer(nn.Module):
             scale=self.scale,
             initial_state=None if state is None else state.recurrent,
             output_final_state=return_state,
+            cu_seqlens=cu_seqlens,
         )
         o, final = linear_recurrence(**kwargs, backend=self.backend)
         if self.capture:

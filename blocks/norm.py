@@ -1,8 +1,14 @@
-"""The gated output norm of GDN and KDA (plain RMSNorm is torch's `nn.RMSNorm`).
+"""The RMS norms of the LM: the blocks' pre-norms and the mixers' (gated) output norms.
 
 Gated DeltaNet reads out `RMSNorm(o) * SiLU(W_g x)` and KDA `RMSNorm(o) * sigmoid(...)`
-(flash-linear-attention's `FusedRMSNormGated`); DeltaNet uses a plain RMSNorm. The norm is
-per head: it acts on the last dimension V of `[B, T, H, V]`.
+(flash-linear-attention's `FusedRMSNormGated`); DeltaNet uses a plain RMSNorm. The output
+norm is per head: it acts on the last dimension V of `[B, T, H, V]`.
+
+Both run `archspec.kernels.rms_norm`: one Triton kernel forward and one backward on CUDA
+(the gate fused in, the normalised rows recomputed rather than saved), plain torch
+elsewhere. Under autocast they write the autocast dtype, which the projection after them
+reads anyway. `fused_backend` (`auto`, `torch`, `triton`) is set by
+`LanguageModel.set_backend`.
 """
 
 from __future__ import annotations
@@ -11,15 +17,28 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from archspec.kernels import rms_norm
+from archspec.kernels.fused import compute_dtype
 
 Tensor = torch.Tensor
 
 GateActivation = Literal["silu", "sigmoid"]
 
 
+class RMSNorm(nn.RMSNorm):
+    """`nn.RMSNorm` (same parameter, same state-dict key) on the fused kernel."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__(dim, eps=eps)
+        self.fused_backend = "auto"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, eps=self.eps, out_dtype=compute_dtype(x), backend=self.fused_backend)
+
+
 class GatedRMSNorm(nn.Module):
-    """`RMSNorm(x) * act(gate)` with a learned per-feature weight."""
+    """`RMSNorm(x) * act(gate)` with a learned per-feature weight (`norm.weight`)."""
 
     def __init__(self, dim: int, activation: GateActivation, eps: float = 1e-6):
         super().__init__()
@@ -27,7 +46,8 @@ class GatedRMSNorm(nn.Module):
             raise ValueError(f"activation must be 'silu' or 'sigmoid', got {activation!r}")
         self.norm = nn.RMSNorm(dim, eps=eps)
         self.activation = activation
+        self.fused_backend = "auto"
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        act = F.silu(gate) if self.activation == "silu" else torch.sigmoid(gate)
-        return self.norm(x) * act
+        return rms_norm(x, self.norm.weight, gate, eps=self.norm.eps, activation=self.activation,
+                        out_dtype=compute_dtype(x), backend=self.fused_backend)

@@ -54,15 +54,18 @@ class OSDNPreconditioner(nn.Module):
         return d0.to(dtype).expand(batch_size, -1, -1).clone()
 
     def forward(
-        self, x: Tensor, k: Tensor, beta: Tensor, d: Tensor | None = None, *, backend: str = "auto"
+        self, x: Tensor, k: Tensor, beta: Tensor, d: Tensor | None = None, *, backend: str = "auto",
+        cu_seqlens: Tensor | None = None, n_h: int | None = None,
     ) -> tuple[Tensor, Tensor, dict]:
         """Write keys `[B, T*n_h, H, K]`, the final `d` `[B, H, K]`, and the scan's inputs.
 
         `x` `[B, T, d_model]` feeds the APF retain gate; `k` are the unit-norm keys and
-        `beta` the write strengths of the sub-steps; `d` continues a previous call.
+        `beta` the write strengths of the sub-steps; `d` continues a previous call. With
+        `cu_seqlens` (token offsets, B = 1) `d` restarts at each document (`d` and the
+        final `d` then have one row per document) and `n_h` says how many sub-steps a token has.
         """
         inputs = self.scan_inputs(x, k, beta, d)
-        write_key, d_final = osdn_write_keys(**inputs, backend=backend)
+        write_key, d_final = osdn_write_keys(**inputs, cu_seqlens=cu_seqlens, n_h=n_h, backend=backend)
         return write_key, d_final, inputs
 
     def scan_inputs(self, x: Tensor, k: Tensor, beta: Tensor, d: Tensor | None = None) -> dict:

@@ -1,0 +1,77 @@
+"""The LM's training path: the loss without logits against cross-entropy of the logits,
+and the model on the fused Triton pieces against the model on plain torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from archspec.blocks import build_model
+from archspec.blocks.loss import masked_labels
+from archspec.kernels import IGNORE_INDEX
+
+from .plans import COMBINATIONS, model_plan
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("name", ["gdn-scalar", "kda-channel", "householder-nh2-b2-scalar"])
+def test_loss_path_equals_cross_entropy_of_the_logits(name, tie):
+    torch.manual_seed(0)
+    model = build_model(model_plan(COMBINATIONS[name], tie=tie)).double()
+    model.set_backend("torch")
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 13, (2, 9), generator=gen)
+    targets = torch.randint(0, 13, (2, 9), generator=gen)
+    mask = torch.rand(2, 9, generator=gen) > 0.3
+    loss = model(ids, labels=masked_labels(targets, mask))
+    ref = F.cross_entropy(model(ids)[mask], targets[mask])
+    torch.testing.assert_close(loss, ref)
+    params = list(model.parameters())
+    for g, r in zip(torch.autograd.grad(loss, params), torch.autograd.grad(ref, params)):
+        torch.testing.assert_close(g, r)
+
+
+def test_loss_path_refuses_mismatched_labels():
+    model = build_model(model_plan(COMBINATIONS["gdn-scalar"]))
+    with pytest.raises(ValueError, match=r"labels must be \[B, T\]"):
+        model(torch.zeros(2, 4, dtype=torch.long), labels=torch.zeros(2, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", ["gdn-scalar", "kda-channel"])
+def test_model_on_triton_pieces_equals_torch(name):
+    """Every fused piece on its Triton path (the interpreter), float32, one small layer."""
+    torch.manual_seed(2)
+    model = build_model(model_plan(COMBINATIONS[name], layers=1))
+    ids = torch.randint(0, 13, (1, 16), generator=torch.Generator().manual_seed(3))
+    labels = torch.roll(ids, -1, 1)
+    labels[:, -1] = IGNORE_INDEX
+    results = {}
+    for backend in ("torch", "triton"):
+        model.set_backend(backend)
+        loss = model(ids, labels=labels)
+        results[backend] = [loss, *torch.autograd.grad(loss, list(model.parameters()))]
+    for (pname, _), a, b in zip([("loss", None), *model.named_parameters()], results["triton"], results["torch"]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-4, msg=lambda e, p=pname: f"{p}: {e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gdn-scalar", "kda-channel", "rwkv7-nh2-b2-channel"])
+def test_gpu_model_in_autocast_triton_equals_torch(name):
+    """bf16 autocast with float32 weights on CUDA: the fused model against plain torch."""
+    torch.manual_seed(4)
+    plan = model_plan(COMBINATIONS[name], layers=2, d_model=256, vocab_size=1000)
+    model = build_model(plan).cuda()
+    ids = torch.randint(0, 1000, (2, 512), device="cuda")
+    labels = torch.roll(ids, -1, 1)
+    results = {}
+    for backend in ("torch", "triton"):
+        model.set_backend(backend)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=labels)
+        results[backend] = [loss, *torch.autograd.grad(loss, list(model.parameters()))]
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], atol=2e-2, rtol=2e-2)
+    for a, b in zip(results["triton"][1:], results["torch"][1:]):
+        scale = b.abs().max().clamp(min=1e-6)
+        assert (a - b).abs().max() / scale < 5e-2

@@ -1,13 +1,17 @@
 """Measured training throughput and peak memory of a module, and `archspec bench`.
 
-`measure_training_throughput` times forward + loss + backward on random tokens (no
-optimizer step, so the module's weights are untouched) after a warm-up, on the device
-the caller names: the number a search reports as `tokens_per_s`, with `peak_mem_bytes`.
-Each step is timed on its own and the median step gives `tokens_per_s`, so that one step
-slowed by another process on a shared machine does not move the figure.
+`measure_training_throughput` runs the trainer's own training step (`archspec.training`:
+bfloat16 autocast over float32 weights on CUDA, the loss without logits, fused AdamW) on
+random tokens after a warm-up, on the device the caller names: the numbers a search
+reports as `tokens_per_s` (forward + loss + backward) and `peak_mem_bytes` (the whole
+step, optimizer state included: what training the model really needs). The optimizer
+step is timed on its own (`optimizer_s`); it runs at learning rate 0 and the weights are
+restored afterwards, so measuring leaves the module as it was. Each step is timed on its
+own and the median step gives `tokens_per_s`, so that one step slowed by another process
+on a shared machine does not move the figure.
 
 Peak memory: on CUDA, `torch.cuda.max_memory_allocated` over the measured steps
-(weights, gradients, activations). On the CPU there is no allocator counter, so it is
+(weights, gradients, AdamW's two moments, activations). On the CPU there is no allocator counter, so it is
 the rise of the process's peak resident memory (Linux `VmHWM`, reset through
 `/proc/self/clear_refs`) during warm-up and the timed steps, plus the bytes of the
 module's parameters and buffers that were resident before; None where `/proc` is
@@ -17,7 +21,6 @@ missing. Freed memory the C allocator keeps can make the CPU figure an underesti
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
@@ -26,9 +29,11 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from archspec.errors import ArchspecError
+from archspec.training import autocast_for, make_optimizer, training_loss
+
+__all__ = ["ThroughputReport", "autocast_for", "measure_training_throughput", "register"]
 
 _PROC_STATUS = Path("/proc/self/status")
 _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -36,13 +41,19 @@ _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 
 @dataclass(frozen=True)
 class ThroughputReport:
-    tokens_per_s: float  # forward + backward, after warm-up: batch * seq_len / median step time
-    peak_mem_bytes: int | None
+    tokens_per_s: float  # forward + loss + backward, after warm-up: batch * seq_len / median step time
+    peak_mem_bytes: int | None  # the whole training step, optimizer state included
     batch: int
     seq_len: int
     device: str
     steps: int
-    step_seconds: tuple[float, ...]  # wall time of each timed step
+    step_seconds: tuple[float, ...]  # wall time of each timed forward + loss + backward
+    optimizer_seconds: tuple[float, ...] = ()  # wall time of each timed optimizer step
+
+    @property
+    def optimizer_s(self) -> float:
+        """Median optimizer step (AdamW over every parameter), seconds."""
+        return statistics.median(self.optimizer_seconds) if self.optimizer_seconds else float("nan")
 
 
 def _proc_kib(field: str) -> int | None:
@@ -79,13 +90,6 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
-    """bfloat16 autocast on CUDA (how the trainer runs there); nothing elsewhere."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def measure_training_throughput(
     model: nn.Module,
     *,
@@ -97,10 +101,11 @@ def measure_training_throughput(
     vocab_size: int | None = None,
     seed: int = 0,
 ) -> ThroughputReport:
-    """Tokens per second of forward + backward on `[batch, seq_len]` random tokens.
+    """Tokens per second of the training step on `[batch, seq_len]` random tokens.
 
-    The module is moved to `device`; gradients it had are cleared afterwards. Inputs come
-    from a private generator, so measuring does not disturb the global random state.
+    The module is moved to `device`; its weights are restored and its gradients cleared
+    afterwards. Inputs come from a private generator, so measuring does not disturb the
+    global random state.
     """
     if batch < 1 or seq_len < 1 or steps < 1 or warmup < 0:
         raise ArchspecError(f"throughput: need batch, seq_len, steps >= 1 and warmup >= 0; got {batch}, {seq_len}, {steps}, {warmup}")
@@ -111,13 +116,17 @@ def measure_training_throughput(
     model.train()
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(vocab, (batch, seq_len + 1), generator=generator).to(device)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    # Learning rate 0 keeps the weights as they are; the copy guards against a step that a
+    # non-finite gradient would still turn into NaN.
+    saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    optimizer = make_optimizer(model, lr=0.0, device=device)
 
-    def step() -> None:
-        with autocast_for(device):
-            logits = model(inputs)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        loss.backward()
+    def forward_backward() -> None:
+        training_loss(model, inputs, labels, device=device).backward()
+
+    def optimizer_step() -> None:
+        optimizer.step()
         model.zero_grad(set_to_none=True)
 
     resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
@@ -125,14 +134,19 @@ def measure_training_throughput(
         torch.cuda.reset_peak_memory_stats(device)
     rss_before = _proc_kib("VmRSS") if device.type == "cpu" and _reset_cpu_peak() else None
     for _ in range(warmup):
-        step()
+        forward_backward()
+        optimizer_step()
     _synchronize(device)
-    step_seconds = []
+    step_seconds, optimizer_seconds = [], []
     for _ in range(steps):
         start = time.perf_counter()
-        step()
+        forward_backward()
         _synchronize(device)
-        step_seconds.append(time.perf_counter() - start)
+        middle = time.perf_counter()
+        optimizer_step()
+        _synchronize(device)
+        step_seconds.append(middle - start)
+        optimizer_seconds.append(time.perf_counter() - middle)
 
     peak: int | None
     if device.type == "cuda":
@@ -141,6 +155,9 @@ def measure_training_throughput(
         peak = (hwm - rss_before) * 1024 + resident
     else:
         peak = None
+    del optimizer
+    model.load_state_dict(saved)
+    model.zero_grad(set_to_none=True)
     model.train(was_training)
     return ThroughputReport(
         tokens_per_s=batch * seq_len / statistics.median(step_seconds),
@@ -150,6 +167,7 @@ def measure_training_throughput(
         device=str(device),
         steps=steps,
         step_seconds=tuple(step_seconds),
+        optimizer_seconds=tuple(optimizer_seconds),
     )
 
 
@@ -165,8 +183,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     bench = subparsers.add_parser(
         "bench",
-        help="measure a spec's training throughput (tokens/s, forward+backward) and peak memory",
-        description="Compile SPEC and time forward+backward on random tokens on the current device "
+        help="measure a spec's training throughput (tokens/s, forward+loss+backward) and peak memory",
+        description="Compile SPEC and time the training step (forward, loss, backward; the AdamW step "
+        "apart) on random tokens on the current device, bfloat16 autocast on CUDA "
         "(the tokens_per_s and peak_mem_bytes a search reports).",
     )
     bench.add_argument("spec", metavar="SPEC", help="model spec YAML file")
@@ -198,15 +217,17 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     table = Table(title=f"archspec bench {args.spec}")
     table.add_column("tokens/s", justify="right")
+    table.add_column("optimizer step", justify="right")
     table.add_column("peak memory", justify="right")
     table.add_column("batch x seq_len", justify="right")
     table.add_column("device")
     table.add_column("params", justify="right")
     params = sum(p.numel() for p in model.parameters())
     mem = "n/a" if report.peak_mem_bytes is None else f"{report.peak_mem_bytes / 2**20:,.1f} MiB"
-    table.add_row(f"{report.tokens_per_s:,.0f}", mem, f"{report.batch} x {report.seq_len}", report.device, f"{params:,}")
+    table.add_row(f"{report.tokens_per_s:,.0f}", f"{report.optimizer_s * 1e3:,.1f} ms", mem, f"{report.batch} x {report.seq_len}", report.device, f"{params:,}")
     Console().print(table)
     if args.json:
-        write_text_atomic(args.json, json.dumps({"spec": str(args.spec), "params": params, **asdict(report)}, indent=2) + "\n")
+        record = {"spec": str(args.spec), "params": params, **asdict(report), "optimizer_s": report.optimizer_s}
+        write_text_atomic(args.json, json.dumps(record, indent=2) + "\n")
     return 0
 

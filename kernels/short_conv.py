@@ -34,8 +34,9 @@ def sequence_index(cu_seqlens: Tensor | None, batch: int, T: int, device: torch.
     return cu_seqlens.long()[docs], docs
 
 
-def _shifted(x: Tensor, tail: Tensor | None, start: Tensor, doc: Tensor, shift: int, packed: bool) -> Tensor:
-    """`x[:, t - shift]` within each sequence; the tail (or zero) before its start."""
+def _shifted(x: Tensor, tail: Tensor | None, start: Tensor, doc: Tensor, shift: int) -> Tensor:
+    """Packed `x` `[1, T, C]`: `x[:, t - shift]` within each document, its tail (or zero)
+    before its start."""
     T = x.shape[1]
     src = torch.arange(T, device=x.device) - shift
     inseq = src >= start
@@ -43,8 +44,7 @@ def _shifted(x: Tensor, tail: Tensor | None, start: Tensor, doc: Tensor, shift: 
     if tail is not None:
         W1 = tail.shape[1]
         ti = (W1 + src - start).clamp(0, W1 - 1)
-        from_tail = tail[doc, ti][None] if packed else tail[:, ti]
-        out = out + from_tail * (~inseq)[None, :, None]
+        out = out + tail[doc, ti][None] * (~inseq)[None, :, None]
     return out
 
 
@@ -55,10 +55,17 @@ def short_conv_ref(x: Tensor, weight: Tensor, *, tail: Tensor | None = None, cu_
     acc = torch.promote_types(x.dtype, torch.float32)
     w = weight.reshape(weight.shape[0], -1).to(acc)
     W = w.shape[1]
-    start, doc = sequence_index(cu_seqlens, x.shape[0], x.shape[1], x.device)
     xa = x.to(acc)
     ta = None if tail is None or W == 1 else tail.to(acc)
-    z = sum(_shifted(xa, ta, start, doc, W - 1 - j, cu_seqlens is not None) * w[:, j] for j in range(W))
+    if cu_seqlens is None:
+        # One sequence per row: torch's depthwise conv over the tail (or zeros) and x.
+        pad = ta if ta is not None else xa.new_zeros(xa.shape[0], W - 1, xa.shape[2])
+        padded = torch.cat([pad, xa], dim=1).transpose(1, 2)
+        z = F.conv1d(padded, w[:, None, :], groups=w.shape[0]).transpose(1, 2)
+    else:
+        # Packed documents: each tap reads its own document's inputs, or its tail.
+        start, doc = sequence_index(cu_seqlens, x.shape[0], x.shape[1], x.device)
+        z = sum(_shifted(xa, ta, start, doc, W - 1 - j) * w[:, j] for j in range(W))
     y = F.silu(z) if activation else z
     if head_dim:
         y = F.normalize(y.unflatten(-1, (-1, head_dim)), dim=-1, eps=eps).flatten(-2)

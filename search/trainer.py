@@ -1,7 +1,8 @@
 """Train one spec on one task and score it: `train(spec, task, ...) -> TrainResult`.
 
-AdamW with linear warm-up and cosine decay, gradient clipping, bfloat16 autocast on
-CUDA, early stop once the task's validation metric reaches its target, a rich progress
+The training step is `archspec.training`'s (the one `archspec bench` times): AdamW (fused
+on CUDA) with linear warm-up and cosine decay, gradient clipping, bfloat16 autocast over
+float32 weights on CUDA, the loss straight from the hidden rows (no logits), early stop once the task's validation metric reaches its target, a rich progress
 bar (or silence for search trials). Deterministic under `seed` on the CPU: the weights
 come from `torch.manual_seed(seed)`, the data from a generator seeded with `seed`, the
 evaluation data from the task's own fixed seed.
@@ -32,11 +33,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from archspec.atomic import write_text_atomic
+from archspec.blocks.loss import masked_labels
 from archspec.errors import ArchspecError
-from archspec.throughput import autocast_for, measure_training_throughput
+from archspec.throughput import measure_training_throughput
+from archspec.training import autocast_for, make_optimizer as make_adamw, training_loss
 
 from .metrics import concat_outcomes, outcome_from_logits
 from .tasks import Task, get_task
@@ -119,11 +121,8 @@ def lr_factor(step: int, config: TrainConfig) -> float:
 
 
 def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norms, biases or gate scalars)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
+    """AdamW; weight decay on matrices only (not on norms, biases or gate scalars); fused on CUDA."""
+    return make_adamw(model, lr=config.lr, weight_decay=config.weight_decay, betas=config.betas)
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -373,9 +372,7 @@ def _loop(
     with progress if progress is not None else nullcontext():
         for step in range(1, config.steps + 1):
             inputs, targets, mask = (t.to(device) for t in task.train_batch(config.batch_size, generator))
-            with autocast_for(device):
-                logits = model(inputs)
-            loss = F.cross_entropy(logits.float()[mask], targets[mask])
+            loss = training_loss(model, inputs, masked_labels(targets, mask), device=device)
             if not torch.isfinite(loss):
                 raise _Diverged(f"loss became {loss.item()} at step {step}", step)
             optimizer.zero_grad(set_to_none=True)

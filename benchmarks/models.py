@@ -1,0 +1,555 @@
+"""Whole-model benchmark: the training step of every model spec, ours against
+flash-linear-attention's HF model of the same design.
+
+    python benchmarks/models.py [--out DIR] [--specs a,b] [--no-fla] [--rounds N]
+                                [--budget-s S] [--smoke]
+
+Each spec in `specs/models` is compiled at the size of issue 17 (d_model 1024, 8 layers,
+8 heads of 128, vocabulary 32,000, SwiGLU MLP) with float32 master weights and trained
+under bfloat16 autocast (`archspec.training`: the trainer's own step, the loss without
+logits, fused AdamW), at three settings that all hold 16,384 tokens a step:
+
+- `T=2048`: B = 8 sequences of 2,048 tokens;
+- `T=8192`: B = 2 sequences of 8,192 (B lowered to keep the tokens per step equal);
+- `packed`: one row of 16,384 tokens holding documents of mixed lengths (seeded, 64 to
+  4,096 tokens), passed as `cu_seqlens` so that no document sees another.
+
+Per setting it reports the median of the forward + loss + backward (tokens/s), the
+optimizer step apart (ms), and the peak memory of the whole step (the model's own
+weights and AdamW state plus the most the step allocated on top). flash-linear-attention
+(`fla.models.*ForCausalLM` with its defaults: fused norms, fused SwiGLU, fused
+cross-entropy) is optional: where it has the design (DeltaNet, Gated DeltaNet, gated
+DeltaProduct, KDA, GLA, RWKV-7) its config is mapped field by field (`fla_config`), both
+parameter counts are printed and must agree within 2%, and the two models are timed in
+one process in alternating rounds. GLA's and RWKV-7's fla layers spend a different number
+of parameters on gates and low-rank maps than ours (their ranks are not config fields), so
+their MLP width is set to bring the totals level (`BALANCED_MLP`); fla's RWKV-7 is its own
+macro design (token shift, LoRAs, squared-ReLU MLP), ours the RWKV-7 transition in the KDA
+backbone: that row compares equal-sized models around the same transition. Where fla refuses (an import error, a kernel that will
+not run on this machine) the refusal's text is recorded and ours is shown alone. OSDN
+has no fla model.
+
+Results: `DIR/models.json` (machine, torch / triton / fla versions, commit, every row)
+and `DIR/models.md`, written after every design, so a run cut short by `--budget-s`
+keeps what it finished. `--smoke` runs ours only, at a tiny size, on the CPU (the test
+suite runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = ROOT / "specs" / "models"
+PARAM_TOLERANCE = 0.02  # fla's parameter count within 2% of ours
+FLA_MODELS = {  # our design -> fla's model class and config class
+    "deltanet": ("DeltaNetForCausalLM", "DeltaNetConfig"),
+    "gated-deltanet": ("GatedDeltaNetForCausalLM", "GatedDeltaNetConfig"),
+    "gated-deltaproduct": ("GatedDeltaProductForCausalLM", "GatedDeltaProductConfig"),
+    "kda": ("KDAForCausalLM", "KDAConfig"),
+    "gla": ("GLAForCausalLM", "GLAConfig"),
+    "rwkv7": ("RWKV7ForCausalLM", "RWKV7Config"),
+}
+
+
+@dataclass(frozen=True)
+class Size:
+    """The model size and the three settings (each `tokens` tokens a step)."""
+
+    d_model: int = 1024
+    layers: int = 8
+    heads: int = 8
+    head_dim: int = 128
+    vocab: int = 32000
+    batch: int = 8
+    seq_len: int = 2048
+    long_seq_len: int = 8192
+    min_doc: int = 64
+    max_doc: int = 4096
+    device: str = "cuda"
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+    def overrides(self) -> dict[str, Any]:
+        return {"model.d_model": self.d_model, "model.layers": self.layers, "mixer.heads": self.heads,
+                "mixer.head_dim": self.head_dim, "model.vocab_size": self.vocab}
+
+    def settings(self) -> list[tuple[str, int, int]]:
+        """(name, B, T) of the three settings; `packed` is one row."""
+        return [(f"T={self.seq_len}", self.batch, self.seq_len),
+                (f"T={self.long_seq_len}", max(1, self.tokens // self.long_seq_len), self.long_seq_len),
+                ("packed", 1, self.tokens)]
+
+
+ISSUE_SIZE = Size()
+SMOKE_SIZE = Size(d_model=32, layers=1, heads=2, head_dim=16, vocab=64, batch=2, seq_len=32, long_seq_len=64,
+                  min_doc=3, max_doc=24, device="cpu")
+
+
+# --------------------------------------------------------------------------- the designs
+
+
+def load_plan(spec: Path, size: Size):
+    import archspec
+
+    return archspec.lower(archspec.load_spec(spec, list(size.overrides().items())))
+
+
+def fla_design(plan) -> str | None:
+    """Which fla model has this plan's design, or None (OSDN, or a combination fla lacks)."""
+    m = plan.mixer
+    if m.preconditioner is not None:
+        return None
+    if m.transition == "householder":
+        if m.n_h > 1 and m.gate in ("none", "scalar") and m.backbone == ("gdn" if m.gate == "scalar" else "deltanet"):
+            return "gated-deltaproduct"
+        if m.n_h == 1 and (m.backbone, m.gate) == ("deltanet", "none"):
+            return "deltanet"
+        if m.n_h == 1 and (m.backbone, m.gate) == ("gdn", "scalar"):
+            return "gated-deltanet"
+        if m.n_h == 1 and (m.backbone, m.gate) == ("kda", "channel"):
+            return "kda"
+    if m.transition == "diagonal" and (m.backbone, m.gate) == ("kda", "channel"):
+        return "gla"
+    if m.transition == "rwkv7" and m.n_h == 1:
+        return "rwkv7"
+    return None
+
+
+def fla_config(plan) -> tuple[str, str, dict[str, Any]]:
+    """(model class, config class, config fields) of fla 0.6.0 for this plan, field by field."""
+    from archspec.blocks.mlp import mlp_hidden_size
+
+    design = fla_design(plan)
+    if design is None:
+        raise ValueError(f"{plan.name}: flash-linear-attention has no model of this design")
+    m, d = plan.mixer, plan.d_model
+    common = dict(
+        hidden_size=d, num_hidden_layers=plan.layers, vocab_size=plan.vocab_size, norm_eps=plan.norm_eps,
+        intermediate_size=mlp_hidden_size(plan.mlp, d, plan.mlp_ratio), tie_word_embeddings=plan.tie_embeddings,
+    )
+    conv = dict(use_short_conv=m.short_conv > 0, conv_size=m.short_conv or 4)
+    neg = dict(allow_neg_eigval=m.beta_scale == 2.0)  # beta in [0, 2]
+    expand_v = m.value_dim / m.head_dim
+    if design == "deltanet":
+        # DeltaNet sizes heads by expand_k: key_dim = hidden * expand_k = heads * head_dim.
+        fields = dict(num_heads=m.heads, expand_k=m.heads * m.head_dim / d, expand_v=m.heads * m.value_dim / d,
+                      use_gate=False, use_beta=True, use_output_norm=True, qk_norm="l2", qk_activation="silu",
+                      **conv, **neg)
+    elif design == "gated-deltanet":
+        fields = dict(num_heads=m.heads, head_dim=m.head_dim, expand_v=expand_v, use_gate=True,
+                      output_gate_activation="swish", **conv, **neg)
+    elif design == "gated-deltaproduct":
+        gated = m.gate == "scalar"
+        fields = dict(num_heads=m.heads, head_dim=m.head_dim, expand_v=expand_v, num_householder=m.n_h,
+                      use_forget_gate=gated, use_output_gate=gated, **conv, **neg)
+    elif design == "kda":
+        fields = dict(num_heads=m.heads, head_dim=m.head_dim, expand_v=expand_v, **conv, **neg)
+    elif design == "gla":
+        fields = dict(num_heads=m.heads, expand_k=m.heads * m.head_dim / d, expand_v=m.heads * m.value_dim / d,
+                      use_output_gate=True, feature_map=None, use_gk=True, use_gv=False, **conv)
+    else:  # rwkv7: fla's own macro design (token shift, LoRAs, squared-ReLU MLP of two matrices)
+        fields = dict(num_heads=m.heads, head_dim=m.head_dim, value_dim=m.heads * m.value_dim)
+        # Two MLP matrices instead of SwiGLU's three: the width that spends the same parameters.
+        fields["intermediate_size"] = 3 * common["intermediate_size"] // 2
+    model_cls, config_cls = FLA_MODELS[design]
+    return model_cls, config_cls, {**common, **fields}
+
+
+# Designs whose fla layer spends a different number of parameters on its gates than ours:
+# GLA's decay is rank 16 (ours rank V) and its output gate a full d x H*V map (ours low
+# rank); RWKV-7 has its own LoRAs and no output-gate or decay projections of ours. fla's
+# config exposes none of these ranks, so the MLP width takes up the difference: the
+# intermediate size that brings the totals level (matrices per MLP: 3 SwiGLU, 2 RWKV-7).
+BALANCED_MLP = {"gla": 3, "rwkv7": 2}
+
+
+def fla_model_config(plan, params: int):
+    """fla's config object for `plan`, its MLP width balanced where `BALANCED_MLP` says."""
+    import fla.models
+
+    model_cls, config_cls, fields = fla_config(plan)
+    design = fla_design(plan)
+    if design in BALANCED_MLP:
+        with torch.device("meta"):
+            probe = getattr(fla.models, model_cls)(getattr(fla.models, config_cls)(**fields))
+        gap = params - sum(p.numel() for p in probe.parameters())
+        fields["intermediate_size"] += round(gap / (plan.layers * BALANCED_MLP[design] * plan.d_model))
+    return model_cls, getattr(fla.models, config_cls)(**fields)
+
+
+def build_fla(plan, device: str, params: int):
+    import fla.models
+
+    model_cls, config = fla_model_config(plan, params)
+    return getattr(fla.models, model_cls)(config).to(device)
+
+
+def fla_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("flash-linear-attention")
+    except Exception:
+        return None
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def document_lengths(total: int, low: int, high: int, seed: int = 0) -> list[int]:
+    """Mixed document lengths, log-uniform in [low, high], summing to `total`."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        u = torch.rand((), generator=gen).item()
+        lengths.append(int(round(math.exp(math.log(low) + u * (math.log(high) - math.log(low))))))
+    lengths[-1] -= sum(lengths) - total
+    return [n for n in lengths if n > 0]
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor
+    labels: torch.Tensor  # aligned: labels[t] is what position t predicts (ours)
+    cu_seqlens: torch.Tensor | None = None
+
+    @property
+    def hf_labels(self) -> torch.Tensor:
+        """The same targets as HF models take them (they shift: position t predicts
+        `hf_labels[t + 1]`), so fla scores exactly the positions ours does."""
+        shifted = torch.roll(self.labels, 1, 1)
+        shifted[:, 0] = self.inputs[:, 0]
+        return shifted
+
+
+def make_batch(size: Size, B: int, T: int, packed: bool, seed: int = 0) -> Batch:
+    from archspec.blocks.loss import packed_labels
+    from archspec.kernels import IGNORE_INDEX
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(size.vocab, (B, T), generator=gen)
+    if packed:
+        lengths = document_lengths(T, size.min_doc, size.max_doc, seed)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        labels = packed_labels(tokens, cu)
+        return Batch(tokens.to(size.device), labels.to(size.device), cu.to(size.device, torch.int32))
+    labels = torch.roll(tokens, -1, 1)
+    labels[:, -1] = IGNORE_INDEX
+    return Batch(tokens.to(size.device), labels.to(size.device))
+
+
+class Trainee:
+    """One model's training step, split as the benchmark times it."""
+
+    def __init__(self, name: str, model: torch.nn.Module, loss_fn: Callable[[Batch], torch.Tensor], device: str):
+        from archspec.training import make_optimizer
+
+        self.name, self.model, self.loss_fn, self.device = name, model, loss_fn, device
+        self.model.train()
+        self.optimizer = make_optimizer(model, lr=1e-4, device=device)
+        self.params = sum(p.numel() for p in model.parameters())
+
+    def forward_backward(self, batch: Batch) -> None:
+        self.loss_fn(batch).backward()
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+
+    def resident_bytes(self) -> int:
+        """Weights, buffers and AdamW state: what the model holds between steps."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        for state in self.optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def ours(plan, size: Size) -> Trainee:
+    from archspec.blocks import build_model
+    from archspec.training import training_loss
+
+    model = build_model(plan).to(size.device)
+
+    def loss(batch: Batch) -> torch.Tensor:
+        return training_loss(model, batch.inputs, batch.labels, device=size.device, cu_seqlens=batch.cu_seqlens)
+
+    return Trainee("ours", model, loss, size.device)
+
+
+def theirs(plan, size: Size, params: int) -> Trainee:
+    from archspec.training import autocast_for
+
+    model = build_fla(plan, size.device, params)
+
+    def loss(batch: Batch) -> torch.Tensor:
+        kwargs = {} if batch.cu_seqlens is None else {"cu_seqlens": batch.cu_seqlens.long()}
+        with autocast_for(size.device):
+            return model(input_ids=batch.inputs, labels=batch.hf_labels, **kwargs).loss
+
+    return Trainee("fla", model, loss, size.device)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[[], None], device: str) -> tuple[float, int]:
+    """(seconds, bytes allocated on top of what was allocated before) of one call."""
+    _sync(device)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    seconds = time.perf_counter() - start
+    extra = torch.cuda.max_memory_allocated() - before if cuda else 0
+    return seconds, extra
+
+
+@dataclass
+class Row:
+    design: str
+    spec: str
+    setting: str
+    impl: str
+    batch: int
+    seq_len: int
+    documents: int | None = None
+    params: int | None = None
+    tokens_per_s: float | None = None
+    step_ms: float | None = None
+    optimizer_ms: float | None = None
+    peak_mem_bytes: int | None = None
+    rounds: int = 0
+    refused: str | None = None
+    step_ms_all: list[float] = field(default_factory=list)
+
+
+def _first_lines(exc: BaseException, lines: int = 3) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return "\n".join(text.splitlines()[:lines])
+
+
+def time_side_by_side(trainees: list[Trainee], batch: Batch, rounds: int, warmup: int, device: str,
+                      rows: dict[str, Row]) -> None:
+    """Warm each up, then alternate rounds (the order flips every round); the median step.
+
+    A trainee that raises is dropped with its error in its row."""
+    live = []
+    for t in trainees:
+        try:
+            for _ in range(warmup):
+                t.forward_backward(batch)
+                t.optimizer_step()
+            live.append(t)
+        except Exception as exc:  # fla's kernels may refuse this machine: record, show ours
+            rows[t.name].refused = _first_lines(exc)
+            t.model.zero_grad(set_to_none=True)
+    steps: dict[str, list[float]] = {t.name: [] for t in live}
+    optim: dict[str, list[float]] = {t.name: [] for t in live}
+    peak: dict[str, int] = {t.name: 0 for t in live}
+    for r in range(rounds):
+        for t in (live if r % 2 == 0 else live[::-1]):
+            s, extra = _timed(lambda: t.forward_backward(batch), device)
+            o, extra_o = _timed(t.optimizer_step, device)
+            steps[t.name].append(s)
+            optim[t.name].append(o)
+            peak[t.name] = max(peak[t.name], extra, extra_o)
+    tokens = batch.inputs.numel()
+    for t in live:
+        row = rows[t.name]
+        median = statistics.median(steps[t.name])
+        row.tokens_per_s = tokens / median
+        row.step_ms = 1e3 * median
+        row.optimizer_ms = 1e3 * statistics.median(optim[t.name])
+        row.step_ms_all = [round(1e3 * s, 3) for s in steps[t.name]]
+        row.rounds = rounds
+        row.peak_mem_bytes = t.resident_bytes() + peak[t.name] if device.startswith("cuda") else None
+
+
+def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: int, log: Callable[[str], None]) -> list[Row]:
+    plan = load_plan(spec, size)
+    design = fla_design(plan)
+    trainees = [ours(plan, size)]
+    refusal = None
+    if with_fla and design is not None:
+        try:
+            trainees.append(theirs(plan, size, trainees[0].params))
+        except Exception as exc:
+            refusal = _first_lines(exc)
+    elif with_fla:
+        refusal = "flash-linear-attention has no model of this design"
+    if len(trainees) == 2:
+        p_ours, p_fla = trainees[0].params, trainees[1].params
+        log(f"{spec.stem}: params ours {p_ours:,} / fla {p_fla:,} ({p_fla / p_ours - 1:+.2%})")
+        if abs(p_fla / p_ours - 1) > PARAM_TOLERANCE:
+            refusal = f"not comparable: fla's config has {p_fla:,} parameters against our {p_ours:,}"
+            trainees.pop()
+    rows: list[Row] = []
+    for setting, B, T in size.settings():
+        batch = make_batch(size, B, T, packed=setting == "packed")
+        docs = None if batch.cu_seqlens is None else batch.cu_seqlens.numel() - 1
+        by_impl = {t.name: Row(spec.stem if design is None else design, spec.stem, setting, t.name, B, T, docs, t.params)
+                   for t in trainees}
+        time_side_by_side(trainees, batch, rounds, warmup, size.device, by_impl)
+        rows += by_impl.values()
+        if with_fla and "fla" not in by_impl:
+            rows.append(Row(design or spec.stem, spec.stem, setting, "fla", B, T, docs, refused=refusal))
+        for row in by_impl.values():
+            log(f"  {setting:>8} {row.impl:4}: " + (f"refused: {row.refused.splitlines()[0]}" if row.refused else
+                f"{row.tokens_per_s:,.0f} tok/s, optimizer {row.optimizer_ms:.1f} ms, peak "
+                f"{'n/a' if row.peak_mem_bytes is None else f'{row.peak_mem_bytes / 1e9:.2f} GB'}"))
+    for t in trainees:
+        del t.model, t.optimizer
+    if size.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return rows
+
+
+# --------------------------------------------------------------------------- results
+
+
+def machine() -> dict[str, Any]:
+    import triton
+
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+        "triton": triton.__version__, "fla": fla_version(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                        check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        info["commit"] = None
+    return info
+
+
+def _gb(b: int | None) -> str:
+    return "-" if b is None else f"{b / 1e9:.2f}"
+
+
+def markdown(record: dict[str, Any]) -> str:
+    m, s = record["machine"], record["size"]
+    lines = [
+        "# Whole-model training step: ours against flash-linear-attention",
+        "",
+        f"{m['device']}, torch {m['torch']}, Triton {m['triton']}, fla {m['fla'] or 'not installed'}, "
+        f"commit {(m['commit'] or '?')[:12]}, {m['date']}.",
+        f"d_model {s['d_model']}, {s['layers']} layers, {s['heads']} heads of {s['head_dim']}, vocabulary "
+        f"{s['vocab']}; float32 weights{' under bfloat16 autocast' if s['device'] == 'cuda' else ''}; {s['batch'] * s['seq_len']:,} tokens a step in "
+        f"every setting (T={s['long_seq_len']} with B={max(1, s['batch'] * s['seq_len'] // s['long_seq_len'])}; "
+        f"`packed`: one row of documents of {s['min_doc']}-{s['max_doc']} tokens with cu_seqlens). tokens/s: "
+        f"forward + loss + backward, median of {record['rounds']} alternating rounds; optimizer: fused AdamW, ms; "
+        "peak: the model's weights and AdamW state plus the most the step allocated, GB.",
+        "",
+        "| design | spec | setting | params ours / fla | tokens/s ours / fla | ratio | optimizer ms ours / fla | peak GB ours / fla | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = record["rows"]
+    order = [name for name, _, _ in Size(**s).settings()]
+    keys = sorted({(r["spec"], r["setting"]) for r in rows}, key=lambda k: (k[0], order.index(k[1])))
+    for spec, setting in keys:
+        group = {r["impl"]: r for r in rows if r["spec"] == spec and r["setting"] == setting}
+        o, f = group.get("ours"), group.get("fla")
+        if o is None:
+            continue
+        if f is None or f.get("refused"):
+            note = "" if f is None else f"fla: {f['refused'].splitlines()[0][:90]}"
+            lines.append(f"| {o['design']} | {spec} | {setting} | {o['params']:,} | {o['tokens_per_s']:,.0f} | - | "
+                         f"{o['optimizer_ms']:.1f} | {_gb(o['peak_mem_bytes'])} | {note} |")
+            continue
+        speed = o["tokens_per_s"] / f["tokens_per_s"]
+        mem = "-" if not (o["peak_mem_bytes"] and f["peak_mem_bytes"]) else f"{o['peak_mem_bytes'] / f['peak_mem_bytes']:.2f}"
+        lines.append(f"| {o['design']} | {spec} | {setting} | {o['params']:,} / {f['params']:,} | "
+                     f"{o['tokens_per_s']:,.0f} / {f['tokens_per_s']:,.0f} | {speed:.2f} | "
+                     f"{o['optimizer_ms']:.1f} / {f['optimizer_ms']:.1f} | {_gb(o['peak_mem_bytes'])} / {_gb(f['peak_mem_bytes'])} | {mem} |")
+    if record.get("skipped"):
+        lines += ["", "Not run (budget): " + ", ".join(record["skipped"]) + "."]
+    if record.get("failed"):
+        lines += ["", "Failed: " + "; ".join(f"{k}: {v.splitlines()[0]}" for k, v in record["failed"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out: Path, record: dict[str, Any]) -> None:
+    from archspec.atomic import write_text_atomic
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "models.json", json.dumps(record, indent=2) + "\n")
+    write_text_atomic(out / "models.md", markdown(record))
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results folder")
+    ap.add_argument("--specs", default=None, help="comma-separated spec names (default: every spec in specs/models)")
+    ap.add_argument("--no-fla", action="store_true", help="ours only")
+    ap.add_argument("--rounds", type=int, default=7, help="timed rounds per setting (alternating)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per model and setting")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no design after this many seconds")
+    ap.add_argument("--smoke", action="store_true", help="ours only, tiny size, on the CPU")
+    args = ap.parse_args(argv)
+
+    size = SMOKE_SIZE if args.smoke else ISSUE_SIZE
+    if size.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --smoke on the CPU", file=sys.stderr)
+        return 2
+    names = args.specs.split(",") if args.specs else sorted(p.stem for p in SPECS.glob("*.yaml"))
+    missing = [n for n in names if not (SPECS / f"{n}.yaml").exists()]
+    if missing:
+        print(f"unknown spec(s): {', '.join(missing)} (see {SPECS})", file=sys.stderr)
+        return 2
+    with_fla = not (args.no_fla or args.smoke)
+    started = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f}s] {msg}", flush=True)
+
+    record: dict[str, Any] = {"machine": machine(), "size": asdict(size), "rounds": args.rounds, "rows": [],
+                              "skipped": [], "failed": {}}
+    out = Path(args.out)
+    for i, name in enumerate(names):
+        spent = time.perf_counter() - started
+        if args.budget_s is not None and i and spent + spent / i > args.budget_s:
+            record["skipped"] = names[i:]
+            log(f"budget: {spent:.0f} s spent, skipping {', '.join(names[i:])}")
+            break
+        try:
+            rows = run_design(SPECS / f"{name}.yaml", size, with_fla=with_fla, rounds=args.rounds,
+                              warmup=args.warmup, log=log)
+            record["rows"] += [asdict(r) for r in rows]
+        except Exception as exc:  # one design failing (out of memory, ...) must not lose the others
+            record["failed"][name] = traceback.format_exc()
+            log(f"{name} failed: {_first_lines(exc, 1)}")
+        write_results(out, record)
+    write_results(out, record)
+    log(f"wrote {out / 'models.json'} and {out / 'models.md'}")
+    return 1 if record["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

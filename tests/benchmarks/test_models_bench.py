@@ -1,0 +1,70 @@
+"""`benchmarks/models.py`: the smoke mode end to end on the CPU (ours only, tiny size),
+the packed batch it builds, the labels it hands fla, and (where flash-linear-attention is
+installed) that every mapped fla config has our parameter count within 2%."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from .test_gpu_scripts import benchmark_module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    with benchmark_module("models") as module:
+        yield module
+
+
+def test_smoke_run_writes_every_setting(bench, tmp_path):
+    code = bench.main(["--smoke", "--out", str(tmp_path), "--specs", "gated-deltanet,osdn-apf", "--rounds", "1", "--warmup", "0"])
+    assert code == 0
+    record = json.loads((tmp_path / "models.json").read_text())
+    assert record["machine"]["torch"] == torch.__version__ and "commit" in record["machine"]
+    rows = record["rows"]
+    assert {(r["spec"], r["setting"]) for r in rows} == {
+        (spec, setting) for spec in ("gated-deltanet", "osdn-apf") for setting in ("T=32", "T=64", "packed")
+    }
+    for r in rows:
+        assert r["impl"] == "ours" and r["tokens_per_s"] > 0 and r["optimizer_ms"] > 0 and r["params"] > 0
+        assert r["batch"] * r["seq_len"] == 64  # equal tokens per step in every setting
+    assert next(r for r in rows if r["setting"] == "packed")["documents"] > 1
+    table = (tmp_path / "models.md").read_text()
+    assert "| gated-deltanet | gated-deltanet | packed |" in table
+
+
+def test_packed_batch_and_the_labels_fla_gets(bench):
+    lengths = bench.document_lengths(1000, 5, 300, seed=3)
+    assert sum(lengths) == 1000 and all(0 < n <= 300 for n in lengths) and len(lengths) > 2
+    size = bench.SMOKE_SIZE
+    batch = bench.make_batch(size, 1, 64, packed=True)
+    cu = batch.cu_seqlens.long()
+    assert int(cu[0]) == 0 and int(cu[-1]) == 64
+    # HF models shift: position t is scored against hf_labels[t + 1], which must be ours.
+    hf = batch.hf_labels
+    assert torch.equal(hf[:, 1:], batch.labels[:, :-1])
+    assert (batch.labels[0, cu[1:] - 1] == -100).all()  # no token predicts another document's
+
+
+def test_unknown_spec_is_refused(bench, tmp_path, capsys):
+    assert bench.main(["--smoke", "--out", str(tmp_path), "--specs", "nope"]) == 2
+    assert "unknown spec(s): nope" in capsys.readouterr().err
+
+
+def test_fla_configs_match_our_parameter_counts(bench):
+    pytest.importorskip("fla.models")
+    from archspec.blocks import count_params
+
+    designs = set()
+    for spec in sorted(bench.SPECS.glob("*.yaml")):
+        plan = bench.load_plan(spec, bench.ISSUE_SIZE)
+        if bench.fla_design(plan) is None:
+            continue
+        designs.add(bench.fla_design(plan))
+        ours = count_params(plan)
+        with torch.device("meta"):
+            theirs = sum(p.numel() for p in bench.build_fla(plan, "meta", ours).parameters())
+        assert abs(theirs / ours - 1) <= bench.PARAM_TOLERANCE, f"{spec.stem}: fla {theirs:,} against ours {ours:,}"
+    assert designs == set(bench.FLA_MODELS)

@@ -249,7 +249,7 @@ def make_batch(size: Size, B: int, T: int, packed: bool, seed: int = 0) -> Batch
         lengths = document_lengths(T, size.min_doc, size.max_doc, seed)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
         labels = packed_labels(tokens, cu)
-        return Batch(tokens.to(size.device), labels.to(size.device), cu.to(size.device, torch.int32))
+        return Batch(tokens.to(size.device), labels.to(size.device), cu.to(size.device))
     labels = torch.roll(tokens, -1, 1)
     labels[:, -1] = IGNORE_INDEX
     return Batch(tokens.to(size.device), labels.to(size.device))
@@ -299,7 +299,7 @@ def theirs(plan, size: Size, params: int) -> Trainee:
     model = build_fla(plan, size.device, params)
 
     def loss(batch: Batch) -> torch.Tensor:
-        kwargs = {} if batch.cu_seqlens is None else {"cu_seqlens": batch.cu_seqlens.long()}
+        kwargs = {} if batch.cu_seqlens is None else {"cu_seqlens": batch.cu_seqlens}
         with autocast_for(size.device):
             return model(input_ids=batch.inputs, labels=batch.hf_labels, **kwargs).loss
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from archspec.blocks import build_model
-from archspec.blocks.loss import masked_labels
+from archspec.blocks.loss import masked_labels, packed_labels
 from archspec.kernels import IGNORE_INDEX
 
 from .plans import COMBINATIONS, model_plan
@@ -39,18 +39,20 @@ def test_loss_path_refuses_mismatched_labels():
         model(torch.zeros(2, 4, dtype=torch.long), labels=torch.zeros(2, 3, dtype=torch.long))
 
 
-@pytest.mark.parametrize("name", ["gdn-scalar", "kda-channel"])
-def test_model_on_triton_pieces_equals_torch(name):
-    """Every fused piece on its Triton path (the interpreter), float32, one small layer."""
+@pytest.mark.parametrize("name,packed", [("gdn-scalar", False), ("kda-channel", False), ("osdn-apf-nh2", True)])
+def test_model_on_triton_pieces_equals_torch(name, packed):
+    """Every fused piece on its Triton path (the interpreter), float32, one small layer;
+    packed documents through the Triton conv, OSDN scan and recurrence."""
     torch.manual_seed(2)
     model = build_model(model_plan(COMBINATIONS[name], layers=1))
     ids = torch.randint(0, 13, (1, 16), generator=torch.Generator().manual_seed(3))
-    labels = torch.roll(ids, -1, 1)
+    cu = torch.tensor([0, 2, 11, 16]) if packed else None
+    labels = packed_labels(ids, cu) if packed else torch.roll(ids, -1, 1)
     labels[:, -1] = IGNORE_INDEX
     results = {}
     for backend in ("torch", "triton"):
         model.set_backend(backend)
-        loss = model(ids, labels=labels)
+        loss = model(ids, labels=labels, cu_seqlens=cu)
         results[backend] = [loss, *torch.autograd.grad(loss, list(model.parameters()))]
     for (pname, _), a, b in zip([("loss", None), *model.named_parameters()], results["triton"], results["torch"]):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-4, msg=lambda e, p=pname: f"{p}: {e}")

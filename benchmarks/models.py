@@ -31,7 +31,8 @@ has no fla model.
 
 Results: `DIR/models.json` (machine, torch / triton / fla versions, commit, every row)
 and `DIR/models.md`, written after every design, so a run cut short by `--budget-s`
-keeps what it finished. `--smoke` runs ours only, at a tiny size, on the CPU (the test
+keeps what it finished; `--merge` keeps an earlier file's rows of the specs not run now,
+so a run can be split over several calls (`--specs a,b --merge`). `--smoke` runs ours only, at a tiny size, on the CPU (the test
 suite runs it).
 """
 
@@ -56,6 +57,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs" / "models"
 PARAM_TOLERANCE = 0.02  # fla's parameter count within 2% of ours
+# The issue's targets first (a run cut short by its budget keeps them), then the rest.
+FIRST = ["deltanet", "kda", "gated-deltanet", "gated-deltaproduct-2", "gla", "rwkv7"]
 FLA_MODELS = {  # our design -> fla's model class and config class
     "deltanet": ("DeltaNetForCausalLM", "DeltaNetConfig"),
     "gated-deltanet": ("GatedDeltaNetForCausalLM", "GatedDeltaNetConfig"),
@@ -512,13 +515,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per model and setting")
     ap.add_argument("--budget-s", type=float, default=None, help="start no design after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="ours only, tiny size, on the CPU")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of specs not run now from an earlier models.json in --out (runs split over calls)")
     args = ap.parse_args(argv)
 
     size = SMOKE_SIZE if args.smoke else ISSUE_SIZE
     if size.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --smoke on the CPU", file=sys.stderr)
         return 2
-    names = args.specs.split(",") if args.specs else sorted(p.stem for p in SPECS.glob("*.yaml"))
+    every = sorted(p.stem for p in SPECS.glob("*.yaml"))
+    names = args.specs.split(",") if args.specs else [n for n in FIRST if n in every] + [n for n in every if n not in FIRST]
     missing = [n for n in names if not (SPECS / f"{n}.yaml").exists()]
     if missing:
         print(f"unknown spec(s): {', '.join(missing)} (see {SPECS})", file=sys.stderr)
@@ -532,6 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = {"machine": machine(), "size": asdict(size), "rounds": args.rounds, "rows": [],
                               "skipped": [], "failed": {}}
     out = Path(args.out)
+    if args.merge and (out / "models.json").exists():
+        earlier = json.loads((out / "models.json").read_text())
+        record["rows"] = [r for r in earlier.get("rows", []) if r["spec"] not in names]
+        record["failed"] = {k: v for k, v in earlier.get("failed", {}).items() if k not in names}
+        record["earlier_machines"] = [earlier.get("machine"), *earlier.get("earlier_machines", [])]
     for i, name in enumerate(names):
         spent = time.perf_counter() - started
         if args.budget_s is not None and i and spent + spent / i > args.budget_s:

@@ -170,7 +170,7 @@ def short_conv(x: Tensor, weight: Tensor, *, tail: Tensor | None = None, cu_seql
     W = weight.numel() // C
     rows = B
     if cu_seqlens is not None:
-        if B != 1 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
+        if B != 1 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens[[0, -1]].tolist() != [0, T]:
             raise ValueError(f"short_conv: with cu_seqlens the batch must be 1 and the offsets run from 0 to T = {T}")
         rows = cu_seqlens.numel() - 1
     if tail is not None and tuple(tail.shape) != (rows, W - 1, C):

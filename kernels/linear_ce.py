@@ -67,10 +67,11 @@ def chunk_rows_for(n_rows: int, d: int, vocab: int) -> int:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, chunk_rows: int,
-                backend: str, cdtype: torch.dtype) -> Tensor:
+                backend: str, cdtype: torch.dtype, grad_enabled: bool) -> Tensor:
         N, d = hidden.shape
         V = weight.shape[0]
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # Under no_grad (evaluation) only the loss is formed: no gradient matmuls.
+        need_h, need_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         # One host sync for both the check and the count (the mean's denominator).
         bad, scored = torch.stack([
             ((targets != ignore_index) & ((targets < 0) | (targets >= V))).sum(), (targets != ignore_index).sum()
@@ -89,7 +90,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for lo in range(0, N, chunk_rows):
                 hi = min(N, lo + chunk_rows)
                 logits = h[lo:hi] @ w.T  # [rows, V] in the compute dtype: the only logits there are
-                loss_rows[lo:hi] = step(logits, targets[lo:hi], ignore_index=ignore_index, scale=scale)
+                loss_rows[lo:hi] = step(logits, targets[lo:hi], ignore_index=ignore_index, scale=scale)  # logits := their gradient
                 if grad_h is not None:
                     grad_h[lo:hi] = logits @ w
                 if grad_w is not None:
@@ -103,7 +104,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         dh = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
         dw = None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype)
-        return dh, dw, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -135,4 +136,4 @@ def linear_cross_entropy(
     rows = chunk_rows or chunk_rows_for(hidden2.shape[0], weight.shape[1], weight.shape[0])
     if rows < 1:
         raise ValueError(f"linear_cross_entropy: chunk_rows must be >= 1, got {rows}")
-    return _LinearCrossEntropy.apply(hidden2, weight, flat, ignore_index, rows, name, cdtype)
+    return _LinearCrossEntropy.apply(hidden2, weight, flat, ignore_index, rows, name, cdtype, torch.is_grad_enabled())

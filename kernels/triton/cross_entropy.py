@@ -5,7 +5,7 @@ and the sum of exponentials (the online log-sum-exp), a second pass overwrites e
 `x_j` with `scale * (softmax(x)_j - [j == target])`, the gradient of the row's loss. The
 logits arrive in the compute dtype (bfloat16 under autocast) and only one chunk of rows
 exists at a time (`kernels/linear_ce.py`), so no float32 copy of the whole vocabulary's
-logits is ever made; the arithmetic is float32 in registers.
+logits is ever made; the arithmetic is float32 in registers (float64 for float64 logits).
 
 Rows whose target is `ignore_index` get loss 0 and a zero gradient.
 """
@@ -38,8 +38,8 @@ CROSS_ENTROPY_LAUNCH = CrossEntropyLaunch()
 
 @triton.jit(do_not_specialize=["V", "ignore_index"])
 def softmax_ce_grad_kernel(
-    logits, stride_row, targets, loss, V, ignore_index, scale,
-    BLOCK_V: tl.constexpr,
+    logits, stride_row, targets, loss, V, ignore_index, scale_ptr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride_row
@@ -48,11 +48,11 @@ def softmax_ce_grad_kernel(
 
     # Pass 1: log-sum-exp online. The first block holds at least one finite logit, so the
     # running maximum is finite after it and exp(m_old - m_new) never sees inf - inf.
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.full((), 0.0, tl.float32)
+    m = tl.full((), float("-inf"), ACC)
+    s = tl.full((), 0.0, ACC)
     for start in range(0, V, BLOCK_V):
         offs = start + cols
-        x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(ACC)
         m_new = tl.maximum(m, tl.max(x, 0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
         m = m_new
@@ -60,15 +60,15 @@ def softmax_ce_grad_kernel(
 
     ignored = target == ignore_index
     safe_target = tl.where(ignored, 0, target)
-    x_target = tl.load(base + safe_target).to(tl.float32)
+    x_target = tl.load(base + safe_target).to(ACC)
     tl.store(loss + row, tl.where(ignored, 0.0, lse - x_target))
 
     # Pass 2: the gradient over the logits, in place.
-    row_scale = tl.where(ignored, 0.0, scale)
+    row_scale = tl.where(ignored, 0.0, tl.load(scale_ptr))  # a tensor: a float64 scale stays float64
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         valid = offs < V
-        x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
+        x = tl.load(base + offs, mask=valid, other=0.0).to(ACC)
         grad = tl.exp(x - lse) - tl.where(offs == target, 1.0, 0.0)
         tl.store(base + offs, (grad * row_scale).to(logits.dtype.element_ty), mask=valid)
 
@@ -76,15 +76,16 @@ def softmax_ce_grad_kernel(
 def softmax_ce_grad_triton(
     logits: Tensor, targets: Tensor, *, ignore_index: int, scale: float, launch: CrossEntropyLaunch = CROSS_ENTROPY_LAUNCH
 ) -> Tensor:
-    """Loss per row `[N]` (float32); `logits` `[N, V]` (unit stride along V) now hold
+    """Loss per row `[N]` (float32, float64 for float64 logits); `logits` `[N, V]` (unit stride along V) now hold
     `scale * d loss_row / d logits`. Same contract as `kernels.linear_ce.softmax_ce_grad_`."""
     N, V = logits.shape
-    loss = torch.empty(N, device=logits.device, dtype=torch.float32)
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    loss = torch.empty(N, device=logits.device, dtype=acc)
     if N == 0:
         return loss
     block_v = min(launch.block_v, triton.next_power_of_2(V))
     softmax_ce_grad_kernel[(N,)](
-        logits, logits.stride(0), targets, loss, V, ignore_index, float(scale),
-        BLOCK_V=block_v, num_warps=launch.num_warps,
+        logits, logits.stride(0), targets, loss, V, ignore_index, torch.full((1,), scale, device=logits.device, dtype=acc),
+        BLOCK_V=block_v, ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=launch.num_warps,
     )
     return loss

@@ -51,18 +51,18 @@ def _gate_act(gate, ACT: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def rms_norm_forward_kernel(
     x, gate, w, y, rstd, M, eps,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, ACT: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, ACT: tl.constexpr, ACC: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < M) & (cols[None, :] < D)
     offs = rows[:, None].to(tl.int64) * D + cols[None, :]
-    xr = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+    xr = tl.load(x + offs, mask=mask, other=0.0).to(ACC)
     r = 1.0 / tl.sqrt(tl.sum(xr * xr, 1) / D + eps)
-    wr = tl.load(w + cols, mask=cols < D, other=0.0).to(tl.float32)
+    wr = tl.load(w + cols, mask=cols < D, other=0.0).to(ACC)
     out = xr * r[:, None] * wr[None, :]
     if ACT != 0:
-        g = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gate + offs, mask=mask, other=0.0).to(ACC)
         out = out * _gate_act(g, ACT)
     tl.store(y + offs, out.to(y.dtype.element_ty), mask=mask)
     tl.store(rstd + rows, r, mask=rows < M)
@@ -71,25 +71,25 @@ def rms_norm_forward_kernel(
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def rms_norm_backward_kernel(
     x, gate, w, rstd, dy, dx, dgate, dw_partial, M, rows_per_program,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, ACT: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, ACT: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    wr = tl.load(w + cols, mask=col_ok, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    wr = tl.load(w + cols, mask=col_ok, other=0.0).to(ACC)
+    dw_acc = tl.zeros([BLOCK_D], dtype=ACC)
     first = pid * rows_per_program
     last = tl.minimum(first + rows_per_program, M)
     for r0 in range(first, last, BLOCK_ROWS):
         rows = r0 + tl.arange(0, BLOCK_ROWS)
         mask = (rows[:, None] < last) & col_ok[None, :]
         offs = rows[:, None].to(tl.int64) * D + cols[None, :]
-        xr = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+        xr = tl.load(x + offs, mask=mask, other=0.0).to(ACC)
         r = tl.load(rstd + rows, mask=rows < last, other=0.0)
-        dyr = tl.load(dy + offs, mask=mask, other=0.0).to(tl.float32)
+        dyr = tl.load(dy + offs, mask=mask, other=0.0).to(ACC)
         xhat = xr * r[:, None]
         if ACT != 0:
-            g = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(gate + offs, mask=mask, other=0.0).to(ACC)
             s = tl.sigmoid(g)
             if ACT == 1:
                 a = g * s
@@ -107,6 +107,11 @@ def rms_norm_backward_kernel(
     tl.store(dw_partial + pid * D + cols, dw_acc, mask=col_ok)
 
 
+def _acc(dtype: torch.dtype) -> tuple[torch.dtype, object]:
+    """Float32 arithmetic, float64 for float64 inputs (as the chunk kernels)."""
+    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
+
+
 def _block_rows(D: int, launch: RMSNormLaunch) -> tuple[int, int]:
     block_d = triton.next_power_of_2(D)
     return block_d, max(1, launch.row_elements // block_d)
@@ -116,17 +121,19 @@ def rms_norm_forward_triton(
     x: Tensor, weight: Tensor, gate: Tensor | None, eps: float, activation: str, out_dtype: torch.dtype,
     launch: RMSNormLaunch = RMS_NORM_LAUNCH,
 ) -> tuple[Tensor, Tensor]:
-    """`x`, `gate` `[M, D]` contiguous, `weight` `[D]` -> (`y` `[M, D]` in `out_dtype`, `rstd` `[M]` float32)."""
+    """`x`, `gate` `[M, D]` contiguous, `weight` `[D]` -> (`y` `[M, D]` in `out_dtype`, `rstd` `[M]`
+    float32, float64 for float64 `x`)."""
     M, D = x.shape
+    acc, acc_tl = _acc(x.dtype)
     y = torch.empty(M, D, device=x.device, dtype=out_dtype)
-    rstd = torch.empty(M, device=x.device, dtype=torch.float32)
+    rstd = torch.empty(M, device=x.device, dtype=acc)
     if M == 0:
         return y, rstd
     block_d, block_rows = _block_rows(D, launch)
     act = ACTIVATIONS[activation]
     rms_norm_forward_kernel[(triton.cdiv(M, block_rows),)](
         x, x if gate is None else gate, weight, y, rstd, M, float(eps),
-        D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, ACT=act, num_warps=launch.num_warps,
+        D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, ACT=act, ACC=acc_tl, num_warps=launch.num_warps,
     )
     return y, rstd
 
@@ -135,7 +142,7 @@ def rms_norm_backward_triton(
     x: Tensor, weight: Tensor, gate: Tensor | None, rstd: Tensor, dy: Tensor, activation: str,
     launch: RMSNormLaunch = RMS_NORM_LAUNCH,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """(`dx` like `x`, `dgate` like `gate` or None, `dweight` float32 `[D]`)."""
+    """(`dx` like `x`, `dgate` like `gate` or None, `dweight` `[D]` in the accumulation dtype)."""
     M, D = x.shape
     dx = torch.empty_like(x)
     dgate = None if gate is None else torch.empty_like(gate)
@@ -145,10 +152,11 @@ def rms_norm_backward_triton(
         programs = launch.cpu_programs
     programs = max(1, min(programs, M))
     rows_per_program = triton.cdiv(max(M, 1), programs)
-    dw_partial = torch.empty(programs, D, device=x.device, dtype=torch.float32)
+    acc, acc_tl = _acc(x.dtype)
+    dw_partial = torch.empty(programs, D, device=x.device, dtype=acc)
     block_d, block_rows = _block_rows(D, launch)
     rms_norm_backward_kernel[(programs,)](
         x, x if gate is None else gate, weight, rstd, dy, dx, dx if dgate is None else dgate, dw_partial, M, rows_per_program,
-        D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, ACT=ACTIVATIONS[activation], num_warps=launch.num_warps,
+        D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, ACT=ACTIVATIONS[activation], ACC=acc_tl, num_warps=launch.num_warps,
     )
     return dx, dgate, dw_partial.sum(0)

@@ -41,27 +41,28 @@ SHORT_CONV_LAUNCH = ShortConvLaunch()
 
 
 @triton.jit
-def _tap(x, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, j: tl.constexpr, W: tl.constexpr, HAS_TAIL: tl.constexpr):
+def _tap(x, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, j: tl.constexpr, W: tl.constexpr, HAS_TAIL: tl.constexpr,
+         ACC: tl.constexpr):
     """Tap j's input at positions `tt`: `x[tt - (W-1) + j]` within the sequence, the
     carried tail before its start (zeros without one)."""
     src = tt - (W - 1) + j
     inseq = src >= start
     m = (tok_ok & inseq)[:, None] & ch_ok[None, :]
-    xj = tl.load(x + (b * T + src).to(tl.int64)[:, None] * C + cc[None, :], mask=m, other=0.0).to(tl.float32)
+    xj = tl.load(x + (b * T + src).to(tl.int64)[:, None] * C + cc[None, :], mask=m, other=0.0).to(ACC)
     if HAS_TAIL:
         ti = (W - 1) + src - start
         mt = (tok_ok & (src < start))[:, None] & ch_ok[None, :]
-        xj += tl.load(tail + (doc * (W - 1) + ti).to(tl.int64)[:, None] * C + cc[None, :], mask=mt, other=0.0).to(tl.float32)
+        xj += tl.load(tail + (doc * (W - 1) + ti).to(tl.int64)[:, None] * C + cc[None, :], mask=mt, other=0.0).to(ACC)
     return xj
 
 
 @triton.jit
 def _conv_at(x, w, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C,
-             W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_TAIL: tl.constexpr):
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
+             W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_TAIL: tl.constexpr, ACC: tl.constexpr):
+    acc = tl.zeros([BT, BC], dtype=ACC)
     for j in tl.static_range(W):
-        xj = _tap(x, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, j, W, HAS_TAIL)
-        wj = tl.load(w + cc * W + j, mask=ch_ok, other=0.0).to(tl.float32)
+        xj = _tap(x, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, j, W, HAS_TAIL, ACC)
+        wj = tl.load(w + cc * W + j, mask=ch_ok, other=0.0).to(ACC)
         acc += xj * wj[None, :]
     return acc
 
@@ -69,11 +70,11 @@ def _conv_at(x, w, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C,
 @triton.jit
 def _dz_at(x, w, tail, dy, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, eps,
            W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
-           HAS_TAIL: tl.constexpr):
+           HAS_TAIL: tl.constexpr, ACC: tl.constexpr):
     """`dL/dz` at positions `tt` (zero where `tok_ok` is false), recomputing z."""
-    z = _conv_at(x, w, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, W, BT, BC, HAS_TAIL)
+    z = _conv_at(x, w, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, W, BT, BC, HAS_TAIL, ACC)
     m = tok_ok[:, None] & ch_ok[None, :]
-    g = tl.load(dy + (b * T + tt).to(tl.int64)[:, None] * C + cc[None, :], mask=m, other=0.0).to(tl.float32)
+    g = tl.load(dy + (b * T + tt).to(tl.int64)[:, None] * C + cc[None, :], mask=m, other=0.0).to(ACC)
     if ACT:
         s = tl.sigmoid(z)
         u = z * s
@@ -115,11 +116,11 @@ def _tile(i_t, i_c, b, starts, docs, T, C,
 def short_conv_forward_kernel(
     x, w, tail, starts, docs, y, T, C, eps,
     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HEAD: tl.constexpr,
-    ACT: tl.constexpr, NORM: tl.constexpr, HAS_TAIL: tl.constexpr, VARLEN: tl.constexpr,
+    ACT: tl.constexpr, NORM: tl.constexpr, HAS_TAIL: tl.constexpr, VARLEN: tl.constexpr, ACC: tl.constexpr,
 ):
     i_t, i_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     tt, tok_ok, cc, ch_ok, start, doc = _tile(i_t, i_c, b, starts, docs, T, C, BT, BC, HEAD, NORM, VARLEN)
-    u = _conv_at(x, w, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, W, BT, BC, HAS_TAIL)
+    u = _conv_at(x, w, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, W, BT, BC, HAS_TAIL, ACC)
     if ACT:
         u = u * tl.sigmoid(u)
     if NORM:
@@ -132,29 +133,34 @@ def short_conv_forward_kernel(
 def short_conv_backward_kernel(
     x, w, tail, starts, docs, dy, dx, dw_partial, T, C, eps,
     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HEAD: tl.constexpr,
-    ACT: tl.constexpr, NORM: tl.constexpr, HAS_TAIL: tl.constexpr, VARLEN: tl.constexpr,
+    ACT: tl.constexpr, NORM: tl.constexpr, HAS_TAIL: tl.constexpr, VARLEN: tl.constexpr, ACC: tl.constexpr,
 ):
     i_t, i_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     tt, tok_ok, cc, ch_ok, start, doc = _tile(i_t, i_c, b, starts, docs, T, C, BT, BC, HEAD, NORM, VARLEN)
-    dz = _dz_at(x, w, tail, dy, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, eps, W, BT, BC, ACT, NORM, HAS_TAIL)
+    dz = _dz_at(x, w, tail, dy, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, eps, W, BT, BC, ACT, NORM, HAS_TAIL, ACC)
 
     # The weight's gradient from this tile's outputs: tap j meets dz[t] * input[t - (W-1) + j].
     part = ((b * tl.num_programs(0) + i_t) * C + cc) * W
     for j in tl.static_range(W):
-        xj = _tap(x, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, j, W, HAS_TAIL)
+        xj = _tap(x, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, j, W, HAS_TAIL, ACC)
         tl.store(dw_partial + part + j, tl.sum(dz * xj, 0), mask=ch_ok)
 
     # The input's: x[t] feeds z[t + i] through tap W-1-i, within its own sequence.
-    acc = dz * tl.load(w + cc * W + (W - 1), mask=ch_ok, other=0.0).to(tl.float32)[None, :]
+    acc = dz * tl.load(w + cc * W + (W - 1), mask=ch_ok, other=0.0).to(ACC)[None, :]
     for i in tl.static_range(1, W):
         t2 = tt + i
         ok2 = tok_ok & (t2 < T)
         if VARLEN:
             ok2 = ok2 & (tl.load(starts + t2, mask=ok2, other=-1) == start)
-        dz2 = _dz_at(x, w, tail, dy, b, t2, cc, ok2, ch_ok, start, doc, T, C, eps, W, BT, BC, ACT, NORM, HAS_TAIL)
-        acc += dz2 * tl.load(w + cc * W + (W - 1 - i), mask=ch_ok, other=0.0).to(tl.float32)[None, :]
+        dz2 = _dz_at(x, w, tail, dy, b, t2, cc, ok2, ch_ok, start, doc, T, C, eps, W, BT, BC, ACT, NORM, HAS_TAIL, ACC)
+        acc += dz2 * tl.load(w + cc * W + (W - 1 - i), mask=ch_ok, other=0.0).to(ACC)[None, :]
     m = tok_ok[:, None] & ch_ok[None, :]
     tl.store(dx + (b * T + tt).to(tl.int64)[:, None] * C + cc[None, :], acc.to(dx.dtype.element_ty), mask=m)
+
+
+def _acc(dtype: torch.dtype) -> tuple[torch.dtype, object]:
+    """Float32 arithmetic, float64 for float64 inputs (as the chunk kernels)."""
+    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
 
 
 def _grid_shape(T: int, C: int, B: int, head: int, block_t: int, launch: ShortConvLaunch) -> tuple[tuple[int, int, int], int]:
@@ -179,7 +185,7 @@ def short_conv_forward_triton(
     short_conv_forward_kernel[grid](
         x, w, x if tail is None else tail, x if starts is None else starts, x if docs is None else docs, y, T, C, float(eps),
         W=W, BT=launch.block_t, BC=block_c, HEAD=max(head, 1), ACT=activation, NORM=head > 0,
-        HAS_TAIL=tail is not None, VARLEN=starts is not None, num_warps=launch.num_warps,
+        HAS_TAIL=tail is not None, VARLEN=starts is not None, ACC=_acc(x.dtype)[1], num_warps=launch.num_warps,
     )
     return y
 
@@ -188,18 +194,19 @@ def short_conv_backward_triton(
     x: Tensor, w: Tensor, tail: Tensor | None, starts: Tensor | None, docs: Tensor | None, dy: Tensor, *,
     activation: bool, head: int, eps: float, launch: ShortConvLaunch = SHORT_CONV_LAUNCH,
 ) -> tuple[Tensor, Tensor]:
-    """(`dx` like `x`, `dw` `[C, W]` float32); the tail's gradient is not formed here."""
+    """(`dx` like `x`, `dw` `[C, W]` in the accumulation dtype); the tail's gradient is not formed here."""
     B, T, C = x.shape
     W = w.shape[1]
     dx = torch.empty_like(x)
     if T == 0:
-        return dx, torch.zeros(C, W, device=x.device, dtype=torch.float32)
+        return dx, torch.zeros(C, W, device=x.device, dtype=_acc(x.dtype)[0])
     grid, block_c = _grid_shape(T, C, B, head, launch.backward_block_t, launch)
-    dw_partial = torch.empty(B * grid[0], C, W, device=x.device, dtype=torch.float32)
+    acc, acc_tl = _acc(x.dtype)
+    dw_partial = torch.empty(B * grid[0], C, W, device=x.device, dtype=acc)
     short_conv_backward_kernel[grid](
         x, w, x if tail is None else tail, x if starts is None else starts, x if docs is None else docs, dy, dx, dw_partial,
         T, C, float(eps),
         W=W, BT=launch.backward_block_t, BC=block_c, HEAD=max(head, 1), ACT=activation, NORM=head > 0,
-        HAS_TAIL=tail is not None, VARLEN=starts is not None, num_warps=launch.num_warps,
+        HAS_TAIL=tail is not None, VARLEN=starts is not None, ACC=acc_tl, num_warps=launch.num_warps,
     )
     return dx, dw_partial.sum(0)

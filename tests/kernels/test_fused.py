@@ -6,9 +6,10 @@ gradient.
 - Short conv + SiLU (+ per-head L2 norm): against a loop over each sequence on its own,
   with carried tails and packed documents.
 
-The torch paths are compared in float64; the Triton paths (the interpreter on the CPU,
-small shapes) in float32. `gpu` tests repeat the Triton checks on CUDA in float32 and
-bfloat16 at training shapes, against the torch path.
+Both paths are compared in float64 (the Triton kernels accumulate in float64 for float64
+inputs, as the chunk kernels do; the interpreter runs them on the CPU at small shapes),
+and the Triton path once more in float32. `gpu` tests repeat the Triton checks on CUDA
+in float32 and bfloat16 at training shapes, against the torch path.
 """
 
 from __future__ import annotations
@@ -22,16 +23,14 @@ from archspec.kernels.linear_ce import IGNORE_INDEX, softmax_ce_grad_
 from archspec.kernels.short_conv import conv_tails
 
 BACKENDS = ["torch", "triton"]
+# (backend, dtype) pairs of the CPU tests: the float32 one checks the kernels' casts.
+PATHS = [("torch", torch.float64), ("triton", torch.float64), ("triton", torch.float32)]
 
 
 def _tol(backend: str, dtype: torch.dtype = torch.float64) -> dict:
     if dtype == torch.bfloat16:
         return dict(atol=3e-2, rtol=3e-2)
-    return dict(atol=1e-10, rtol=1e-9) if backend == "torch" else dict(atol=2e-5, rtol=2e-4)
-
-
-def _dtype(backend: str) -> torch.dtype:
-    return torch.float64 if backend == "torch" else torch.float32
+    return dict(atol=1e-10, rtol=1e-9) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-4)
 
 
 def _grads(out: torch.Tensor, inputs: list[torch.Tensor], dy: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -41,12 +40,11 @@ def _grads(out: torch.Tensor, inputs: list[torch.Tensor], dy: torch.Tensor | Non
 # --------------------------------------------------------------------------- cross-entropy
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,dtype", PATHS)
 @pytest.mark.parametrize("chunk_rows", [None, 7])
-def test_linear_cross_entropy_equals_full_logits(backend, chunk_rows):
+def test_linear_cross_entropy_equals_full_logits(backend, dtype, chunk_rows):
     gen = torch.Generator().manual_seed(0)
     N, d, V = 45, 16, 70
-    dtype = _dtype(backend)
     hidden = torch.randn(3, 15, d, generator=gen, dtype=dtype, requires_grad=True)
     weight = torch.randn(V, d, generator=gen, dtype=dtype, requires_grad=True)
     targets = torch.randint(V, (3, 15), generator=gen)
@@ -59,9 +57,9 @@ def test_linear_cross_entropy_equals_full_logits(backend, chunk_rows):
     # A weight on the loss checks that the backward scales by the incoming gradient.
     got = _grads(2.5 * loss, [hidden, weight])
     want = _grads(2.5 * ref, [h64, w64])
-    torch.testing.assert_close(loss.double(), ref, **_tol(backend))
+    torch.testing.assert_close(loss.double(), ref, **_tol(backend, dtype))
     for g, r in zip(got, want):
-        torch.testing.assert_close(g.double(), r, **_tol(backend))
+        torch.testing.assert_close(g.double(), r, **_tol(backend, dtype))
 
 
 def test_linear_cross_entropy_with_nothing_scored_is_zero():
@@ -111,12 +109,11 @@ def _rms_norm_definition(x, w, gate, activation, eps):
     return y
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,dtype", PATHS)
 @pytest.mark.parametrize("activation", ["none", "silu", "sigmoid"])
 @pytest.mark.parametrize("D", [8, 12])
-def test_rms_norm_equals_definition(backend, activation, D):
+def test_rms_norm_equals_definition(backend, dtype, activation, D):
     gen = torch.Generator().manual_seed(2)
-    dtype = _dtype(backend)
     x = torch.randn(3, 7, D, generator=gen, dtype=dtype, requires_grad=True)
     w = (1 + 0.3 * torch.randn(D, generator=gen, dtype=dtype)).requires_grad_()
     gate = None if activation == "none" else torch.randn(3, 7, D, generator=gen, dtype=dtype, requires_grad=True)
@@ -125,9 +122,9 @@ def test_rms_norm_equals_definition(backend, activation, D):
     ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
     ref = _rms_norm_definition(ref_inputs[0], ref_inputs[1], ref_inputs[2] if gate is not None else None, activation, 1e-5)
     dy = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-    torch.testing.assert_close(y.double(), ref, **_tol(backend))
+    torch.testing.assert_close(y.double(), ref, **_tol(backend, dtype))
     for g, r in zip(_grads(y, inputs, dy.to(dtype)), _grads(ref, ref_inputs, dy)):
-        torch.testing.assert_close(g.double(), r, **_tol(backend))
+        torch.testing.assert_close(g.double(), r, **_tol(backend, dtype))
 
 
 def test_rms_norm_writes_the_requested_dtype_and_refuses_bad_gates():
@@ -176,11 +173,10 @@ CONV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,dtype", PATHS)
 @pytest.mark.parametrize("packed,with_tail,head_dim,activation", CONV_CASES)
-def test_short_conv_equals_each_sequence_alone(backend, packed, with_tail, head_dim, activation):
+def test_short_conv_equals_each_sequence_alone(backend, dtype, packed, with_tail, head_dim, activation):
     gen = torch.Generator().manual_seed(3)
-    dtype = _dtype(backend)
     W, C = 4, 16
     if packed:
         B, T, cu = 1, 45, torch.tensor([0, 2, 19, 20, 45])  # one document shorter than the window
@@ -195,9 +191,9 @@ def test_short_conv_equals_each_sequence_alone(backend, packed, with_tail, head_
     ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
     ref = _conv_definition(ref_inputs[0], ref_inputs[1], ref_inputs[2] if tail is not None else None, cu, activation, head_dim)
     dy = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-    torch.testing.assert_close(y.double(), ref, **_tol(backend))
+    torch.testing.assert_close(y.double(), ref, **_tol(backend, dtype))
     for g, r in zip(_grads(y, inputs, dy.to(dtype)), _grads(ref, ref_inputs, dy)):
-        torch.testing.assert_close(g.double(), r, **_tol(backend))
+        torch.testing.assert_close(g.double(), r, **_tol(backend, dtype))
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -283,3 +279,14 @@ def test_gpu_short_conv_kernel_equals_torch(dtype, packed, with_tail, head_dim, 
     for a, b in zip(*results):
         # The weight's gradient sums over B*T tokens: compare relative to its size.
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2 * max(1.0, b.float().abs().max().item() / 10), rtol=3e-2)
+
+
+def test_linear_cross_entropy_without_grad_gives_the_loss_alone():
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(11, (6,), generator=gen)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, targets, backend="torch")
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, F.cross_entropy(hidden @ weight.T, targets).detach())

@@ -39,12 +39,9 @@ suite runs it).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -53,6 +50,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from common import first_line, machine
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs" / "models"
@@ -204,15 +203,6 @@ def build_fla(plan, device: str, params: int):
     return getattr(fla.models, model_cls)(config).to(device)
 
 
-def fla_version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("flash-linear-attention")
-    except Exception:
-        return None
-
-
 # --------------------------------------------------------------------------- the step
 
 
@@ -329,6 +319,11 @@ def _timed(fn: Callable[[], None], device: str) -> tuple[float, int]:
     return seconds, extra
 
 
+def refusal_text(exc: BaseException, limit: int = 2000) -> str:
+    """What a peer said when it refused: its exception, whole up to `limit` characters."""
+    return f"{type(exc).__name__}: {exc}"[:limit]
+
+
 @dataclass
 class Row:
     design: str
@@ -348,36 +343,39 @@ class Row:
     step_ms_all: list[float] = field(default_factory=list)
 
 
-def _first_lines(exc: BaseException, lines: int = 3) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    return "\n".join(text.splitlines()[:lines])
-
-
 def time_side_by_side(trainees: list[Trainee], batch: Batch, rounds: int, warmup: int, device: str,
                       rows: dict[str, Row]) -> None:
     """Warm each up, then alternate rounds (the order flips every round); the median step.
 
-    A trainee that raises is dropped with its error in its row."""
-    live = []
-    for t in trainees:
-        try:
-            for _ in range(warmup):
-                t.forward_backward(batch)
-                t.optimizer_step()
-            live.append(t)
-        except Exception as exc:  # fla's kernels may refuse this machine: record, show ours
-            rows[t.name].refused = _first_lines(exc)
-            t.model.zero_grad(set_to_none=True)
+    A trainee that raises (warm-up or timed) is dropped with its error in its row."""
+    live = list(trainees)
     steps: dict[str, list[float]] = {t.name: [] for t in live}
     optim: dict[str, list[float]] = {t.name: [] for t in live}
     peak: dict[str, int] = {t.name: 0 for t in live}
+
+    def attempt(t: Trainee, timed: bool) -> None:
+        try:
+            if timed:
+                s, extra = _timed(lambda: t.forward_backward(batch), device)
+                o, extra_o = _timed(t.optimizer_step, device)
+                steps[t.name].append(s)
+                optim[t.name].append(o)
+                peak[t.name] = max(peak[t.name], extra, extra_o)
+            else:
+                t.forward_backward(batch)
+                t.optimizer_step()
+        except Exception as exc:  # fla's kernels may refuse this machine: record, show ours
+            rows[t.name].refused = refusal_text(exc)
+            t.model.zero_grad(set_to_none=True)
+            live.remove(t)
+
+    for t in list(live):
+        for _ in range(warmup):
+            if t in live:
+                attempt(t, timed=False)
     for r in range(rounds):
-        for t in (live if r % 2 == 0 else live[::-1]):
-            s, extra = _timed(lambda: t.forward_backward(batch), device)
-            o, extra_o = _timed(t.optimizer_step, device)
-            steps[t.name].append(s)
-            optim[t.name].append(o)
-            peak[t.name] = max(peak[t.name], extra, extra_o)
+        for t in (list(live) if r % 2 == 0 else live[::-1]):
+            attempt(t, timed=True)
     tokens = batch.inputs.numel()
     for t in live:
         row = rows[t.name]
@@ -399,7 +397,7 @@ def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: i
         try:
             trainees.append(theirs(plan, size, trainees[0].params))
         except Exception as exc:
-            refusal = _first_lines(exc)
+            refusal = refusal_text(exc)
     elif with_fla:
         refusal = "flash-linear-attention has no model of this design"
     if len(trainees) == 2:
@@ -432,23 +430,6 @@ def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: i
 # --------------------------------------------------------------------------- results
 
 
-def machine() -> dict[str, Any]:
-    import triton
-
-    info: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-        "triton": triton.__version__, "fla": fla_version(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-    }
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                        check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        info["commit"] = None
-    return info
-
-
 def _gb(b: int | None) -> str:
     return "-" if b is None else f"{b / 1e9:.2f}"
 
@@ -458,7 +439,7 @@ def markdown(record: dict[str, Any]) -> str:
     lines = [
         "# Whole-model training step: ours against flash-linear-attention",
         "",
-        f"{m['device']}, torch {m['torch']}, Triton {m['triton']}, fla {m['fla'] or 'not installed'}, "
+        f"{m.get('device', 'CPU')}, torch {m['torch']}, Triton {m['triton']}, fla {m['fla'] or 'not installed'}, "
         f"commit {(m['commit'] or '?')[:12]}, {m['date']}.",
         f"d_model {s['d_model']}, {s['layers']} layers, {s['heads']} heads of {s['head_dim']}, vocabulary "
         f"{s['vocab']}; float32 weights{' under bfloat16 autocast' if s['device'] == 'cuda' else ''}; {s['batch'] * s['seq_len']:,} tokens a step in "
@@ -496,11 +477,10 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 def write_results(out: Path, record: dict[str, Any]) -> None:
-    from archspec.atomic import write_text_atomic
+    import common
 
     out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "models.json", json.dumps(record, indent=2) + "\n")
-    write_text_atomic(out / "models.md", markdown(record))
+    common.write_results(out, "models", record, markdown(record))
 
 
 # --------------------------------------------------------------------------- main
@@ -555,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
             record["rows"] += [asdict(r) for r in rows]
         except Exception as exc:  # one design failing (out of memory, ...) must not lose the others
             record["failed"][name] = traceback.format_exc()
-            log(f"{name} failed: {_first_lines(exc, 1)}")
+            log(f"{name} failed: {first_line(exc)}")
         write_results(out, record)
     write_results(out, record)
     log(f"wrote {out / 'models.json'} and {out / 'models.md'}")

@@ -69,3 +69,20 @@ def test_fla_configs_match_our_parameter_counts(bench):
             theirs = sum(p.numel() for p in bench.build_fla(plan, "meta", ours).parameters())
         assert abs(theirs / ours - 1) <= bench.PARAM_TOLERANCE, f"{spec.stem}: fla {theirs:,} against ours {ours:,}"
     assert designs == set(bench.FLA_MODELS)
+
+
+def test_a_refusing_peer_is_recorded_and_ours_still_timed(bench):
+    size = bench.SMOKE_SIZE
+    plan = bench.load_plan(bench.SPECS / "kda.yaml", size)
+    ours = bench.ours(plan, size)
+
+    def refuse(batch):
+        raise RuntimeError("the gated backward refuses on this machine")
+
+    peer = bench.Trainee("fla", torch.nn.Linear(2, 2), refuse, size.device)
+    rows = {name: bench.Row("kda", "kda", "T=32", name, 2, 32) for name in ("ours", "fla")}
+    bench.time_side_by_side([ours, peer], bench.make_batch(size, 2, 32, packed=False), rounds=1, warmup=0,
+                            device=size.device, rows=rows)
+    assert rows["fla"].refused == "RuntimeError: the gated backward refuses on this machine"
+    assert rows["fla"].tokens_per_s is None
+    assert rows["ours"].refused is None and rows["ours"].tokens_per_s > 0

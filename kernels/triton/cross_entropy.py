@@ -12,28 +12,13 @@ Rows whose target is `ignore_index` get loss 0 and a zero gradient.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from .launch import CROSS_ENTROPY_LAUNCH, CrossEntropyLaunch
+
 Tensor = torch.Tensor
-
-
-@dataclass(frozen=True)
-class CrossEntropyLaunch:
-    """Launch settings: vocabulary columns per loop iteration and warps per row.
-
-    A row of 32,000 bfloat16 logits is 64 KB: 8 blocks of 4,096 columns keep each pass a
-    short loop of wide, coalesced loads; 8 warps give every thread 16 columns a block.
-    """
-
-    block_v: int = 4096
-    num_warps: int = 8
-
-
-CROSS_ENTROPY_LAUNCH = CrossEntropyLaunch()
 
 
 @triton.jit(do_not_specialize=["V", "ignore_index"])

@@ -8,8 +8,10 @@ settings") gives the reasons and the measured times. Two kinds of entries are gu
 speed: settings the H200 miscompiled or refused are avoided (`docs/kernel.md` lists them,
 and `tests/kernels/test_launch.py` pins each guard).
 
-Sweeps and tests change settings only through `overridden(...)`, a context manager; no
-environment variable changes how a kernel runs.
+Sweeps and tests change the chunk kernels' settings only through `overridden(...)`, a
+context manager; no environment variable changes how a kernel runs. The fused pieces of
+the training step (cross-entropy, RMSNorm, short convolution) have one entry each, below
+the table; their functions take another entry as an argument.
 """
 
 from __future__ import annotations
@@ -142,6 +144,53 @@ def settings(mode: Mode, gate: Gate, operands: torch.dtype, n_h: int) -> Launch:
     entry = _entry(mode, gate, Precision.of(operands), n_h)
     overrides = _OVERRIDES.get()
     return replace(entry, **overrides) if overrides else entry
+
+
+# The fused pieces of the training step beside the recurrence (`fused.py`): one entry each,
+# whatever the plan.
+
+@dataclass(frozen=True)
+class CrossEntropyLaunch:
+    """Launch settings: vocabulary columns per loop iteration and warps per row.
+
+    A row of 32,000 bfloat16 logits is 64 KB: 8 blocks of 4,096 columns keep each pass a
+    short loop of wide, coalesced loads; 8 warps give every thread 16 columns a block.
+    """
+
+    block_v: int = 4096
+    num_warps: int = 8
+
+
+CROSS_ENTROPY_LAUNCH = CrossEntropyLaunch()
+
+
+@dataclass(frozen=True)
+class RMSNormLaunch:
+    """Launch settings. A block of rows per program keeps a narrow head (V = 128) from
+    leaving most of a warp idle; the backward runs a few programs per multiprocessor, each
+    looping over its share of rows, so the weight's gradient has few partial sums."""
+
+    row_elements: int = 4096  # rows per block = max(1, row_elements // pow2(D))
+    num_warps: int = 4
+    backward_programs_per_sm: int = 2
+    cpu_programs: int = 4  # the interpreter's backward grid
+
+
+RMS_NORM_LAUNCH = RMSNormLaunch()
+
+
+@dataclass(frozen=True)
+class ShortConvLaunch:
+    """Tokens and channels per program. The backward holds several `[BT, BC]` float32
+    tiles at once (z, dy, dz and a shifted one), so it takes half the forward's tokens."""
+
+    block_t: int = 64
+    backward_block_t: int = 32
+    block_c: int = 64  # without normalisation; with it, one head (the next power of two)
+    num_warps: int = 4
+
+
+SHORT_CONV_LAUNCH = ShortConvLaunch()
 
 
 def pow2(n: int) -> int:

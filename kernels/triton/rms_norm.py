@@ -10,39 +10,26 @@ float32 buffer that the host reduces).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from .launch import RMS_NORM_LAUNCH, RMSNormLaunch
+
 Tensor = torch.Tensor
 
 # The gate's activation, as a compile-time constant of the kernels.
-ACT_NONE, ACT_SILU, ACT_SIGMOID = 0, 1, 2
-ACTIVATIONS = {"none": ACT_NONE, "silu": ACT_SILU, "sigmoid": ACT_SIGMOID}
-
-
-@dataclass(frozen=True)
-class RMSNormLaunch:
-    """Launch settings. A block of rows per program keeps a narrow head (V = 128) from
-    leaving most of a warp idle; the backward runs a few programs per multiprocessor, each
-    looping over its share of rows, so the weight's gradient has few partial sums."""
-
-    row_elements: int = 4096  # rows per block = max(1, row_elements // pow2(D))
-    num_warps: int = 4
-    backward_programs_per_sm: int = 2
-    cpu_programs: int = 4  # the interpreter's backward grid
-
-
-RMS_NORM_LAUNCH = RMSNormLaunch()
+ACT_NONE = tl.constexpr(0)
+ACT_SILU = tl.constexpr(1)
+ACT_SIGMOID = tl.constexpr(2)
+ACTIVATIONS = {"none": ACT_NONE.value, "silu": ACT_SILU.value, "sigmoid": ACT_SIGMOID.value}
 
 
 @triton.jit
 def _gate_act(gate, ACT: tl.constexpr):
-    if ACT == 1:
+    if ACT == ACT_SILU:
         return gate * tl.sigmoid(gate)
-    elif ACT == 2:
+    elif ACT == ACT_SIGMOID:
         return tl.sigmoid(gate)
     else:
         return gate
@@ -91,7 +78,7 @@ def rms_norm_backward_kernel(
         if ACT != 0:
             g = tl.load(gate + offs, mask=mask, other=0.0).to(ACC)
             s = tl.sigmoid(g)
-            if ACT == 1:
+            if ACT == ACT_SILU:
                 a = g * s
                 da = s * (1.0 + g * (1.0 - s))
             else:

@@ -17,27 +17,13 @@ channels are one head (`HEAD` consecutive channels), so the norm is a row sum in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from .launch import SHORT_CONV_LAUNCH, ShortConvLaunch
+
 Tensor = torch.Tensor
-
-
-@dataclass(frozen=True)
-class ShortConvLaunch:
-    """Tokens and channels per program. The backward holds several `[BT, BC]` float32
-    tiles at once (z, dy, dz and a shifted one), so it takes half the forward's tokens."""
-
-    block_t: int = 64
-    backward_block_t: int = 32
-    block_c: int = 64  # without normalisation; with it, one head (the next power of two)
-    num_warps: int = 4
-
-
-SHORT_CONV_LAUNCH = ShortConvLaunch()
 
 
 @triton.jit

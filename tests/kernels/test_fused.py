@@ -83,7 +83,8 @@ def test_linear_cross_entropy_refuses_bad_targets():
 def test_softmax_step_kernel_equals_torch_step():
     """The Triton in-place step against the torch one, with a vocabulary that is not a
     multiple of the kernel's block."""
-    from archspec.kernels.triton.cross_entropy import CrossEntropyLaunch, softmax_ce_grad_triton
+    from archspec.kernels.triton.cross_entropy import softmax_ce_grad_triton
+    from archspec.kernels.triton.launch import CrossEntropyLaunch
 
     gen = torch.Generator().manual_seed(1)
     logits = 4 * torch.randn(9, 300, generator=gen)

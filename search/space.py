@@ -42,6 +42,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from archspec.errors import ArchspecError
+from archspec.spec.numbers import StrictNumbers
 from archspec.spec.yaml_source import (
     LocatedDocument,
     Override,
@@ -62,7 +63,7 @@ def _yaml_number(value: Any) -> Any:
     return float(value) if isinstance(value, str) and _BARE_EXPONENT.match(value.strip()) else value
 
 
-class _Section(BaseModel):
+class _Section(StrictNumbers):  # finite numbers, no booleans for numbers
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
@@ -271,7 +272,7 @@ class SearchSpec(_Section):
     sampler: Literal["tpe", "nsga2", "random", "grid"] = "tpe"
     resources: Resources = Field(default_factory=Resources)
     train: dict[str, Any] = Field(default_factory=dict, description="Extra keyword options for the trainer (e.g. batch_size, lr).")
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32, description="Seeds the sampler (NumPy takes seeds below 2**32).")
 
     @field_validator("tasks", mode="before")
     @classmethod
@@ -363,6 +364,9 @@ def semantic_problems(loaded: LoadedSearch, doc: LocatedDocument) -> list[tuple[
         missing = unknown_field(Spec, name)
         if missing:
             problems.append((where, missing))
+        elif name in ("model", "model.vocab_size"):  # each trial sets it from its task, after the overrides
+            problems.append((where, "model.vocab_size is set from each task's vocabulary, so searching it would "
+                             "do nothing; search the other model fields one by one"))
         for other in names[:index]:
             if name.startswith(other + ".") or other.startswith(name + "."):
                 problems.append((where, f"{name!r} overlaps {other!r}: search a section or a field inside it, not both"))

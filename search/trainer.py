@@ -47,6 +47,7 @@ from .tasks.base import Batch, Curve, TrainPreset
 Status = str  # "ok" | "diverged" | "failed" ("interrupted" only in a metrics.json left by Ctrl-C)
 METRICS_FILE = "metrics.json"
 MAX_HISTORY = 500  # loss entries kept in metrics.json
+TASK_SETS = "model.vocab_size"  # the spec field every task sets to its own vocabulary
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,13 @@ def build_model_for_task(spec: Any, task: Task, overrides: Iterable[Any] = ()) -
         return BuiltModel(build_model(plan), plan, {"plan": plan.to_dict()})
 
     import archspec
+    from archspec.spec.yaml_source import override_keys
 
-    resolved = archspec.load_spec(spec, [*overrides, ("model.vocab_size", task.vocab_size)])
+    for key, where in override_keys(overrides):
+        if key == TASK_SETS:  # it would be replaced below: refuse rather than ignore it
+            raise ArchspecError("an override that cannot take effect", [(where, key, f"{key} is set from the task "
+                                f"({task.name} has {task.vocab_size} symbols); remove this override")])
+    resolved = archspec.load_spec(spec, [*overrides, (TASK_SETS, task.vocab_size)])
     plan = archspec.lower(resolved)
     return BuiltModel(build_model(plan), plan, resolved.model_dump(mode="json", exclude={"extends"}))
 

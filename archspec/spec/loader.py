@@ -23,6 +23,7 @@ from archspec.spec.yaml_source import (
     load_yaml_with_locations,
     locate_problems,
     merge_extends,
+    override_keys,
     validation_problems,
 )
 
@@ -39,8 +40,23 @@ def spec_document(source: SpecSource, overrides: Iterable[Override] = ()) -> Loc
         doc = load_yaml_with_locations(source, what="spec")
     else:
         raise ArchspecError(f"cannot load a spec from a {type(source).__name__}; give a path, a dict or a Spec")
+    overrides = list(overrides)
+    _refuse_late_extends(overrides)
     doc = merge_extends(doc, what="spec")
     return apply_overrides(doc, overrides)
+
+
+def _refuse_late_extends(overrides: list[Override]) -> None:
+    """`extends:` is resolved as the file is read, before any override: setting it with
+    `--set` could not take effect, so it is refused rather than silently ignored."""
+    for key, origin in override_keys(overrides):
+        if key == "extends" or key.startswith("extends."):
+            raise ArchspecError(
+                "an override that cannot take effect",
+                [(origin, "extends", "`extends` is resolved when the spec file is read, before "
+                  "overrides apply, so setting it here would do nothing; write `extends:` in the spec file "
+                  "(or give the base file as the spec and --set the fields you change)")],
+            )
 
 
 def validate_document(doc: LocatedDocument) -> Spec:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from archspec.spec.numbers import MAX_SPEC_MAGNITUDE, StrictNumbers
 from archspec.spec.rules import spec_problems
 
 Backbone = Literal["deltanet", "gdn", "kda"]
@@ -31,8 +32,9 @@ OSDN_DEFAULTS: dict[str, Any] = {"apf": False, "eta": 0.003, "bounds": (0.5, 2.0
 DEFER_RULES = "archspec_defer_rules"
 
 
-class _Section(BaseModel):
+class _Section(StrictNumbers):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    number_limit = MAX_SPEC_MAGNITUDE  # finite, no booleans, at most 2**53 (numbers.py)
 
 
 class TransitionSpec(_Section):

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import copy
 import difflib
+import errno
+import math
 import os
 import re
+import stat
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,6 +40,22 @@ _STANDARD_TAG_PREFIX = "tag:yaml.org,2002:"
 _COLLECTION_TAGS = {_STANDARD_TAG_PREFIX + "map", _STANDARD_TAG_PREFIX + "seq"}
 _MERGE_TAG = _STANDARD_TAG_PREFIX + "merge"
 _SCALAR_TAGS = {_STANDARD_TAG_PREFIX + t for t in ("null", "bool", "int", "float", "str", "timestamp")}
+
+# Limits of what the reader accepts. A spec is a few kilobytes of a few levels; these are
+# far above any real one and far below what would exhaust memory or Python's stack
+# (docs/spec-language.md, "Limits"). Each is refused with its own message.
+MAX_FILE_BYTES = 1 << 20  # a file is read only up to this size (1 MiB)
+MAX_DEPTH = 64  # nesting of mappings and lists (PyYAML composes nodes recursively)
+MAX_ALIAS_VALUES = 10_000  # values that aliases and `<<` merge keys may copy, in all
+MAX_EXTENDS_CHAIN = 32  # files in one chain of `extends:`, each extending the next
+MAX_EXTENDS_FILES = 256  # base files one spec may reach through `extends:`, in all
+
+# What YAML allows in a stream (PyYAML's reader refuses the rest with a raw ReaderError):
+# tab, line feed, carriage return and the printable characters.
+_NOT_IN_YAML = re.compile("[^\x09\x0A\x0D\x20-\x7E\x85\xA0-\uD7FF\uE000-\uFFFD\U00010000-\U0010FFFF]")
+# Control characters inside a string value (written as escapes, "\x07", "\0"): none is
+# meaningful in a spec, and a NUL byte in a path makes the operating system refuse it.
+_CONTROL_IN_STRING = re.compile("[\x00-\x08\x0B\x0C\x0E-\x1F\x7F-\x9F]")
 
 
 @dataclass
@@ -77,11 +96,23 @@ def dotted(path: Iterable[str | int]) -> str:
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads YAML 1.2 floats such as `1e-4` as numbers.
+    """SafeLoader that also reads YAML 1.2 floats such as `1e-4` as numbers, and refuses
+    nesting deeper than `MAX_DEPTH` before Python's stack runs out.
 
     PyYAML follows YAML 1.1, where a float needs a dot (`1.0e-4`); users write `3e-3`
     and `1e6` all the time, and a string there would only fail later, confusingly.
     """
+
+    _depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _OverLimit(f"the data is nested more than {MAX_DEPTH} levels deep", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 _Loader.add_implicit_resolver(
@@ -89,6 +120,14 @@ _Loader.add_implicit_resolver(
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
     list("-+0123456789."),
 )
+
+
+class _OverLimit(Exception):
+    """Input beyond one of the reader's limits (depth, alias expansion), with where."""
+
+    def __init__(self, message: str, mark: yaml.Mark | None):
+        super().__init__(message)
+        self.mark = mark
 
 
 def _mark_location(mark: yaml.Mark | None, file: str | None) -> Location:
@@ -115,12 +154,48 @@ def _yaml_error(exc: yaml.YAMLError, file: str | None, origin: str | None) -> Ar
     return ArchspecError(f"{origin or file or 'input'}: invalid YAML", [(where, None, f"invalid YAML: {detail}")])
 
 
+def _over_limit_error(exc: _OverLimit, file: str | None, origin: str | None) -> ArchspecError:
+    where = Location(origin=origin) if origin else _mark_location(exc.mark, file)
+    return ArchspecError(f"{origin or file or 'input'}: refused by the reader's limits", [(where, None, str(exc))])
+
+
 def _short_tag(tag: str) -> str:
     return "!!" + tag[len(_STANDARD_TAG_PREFIX):] if tag.startswith(_STANDARD_TAG_PREFIX) else tag
 
 
+def _character_name(char: str) -> str:
+    names = {"\0": "NUL", "\x07": "BEL", "\x08": "backspace", "\x1b": "ESC", "\x7f": "DEL"}
+    code = f"U+{ord(char):04X}"
+    return f"{code} ({names[char]})" if char in names else code
+
+
+def _text_problems(text: str, file: str | None, origin: str | None) -> list[Problem]:
+    """Characters YAML does not allow in a stream, located (PyYAML would say only
+    "position 7" of "<unicode string>"). At most a few are listed, with a count."""
+    shown, found = 3, list(_NOT_IN_YAML.finditer(text))
+    problems: list[Problem] = []
+    for match in found[:shown]:
+        if origin is not None:
+            where = Location(origin=origin)
+        else:
+            line = text.count("\n", 0, match.start()) + 1
+            where = Location(file=file, line=line, column=match.start() - text.rfind("\n", 0, match.start()))
+        problems.append((where, None, f"the control character {_character_name(match.group())} is not allowed in YAML "
+                         "(only tab, line feed and carriage return are); remove it"))
+    if len(found) > shown:
+        problems.append((Location(origin=origin) if origin else Location(file=file), None,
+                         f"... and {len(found) - shown} more such characters"))
+    return problems
+
+
 class _Builder:
-    """Turns a composed node tree into plain data, recording every position."""
+    """Turns a composed node tree into plain data, recording every position.
+
+    PyYAML shares the node of an anchor among its aliases; plain data copies it once per
+    alias, so a few lines of nested aliases can stand for billions of values. Every node
+    built a second time, and every pair a `<<` merge key copies, counts against
+    `MAX_ALIAS_VALUES`.
+    """
 
     def __init__(self, loader: _Loader, file: str | None, origin: str | None):
         self.loader = loader
@@ -129,17 +204,32 @@ class _Builder:
         self.values: dict[PathKey, Location] = {}
         self.keys: dict[PathKey, Location] = {}
         self.problems: list[Problem] = []
+        self._built: set[int] = set()
+        self._copies = 0
+        self._merged: dict[int, list[tuple[yaml.Node, yaml.Node]]] = {}  # mapping -> its pairs after `<<`
 
     def where(self, node: yaml.Node) -> Location:
         if self.origin is not None:
             return Location(origin=self.origin)
         return _mark_location(node.start_mark, self.file)
 
+    def _count_copies(self, count: int, node: yaml.Node) -> None:
+        self._copies += count
+        if self._copies > MAX_ALIAS_VALUES:
+            raise _OverLimit(
+                f"aliases (`*name`) and merge keys (`<<`) expand to more than {MAX_ALIAS_VALUES:,} values (counted "
+                "up to the anchor written here); nested aliases multiply, which is how a small file fills memory",
+                node.start_mark,
+            )
+
     def build(self, node: yaml.Node, path: PathKey, active: tuple[int, ...] = ()) -> Any:
         self.values[path] = self.where(node)
         if id(node) in active:  # an alias that contains itself
             self.problems.append((self.where(node), dotted(path) or None, "a YAML alias refers to itself (recursive data is not allowed)"))
             return None
+        if id(node) in self._built:
+            self._count_copies(1, node)
+        self._built.add(id(node))
         active = active + (id(node),)
         if isinstance(node, yaml.MappingNode):
             return self._mapping(node, path, active)
@@ -161,10 +251,15 @@ class _Builder:
         if node.tag not in _SCALAR_TAGS:  # e.g. `!!python/name:os.system`, `!!binary`
             return self._bad_tag(node, path)
         try:
-            return self.loader.construct_object(node, deep=True)
+            value = self.loader.construct_object(node, deep=True)
         except yaml.YAMLError as exc:  # e.g. `!!int abc`
             self.problems.append((self.where(node), dotted(path) or None, str(getattr(exc, "problem", exc))))
             return None
+        problem = _scalar_problem(value, node.value)
+        if problem:
+            self.problems.append((self.where(node), dotted(path) or None, problem))
+            return None
+        return value
 
     def _mapping(self, node: yaml.MappingNode, path: PathKey, active: tuple[int, ...]) -> Any:
         if node.tag not in _COLLECTION_TAGS:
@@ -183,13 +278,11 @@ class _Builder:
                      f"duplicate key {key!r} (first written on line {first}); a later value would silently win")
                 )
             seen[key] = key_node
-        try:
-            self.loader.flatten_mapping(node)  # resolve `<<: *anchor` merge keys
-        except yaml.YAMLError as exc:
-            self.problems.append((self.where(node), dotted(path) or None, str(getattr(exc, "problem", exc))))
+        pairs = self._pairs(node, path, active, depth=0)
+        if pairs is None:
             return {}
         result: dict[Any, Any] = {}
-        for key_node, value_node in node.value:
+        for key_node, value_node in pairs:
             key = self._key(key_node, path, report=False)
             if key is None:
                 continue
@@ -197,27 +290,108 @@ class _Builder:
             result[key] = self.build(value_node, path + (key,), active)
         return result
 
+    def _pairs(
+        self, node: yaml.MappingNode, path: PathKey, active: tuple[int, ...], depth: int
+    ) -> list[tuple[yaml.Node, yaml.Node]] | None:
+        """The mapping's key/value nodes with `<<` merge keys resolved, one pair per key.
+
+        As the merge-key type says: the mapping's own keys win, then the merged mappings
+        in the order listed. Each mapping is resolved once (a chain of merges through
+        aliases reuses what was resolved when its anchor was read).
+        """
+        if id(node) in self._merged:
+            return self._merged[id(node)]
+        if depth > MAX_DEPTH:
+            raise _OverLimit(f"merge keys (`<<`) are chained more than {MAX_DEPTH} levels deep", node.start_mark)
+        chosen: dict[Any, tuple[yaml.Node, yaml.Node]] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue
+            key = self._key(key_node, path, report=False)
+            if key is not None:
+                chosen.setdefault(key, (key_node, value_node))
+        for key_node, value_node in node.value:
+            if key_node.tag != _MERGE_TAG:
+                continue
+            if isinstance(value_node, yaml.MappingNode):
+                sources = [value_node]
+            elif isinstance(value_node, yaml.SequenceNode) and all(isinstance(s, yaml.MappingNode) for s in value_node.value):
+                sources = list(value_node.value)
+            else:
+                self.problems.append((self.where(value_node), dotted(path) or None,
+                                      "a merge key `<<` takes a mapping or a list of mappings, e.g. `<<: *base`"))
+                return None
+            for source in sources:
+                if id(source) in active or source is node:
+                    self.problems.append((self.where(source), dotted(path) or None,
+                                          "a merge key `<<` merges a mapping into itself (recursive data is not allowed)"))
+                    return None
+                if source.tag not in _COLLECTION_TAGS:
+                    self._bad_tag(source, path)
+                    return None
+                inner = self._pairs(source, path, active + (id(source),), depth + 1)
+                if inner is None:
+                    return None
+                self._count_copies(len(inner), source)
+                for pair in inner:
+                    key = self._key(pair[0], path, report=False)
+                    if key is not None:
+                        chosen.setdefault(key, pair)
+        pairs = list(chosen.values())
+        self._merged[id(node)] = pairs
+        return pairs
+
     def _key(self, node: yaml.Node, path: PathKey, report: bool = True) -> Any:
         if not isinstance(node, yaml.ScalarNode) or node.tag not in _SCALAR_TAGS:
             if report:
                 self.problems.append((self.where(node), dotted(path) or None, "a mapping key must be a plain scalar such as `heads`"))
             return None
-        key = self.loader.construct_object(node)
-        return key if isinstance(key, (str, int, float, bool)) or key is None else str(key)
+        try:
+            key = self.loader.construct_object(node)
+        except yaml.YAMLError as exc:
+            if report:
+                self.problems.append((self.where(node), dotted(path) or None, str(getattr(exc, "problem", exc))))
+            return None
+        problem = "a mapping key cannot be null (`~`, `null` or nothing before the colon): what it holds would be lost" \
+            if key is None else _scalar_problem(key, node.value)
+        if problem:
+            if report:
+                self.problems.append((self.where(node), dotted(path) or None, problem))
+            return None
+        return key if isinstance(key, (str, int, float, bool)) else str(key)
+
+
+def _scalar_problem(value: Any, written: str) -> str | None:
+    """Why a scalar is refused: a number that is not finite, a control character in a string."""
+    if isinstance(value, float) and not math.isfinite(value):
+        if written.strip().lstrip("+-").lower() in (".inf", ".nan"):
+            return f"{written} is not a finite number: infinities and NaN are not accepted (they pass range checks and fail later)"
+        return f"{written} is too large for a number (beyond about 1.8e308 it reads as infinity)"
+    if isinstance(value, str) and (match := _CONTROL_IN_STRING.search(value)):
+        return f"the string holds the control character {_character_name(match.group())}; strings in a spec cannot hold control characters"
+    return None
 
 
 def parse_yaml_text(text: str, *, file: str | None = None, origin: str | None = None) -> LocatedDocument:
     """Parse one YAML document safely. `origin` (e.g. "--set a=1") replaces positions."""
+    problems = _text_problems(text, file, origin)
+    if problems:
+        raise ArchspecError(f"cannot read {origin or file or 'YAML'}", problems)
     loader = _Loader(text)
     try:
         try:
             node = loader.get_single_node()
         except yaml.YAMLError as exc:
             raise _yaml_error(exc, file, origin) from None
+        except _OverLimit as exc:
+            raise _over_limit_error(exc, file, origin) from None
         if node is None:
             return LocatedDocument(data=None, source=file)
         builder = _Builder(loader, file, origin)
-        data = builder.build(node, ())
+        try:
+            data = builder.build(node, ())
+        except _OverLimit as exc:
+            raise _over_limit_error(exc, file, origin) from None
     finally:
         loader.dispose()
     if builder.problems:
@@ -225,20 +399,85 @@ def parse_yaml_text(text: str, *, file: str | None = None, origin: str | None = 
     return LocatedDocument(data=data, values=builder.values, keys=builder.keys, source=file)
 
 
-def load_yaml_with_locations(path: str | os.PathLike[str], *, what: str = "spec") -> LocatedDocument:
-    """Read a YAML file whose top level must be a mapping, keeping every position."""
-    file = str(path)
+_FILE_KINDS = {
+    stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFIFO: "a named pipe (FIFO)",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def unreadable_reason(path: str | os.PathLike[str], *, what: str = "spec") -> str | None:
+    """Why `path` cannot be read as a `what` file (missing, a directory, a device, a
+    symlink loop, too large, a NUL byte in its name), or None if it is a regular file
+    of an acceptable size."""
+    name = os.fspath(path)
+    if "\0" in name:
+        return "a path cannot hold a NUL byte"
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        info = os.stat(name)  # follows symlinks: a loop is ELOOP
     except FileNotFoundError:
-        raise ArchspecError(f"{file}: no such file") from None
-    except IsADirectoryError:
-        raise ArchspecError(f"{file}: is a directory, not a {what} file") from None
-    except UnicodeDecodeError as exc:
-        raise ArchspecError(f"{file}: not UTF-8 text (byte {exc.start})") from None
+        return "no such file"
     except OSError as exc:
-        raise ArchspecError(f"{file}: cannot read: {exc.strerror or exc}") from None
-    doc = parse_yaml_text(text, file=file)
+        if exc.errno == errno.ELOOP:
+            return "a loop of symbolic links: the path never reaches a file"
+        if exc.errno == errno.ENOTDIR:
+            return "no such file (a part of the path is a file, not a directory)"
+        return f"cannot read: {exc.strerror or exc}"
+    if stat.S_ISDIR(info.st_mode):
+        return f"is a directory, not a {what} file"
+    if not stat.S_ISREG(info.st_mode):
+        kind = _FILE_KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
+        return f"is {kind}; a {what} is read only from a regular file"
+    if info.st_size > MAX_FILE_BYTES:
+        return _too_large(info.st_size, what)
+    return None
+
+
+def _too_large(size: int | None, what: str) -> str:
+    actual = f" ({size:,} bytes)" if size is not None else ""
+    return f"the file is larger than {MAX_FILE_BYTES:,} bytes{actual}, the most a {what} may be"
+
+
+class _Unreadable(Exception):
+    """A file that is not read, and why (callers locate it where the path was written)."""
+
+
+def _read_text(path: str | os.PathLike[str], what: str) -> str:
+    reason = unreadable_reason(path, what=what)
+    if reason:
+        raise _Unreadable(reason)
+    try:
+        # O_NONBLOCK: should the path have become a FIFO since the check, open does not hang.
+        fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise _Unreadable(f"cannot read: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _Unreadable(f"is not a regular file; a {what} is read only from a regular file")
+        data = handle.read(MAX_FILE_BYTES + 1)  # a file that grows while read is still bounded
+    if len(data) > MAX_FILE_BYTES:
+        raise _Unreadable(_too_large(None, what))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Unreadable(f"not UTF-8 text (byte {exc.start})") from None
+
+
+def load_yaml_with_locations(path: str | os.PathLike[str], *, what: str = "spec") -> LocatedDocument:
+    """Read a YAML file whose top level must be a mapping, keeping every position.
+
+    Only regular files up to `MAX_FILE_BYTES` are read; nesting and alias expansion are
+    bounded too (`MAX_DEPTH`, `MAX_ALIAS_VALUES`), each refused with a located message.
+    """
+    file = os.fspath(path)
+    try:
+        text = _read_text(path, what)
+    except _Unreadable as exc:
+        raise ArchspecError(f"{file}: {exc}") from None
+    return _mapping_document(parse_yaml_text(text, file=file), file, what)
+
+
+def _mapping_document(doc: LocatedDocument, file: str, what: str) -> LocatedDocument:
+    """`doc`, if its top level is a mapping; else a located error."""
     if doc.data is None:
         raise ArchspecError(
             f"{file}: the file is empty",
@@ -295,12 +534,15 @@ def _get(data: Any, path: PathKey, default: Any = None) -> Any:
 
 
 def merge_extends(
-    doc: LocatedDocument, *, key: str = "extends", what: str = "spec", _chain: tuple[Path, ...] = ()
+    doc: LocatedDocument, *, key: str = "extends", what: str = "spec", _chain: tuple[Path, ...] = (),
+    _files_read: list[int] | None = None,
 ) -> LocatedDocument:
     """Resolve `extends:` (a path or a list of paths, relative to the file that names it).
 
     Bases are merged in order, then the document itself on top; the `extends` key is
-    dropped from the result. Missing files and cycles are located at the `extends` value.
+    dropped from the result. Missing or unreadable files, cycles, chains deeper than
+    `MAX_EXTENDS_CHAIN` and more than `MAX_EXTENDS_FILES` bases in all are located at the
+    `extends` value.
     """
     if not isinstance(doc.data, dict) or key not in doc.data:
         return doc
@@ -318,22 +560,40 @@ def merge_extends(
         )
     here = Path(doc.source).resolve() if doc.source else None
     chain = _chain or ((here,) if here else ())
+    files_read = _files_read if _files_read is not None else [0]
     base_dir = here.parent if here else Path.cwd()
+    relative_to = "the directory of " + doc.source if doc.source else "the current directory"
     merged: LocatedDocument | None = None
     for path_key, target in targets:
         loc = doc.values.get(path_key, where)
-        resolved = (base_dir / target).resolve()
+
+        def refuse(title: str, message: str) -> ArchspecError:
+            return ArchspecError(title, [(loc, dotted(path_key), message)])  # noqa: B023 (used at once)
+
+        if "\0" in target:
+            raise refuse("invalid extends", f"{target!r}: a path cannot hold a NUL byte")
+        try:
+            resolved = (base_dir / target).resolve()
+        except (OSError, RuntimeError, ValueError):  # Python 3.11 raises RuntimeError for a symlink loop
+            raise refuse("invalid extends", f"{target!r} is a loop of symbolic links: the path never reaches a file") from None
         if resolved in chain:
             cycle = " -> ".join(str(p) for p in chain[chain.index(resolved):] + (resolved,))
-            raise ArchspecError("extends cycle", [(loc, dotted(path_key), f"`{key}` forms a cycle: {cycle}")])
-        if not resolved.is_file():
-            raise ArchspecError(
-                "extends: file not found",
-                [(loc, dotted(path_key), f"no such file {str(resolved)!r} ({target!r} is resolved relative to "
-                  f"{'the directory of ' + doc.source if doc.source else 'the current directory'})")],
-            )
-        base = load_yaml_with_locations(resolved, what=what)
-        base = merge_extends(base, key=key, what=what, _chain=chain + (resolved,))
+            raise refuse("extends cycle", f"`{key}` forms a cycle: {cycle}")
+        if len(chain) > MAX_EXTENDS_CHAIN:
+            raise refuse("extends chain too long", f"`{key}` chains more than {MAX_EXTENDS_CHAIN} files, each extending the next")
+        files_read[0] += 1
+        if files_read[0] > MAX_EXTENDS_FILES:
+            raise refuse("too many extends", f"`{key}` reaches more than {MAX_EXTENDS_FILES} base files in all")
+        reason = unreadable_reason(resolved, what=what)
+        if reason == "no such file":
+            raise refuse("extends: file not found",
+                         f"no such file {str(resolved)!r} ({target!r} is resolved relative to {relative_to})")
+        try:
+            text = _read_text(resolved, what)
+        except _Unreadable as exc:
+            raise refuse("extends: cannot read the base", f"{str(resolved)!r}: {exc}") from None
+        base = _mapping_document(parse_yaml_text(text, file=str(resolved)), str(resolved), what)
+        base = merge_extends(base, key=key, what=what, _chain=chain + (resolved,), _files_read=files_read)
         merged = base if merged is None else deep_merge(merged, base)
     own = LocatedDocument(
         data={k: v for k, v in doc.data.items() if k != key},
@@ -354,13 +614,23 @@ def _split_override(item: Override) -> tuple[str, Any, str, bool]:
     if isinstance(item, tuple):
         key, value = item
         return key, value, f"override {key}={value!r}", False
-    origin = f"--set {item}"
+    origin = f"--set {_NOT_IN_YAML.sub(lambda m: repr(m.group())[1:-1], item)}"  # control characters shown escaped
     if "=" not in item:
         raise ArchspecError(
             "bad override", [(Location(origin=origin), None, "an override is `dotted.key=value`, e.g. `--set mixer.heads=8`")]
         )
     key, text = item.split("=", 1)
     return key.strip(), text, origin, True
+
+
+def override_keys(overrides: Iterable[Override]) -> list[tuple[str, Location]]:
+    """The dotted key of each override, with where it was given (for refusing an
+    override that cannot take effect before anything is applied)."""
+    keys = []
+    for item in overrides:
+        key, _, origin, _ = _split_override(item)
+        keys.append((key, Location(origin=origin)))
+    return keys
 
 
 def apply_overrides(doc: LocatedDocument, overrides: Iterable[Override]) -> LocatedDocument:

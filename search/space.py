@@ -49,6 +49,7 @@ from archspec.spec.yaml_source import (
     error_from_problems,
     load_validated,
     locate_problems,
+    unreadable_reason,
 )
 
 # Metrics the cost model gives before anything is trained: the only ones a constraint may use.
@@ -161,6 +162,34 @@ class Param(_Section):
         low, high = self.float_range  # type: ignore[misc]
         count = int(math.floor((high - low) / self.step + 1e-9)) + 1
         return [round(low + i * self.step, 12) for i in range(count)]
+
+    def can_take(self, value: Any) -> bool:
+        """Whether sampling can produce `value` (exactly: a condition compares equal values)."""
+        if self.choices is not None:
+            return choice_label(value) in [choice_label(c) for c in self.choices]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        low, high = self.int_range or self.float_range  # type: ignore[misc]
+        if not low <= value <= high:  # also False for NaN
+            return False
+        if self.int_range is not None:
+            return value == int(value) and (int(value) - low) % int(self.step or 1) == 0
+        if self.step is None:
+            return False  # a continuous range draws any one value with probability 0
+        steps = (value - low) / self.step
+        return abs(steps - round(steps)) < 1e-9
+
+    def describe(self) -> str:
+        """What sampling can produce, for messages."""
+        if self.choices is not None:
+            return f"its choices: {self.choices}"
+        low, high = self.int_range or self.float_range  # type: ignore[misc]
+        kind = "int" if self.int_range is not None else "float"
+        if self.float_range is not None and self.step is None:
+            return (f"a continuous float range [{low:g}, {high:g}], which draws any exact value with probability 0; "
+                    "give the range a `step:` or use `choices:` to condition on its values")
+        step = f" in steps of {self.step:g}" if self.step is not None else ""
+        return f"its {kind} range [{low:g}, {high:g}]{step}"
 
     def to_optuna(self, value: Any) -> Any:
         """The value as the Optuna study stores it (a choice's label)."""
@@ -339,9 +368,11 @@ def load_search_spec(path: str | os.PathLike[str], overrides: Iterable[Override]
     from archspec import load_spec  # the model-spec loader: its own errors point into the base file
 
     base_file = (Path(doc.source).resolve().parent / spec.base) if doc.source else Path(spec.base).resolve()
-    if not base_file.is_file():
+    reason = unreadable_reason(base_file, what="model spec")
+    if reason:
         raise error_from_problems(
-            title, locate_problems(doc, [(("base",), f"no such model spec {str(base_file)!r} (`base` is relative to the search spec's directory)")])
+            title, locate_problems(doc, [(("base",), f"{'no such model spec' if reason == 'no such file' else reason}: "
+                                                     f"{str(base_file)!r} (`base` is relative to the search spec's directory)")])
         )
     base = load_spec(base_file)
     loaded = LoadedSearch(spec=spec, base=base, base_file=base_file, source=doc.source)
@@ -377,12 +408,11 @@ def semantic_problems(loaded: LoadedSearch, doc: LocatedDocument) -> list[tuple[
                 continue
             if field in spec.space:
                 earlier = spec.space[field]
-                possible = earlier.choices if earlier.choices is not None else None
-                if possible is not None:
-                    labels = [choice_label(c) for c in possible]
-                    for value in values:
-                        if choice_label(value) not in labels:
-                            problems.append((cond, f"{value!r} is never sampled for {field!r} (its choices: {possible}), so {name!r} would never be searched"))
+                fallback = _fallback(earlier, field, base_values)
+                for value in values:
+                    if not earlier.can_take(value) and not (fallback and choice_label(value) == choice_label(fallback[0])):
+                        problems.append((cond, f"{value!r} is never sampled for {field!r} ({earlier.describe()}), "
+                                         f"so {name!r} would never be searched"))
                 continue
             if unknown_field(Spec, field):
                 problems.append((cond, f"`when` refers to {field!r}: {unknown_field(Spec, field)}"))
@@ -399,6 +429,14 @@ def semantic_problems(loaded: LoadedSearch, doc: LocatedDocument) -> list[tuple[
         if count > MAX_GRID_POINTS:
             problems.append((("sampler",), f"the grid has more than {MAX_GRID_POINTS} points; use tpe, nsga2 or random"))
     return problems
+
+
+def _fallback(param: Param, field: str, base_values: Mapping[str, Any]) -> tuple[Any] | None:
+    """The value a conditional field keeps when its own `when` fails (its `otherwise`, or
+    the base spec's), as a 1-tuple; None for a field that is always sampled."""
+    if not param.when:
+        return None
+    return (param.otherwise,) if param.has_otherwise else (base_values.get(field),)
 
 
 def _task_problems(spec: SearchSpec) -> list[tuple[tuple[str | int, ...], str]]:

@@ -69,8 +69,11 @@ def run_compile(args: argparse.Namespace) -> int:
 
     if args.seq_len < 1:
         raise ArchspecError(f"--seq-len must be >= 1, got {args.seq_len}")
+    from archspec.memory import check_fits
+
     spec = load_spec(args.spec, args.overrides)
     plan = lower(spec)
+    check_fits(plan, "cpu", what=f"spec {spec.name!r}")  # validate checks numbers one by one; their product must fit
     model = build_model(plan)
     cost = estimate(plan, seq_len=args.seq_len)
     console = Console(file=sys.stdout)

@@ -16,6 +16,7 @@ from archspec.atomic import write_atomic
 from archspec.blocks import LanguageModel, build_model
 from archspec.errors import ArchspecError
 from archspec.lowering import lower
+from archspec.memory import check_fits
 from archspec.spec.loader import load_spec
 from archspec.spec.models import Spec
 from archspec.spec.yaml_source import overrides_from_kwargs
@@ -30,7 +31,9 @@ def compile(spec_or_path: Spec | Mapping[str, Any] | str | os.PathLike[str], **o
     dots through a dict (`compile(p, **{"mixer.heads": 8})`); values are Python values.
     """
     spec = load_spec(spec_or_path, overrides_from_kwargs(overrides))
-    return build_model(lower(spec))
+    plan = lower(spec)
+    check_fits(plan, "cpu", what=f"spec {spec.name!r}")  # built in float32 on the CPU
+    return build_model(plan)
 
 
 def save_compiled(model: LanguageModel, spec: Spec, path: str | os.PathLike[str]) -> None:
@@ -57,6 +60,8 @@ def load_compiled(path: str | os.PathLike[str]) -> LanguageModel:
         raise ArchspecError(f"{os.fspath(path)}: not a saved archspec module ({exc.__class__.__name__})") from None
     if not isinstance(payload, dict) or payload.get("format") != SAVE_FORMAT:
         raise ArchspecError(f"{os.fspath(path)}: not a saved archspec module (expected format {SAVE_FORMAT})")
-    model = build_model(lower(load_spec(payload["spec"])))
+    plan = lower(load_spec(payload["spec"]))
+    check_fits(plan, "cpu", what=f"the module saved in {os.fspath(path)}")
+    model = build_model(plan)
     model.load_state_dict(payload["state_dict"])
     return model

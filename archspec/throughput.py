@@ -210,8 +210,14 @@ def run_bench(args: argparse.Namespace) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ArchspecError(f"--device {device}: no CUDA device is available here")
     from archspec.blocks import build_model
+    from archspec.memory import check_fits
 
-    model = build_model(archspec.lower(archspec.load_spec(args.spec, args.overrides)))
+    spec = archspec.load_spec(args.spec, args.overrides)
+    plan = archspec.lower(spec)
+    what = f"spec {spec.name!r}"
+    check_fits(plan, "cpu", what=what)  # built on the CPU first
+    check_fits(plan, device, batch=args.batch, seq_len=args.seq_len, training=True, what=what)
+    model = build_model(plan)
     report = measure_training_throughput(
         model, batch=args.batch, seq_len=args.seq_len, device=device, warmup=args.warmup, steps=args.steps
     )

@@ -84,14 +84,22 @@ class BuiltModel:
 def build_model_for_task(spec: Any, task: Task, overrides: Iterable[Any] = ()) -> BuiltModel:
     """Load `spec` (path, dict, `Spec` or `ModelPlan`), apply `overrides` (`"key=value"`
     strings or `(key, value)` pairs), set the vocabulary from the task, and build it."""
-    from archspec.blocks import ModelPlan, build_model
+    from archspec.blocks import build_model
+
+    plan, spec_record = plan_for_task(spec, task, overrides)
+    return BuiltModel(build_model(plan), plan, spec_record)
+
+
+def plan_for_task(spec: Any, task: Task, overrides: Iterable[Any] = ()) -> tuple[Any, dict[str, Any]]:
+    """The plan `build_model_for_task` builds, and the resolved spec for metrics.json."""
+    from archspec.blocks import ModelPlan
 
     overrides = list(overrides)
     if isinstance(spec, ModelPlan):
         if overrides:
             raise ArchspecError("overrides apply to specs, not to a ModelPlan; change the plan instead")
         plan = dataclasses.replace(spec, vocab_size=task.vocab_size)
-        return BuiltModel(build_model(plan), plan, {"plan": plan.to_dict()})
+        return plan, {"plan": plan.to_dict()}
 
     import archspec
     from archspec.spec.yaml_source import override_keys
@@ -101,8 +109,7 @@ def build_model_for_task(spec: Any, task: Task, overrides: Iterable[Any] = ()) -
             raise ArchspecError("an override that cannot take effect", [(where, key, f"{key} is set from the task "
                                 f"({task.name} has {task.vocab_size} symbols); remove this override")])
     resolved = archspec.load_spec(spec, [*overrides, (TASK_SETS, task.vocab_size)])
-    plan = archspec.lower(resolved)
-    return BuiltModel(build_model(plan), plan, resolved.model_dump(mode="json", exclude={"extends"}))
+    return archspec.lower(resolved), resolved.model_dump(mode="json", exclude={"extends"})
 
 
 def cost_metrics(plan: Any, device: Any = "cpu") -> dict[str, float]:
@@ -250,7 +257,9 @@ def train(
         raise ArchspecError("task_options apply when the task is given by name")
     device = resolve_device(device)
     config = _config(task, steps, batch_size, lr, warmup_steps, eval_every, target)
+    overrides = list(overrides)  # read twice: for the memory check, then to build
 
+    _check_fits(spec, task, overrides, config, device)
     torch.manual_seed(seed)
     built = build_model_for_task(spec, task, overrides)
     model = built.model.to(device)
@@ -318,6 +327,16 @@ def train(
     if out is not None:
         _write_outputs(out, record, curves, task, diagnostics)
     return result
+
+
+def _check_fits(spec: Any, task: Task, overrides: Iterable[Any], config: TrainConfig, device: torch.device) -> None:
+    """Refuse a model that surely cannot be built or trained here, before building it."""
+    from archspec.memory import check_fits
+
+    plan, _ = plan_for_task(spec, task, overrides)
+    what = f"spec {plan.name!r}"
+    check_fits(plan, "cpu", what=what)  # built on the CPU, then moved
+    check_fits(plan, device, batch=config.batch_size, seq_len=task.train_len, training=True, what=what)
 
 
 def _config(

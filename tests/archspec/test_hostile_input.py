@@ -287,3 +287,58 @@ def test_overrides_of_extends_are_refused(override, capsys):
     assert f"--set {override}: extends: `extends` is resolved when the spec file is read" in err
     with pytest.raises(ArchspecError, match="setting it here would do nothing"):
         archspec.compile(DELTANET, extends="../models/kda.yaml")
+
+
+# ------------------------------------------------------------------ memory before building
+
+
+def test_validate_ok_compile_refused_with_the_estimate_and_free_memory(capsys):
+    assert main(["validate", str(DELTANET), "--set", "mixer.heads=1e9"]) == 0  # every number is fine alone
+    capsys.readouterr()
+    assert main(["compile", str(DELTANET), "--set", "mixer.heads=1e9"]) == 2
+    err = capsys.readouterr().err
+    assert "spec 'deltanet' cannot fit in memory on cpu" in err
+    assert "TiB of weights (133,120,001,180,032 parameters)" in err and "free" in err
+    with pytest.raises(ArchspecError, match="cannot fit in memory"):
+        archspec.compile(DELTANET, **{"mixer.heads": 10**9})
+
+
+def test_the_refusal_follows_the_free_memory_exactly(monkeypatch):
+    """Just enough free memory builds the module; one byte less is refused, naming both."""
+    import archspec.memory as memory
+    from archspec.blocks.memory import estimate_memory
+
+    plan = archspec.lower(archspec.load_spec(DELTANET, ["model.d_model=64"]))
+    need = estimate_memory(plan).total
+    monkeypatch.setattr(memory, "free_bytes", lambda device="cpu": need)
+    model = archspec.compile(DELTANET, **{"model.d_model": 64})
+    assert sum(p.numel() * 4 for p in model.parameters()) == need
+    monkeypatch.setattr(memory, "free_bytes", lambda device="cpu": need - 1)
+    with pytest.raises(ArchspecError) as info:
+        archspec.compile(DELTANET, **{"model.d_model": 64})
+    message = str(info.value)
+    assert memory.human_bytes(need) in message and memory.human_bytes(need - 1) + " free" in message
+
+
+def test_training_and_bench_are_refused_before_building(monkeypatch, capsys):
+    """The weights fit, one training step's activations do not: refused with the step's size."""
+    import archspec.memory as memory
+    from archspec.blocks import build as blocks_build
+
+    built = []
+    monkeypatch.setattr(blocks_build, "build_model", lambda plan: built.append(plan))
+    monkeypatch.setattr(memory, "free_bytes", lambda device="cpu": 200 * 2**20)
+    assert main(["train", str(DELTANET), "--task", "s3", "--batch-size", "100000", "--steps", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "for a training step of 100000 x" in err and "of activations" in err and "200.0 MiB free" in err
+    assert main(["bench", str(DELTANET), "--batch", "4096", "--seq-len", "4096", "--device", "cpu"]) == 2
+    assert "for a training step of 4096 x 4096 tokens" in capsys.readouterr().err
+    assert not built
+
+
+def test_free_memory_is_read_from_the_system():
+    from archspec.memory import free_bytes
+
+    free = free_bytes("cpu")
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert free is not None and 0 < free <= total

@@ -1,0 +1,78 @@
+"""What building and training a plan needs in memory, from the plan alone (nothing built).
+
+A lower bound, on purpose: it serves to refuse a spec that surely cannot fit before
+anything is allocated (`archspec.memory`), and must never refuse one that would. It
+counts
+
+- the weights (`count_params` x bytes per weight), and when training, their gradients
+  and AdamW's two moments: 4 copies in all;
+- when training, one step's activations that autograd must keep for the backward, per
+  token and layer: the block's input and the mixer's normalised input (`2 d_model`), the
+  projected streams before and after their activation (`2 x` the stream widths), the
+  recurrence's output before and after the output norm (`2 H V`), the state at each
+  chunk boundary (`H K V` per chunk of `tokens_per_chunk` tokens), and the MLP's input
+  and hidden activations (`d_model + 3 hidden` for SwiGLU: gate, up and their product;
+  `2 hidden` for GELU); plus the final norm's input.
+
+It leaves out what a backend may avoid holding (the logits, with a fused loss; the
+chunks' score matrices), the optimizer's and allocator's temporaries, and evaluation.
+`tests/blocks/test_memory.py` checks the bound against the tensors autograd really saves
+on the torch backend: at or below them, and within a factor of 3 of them, for every
+shipped design.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from archspec.kernels.chunked import tokens_per_chunk
+
+from .cost import count_params
+from .mixer import stream_widths
+from .mlp import mlp_hidden_size
+from .plan import ModelPlan
+
+WEIGHT_BYTES = 4  # the modules are built in float32
+TRAINING_COPIES = 4  # weights, gradients, AdamW's exp_avg and exp_avg_sq
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes a module needs at least; `activations` is 0 when not training."""
+
+    params: int  # parameter count
+    weights: int
+    gradients_and_optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients_and_optimizer + self.activations
+
+
+def activation_elements_per_token(plan: ModelPlan) -> int:
+    """Elements autograd must keep per token of a training step (see the module docstring)."""
+    m, d = plan.mixer, plan.d_model
+    chunk = tokens_per_chunk(m.n_h, delta=m.transition != "diagonal")
+    mixer = 2 * d + 2 * sum(stream_widths(m).values()) + 2 * m.heads * m.value_dim
+    states = -(-m.heads * m.head_dim * m.value_dim // chunk)  # one K x V state per head per chunk
+    if plan.mlp == "none":
+        mlp = 0
+    else:
+        hidden = mlp_hidden_size(plan.mlp, d, plan.mlp_ratio)
+        mlp = d + (3 if plan.mlp == "swiglu" else 2) * hidden
+    return plan.layers * (mixer + states + mlp) + d
+
+
+def estimate_memory(
+    plan: ModelPlan, *, batch: int = 0, seq_len: int = 0, training: bool = False, activation_bytes: int = 4
+) -> MemoryEstimate:
+    """The memory a module of `plan` needs at least: its weights, or a training step on
+    `[batch, seq_len]` tokens with activations of `activation_bytes` each (4 for float32,
+    2 under bfloat16 autocast)."""
+    params = count_params(plan)
+    weights = params * WEIGHT_BYTES
+    if not training:
+        return MemoryEstimate(params, weights, 0, 0)
+    activations = batch * seq_len * activation_elements_per_token(plan) * activation_bytes
+    return MemoryEstimate(params, weights, (TRAINING_COPIES - 1) * weights, activations)

@@ -1,0 +1,75 @@
+"""The memory estimate against the built module: weights exactly, and activations as a
+lower bound of what autograd really saves on the torch backend (counted with
+`saved_tensors_hooks`, each storage once), within a factor of 3 of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import archspec
+from archspec.blocks import build_model
+from archspec.blocks.memory import TRAINING_COPIES, estimate_memory
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "specs" / "models").glob("*.yaml"))
+SMALL = ["model.d_model=64", "mixer.heads=2", "mixer.head_dim=16"]
+
+
+def saved_activation_bytes(model: torch.nn.Module, batch: int, seq_len: int) -> int:
+    """Bytes of every tensor autograd keeps for the backward of one loss, parameters aside."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    vocab = model.plan.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logits = model(ids)
+        F.cross_entropy(logits.float().reshape(-1, vocab), ids.reshape(-1))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(size for pointer, size in storages.items() if pointer not in weights)
+
+
+CASES = [(path.stem, SMALL) for path in SHIPPED] + [
+    ("deltanet", []),
+    ("deltaproduct-3", ["mixer.expand_v=2", "model.mlp=gelu"]),
+    ("rwkv7", ["mixer.short_conv=0", "model.mlp=none", "model.layers=3"]),
+    ("gla", ["mixer.heads=8", "mixer.head_dim=32", "model.vocab_size=1000"]),
+]
+
+
+@pytest.mark.parametrize("name, overrides", CASES, ids=[f"{n}-{len(o)}" for n, o in CASES])
+def test_the_estimate_is_a_close_lower_bound_of_what_training_keeps(name, overrides):
+    plan = archspec.lower(archspec.load_spec(REPO / "specs" / "models" / f"{name}.yaml", overrides))
+    torch.manual_seed(0)
+    model = build_model(plan)
+    model.set_backend("torch")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    batch, seq_len = 2, 64
+    estimate = estimate_memory(plan, batch=batch, seq_len=seq_len, training=True)
+    assert estimate.weights == weights and estimate.params == sum(p.numel() for p in model.parameters())
+    assert estimate.gradients_and_optimizer == (TRAINING_COPIES - 1) * weights
+    measured = saved_activation_bytes(model, batch, seq_len)
+    assert estimate.activations <= measured <= 3 * estimate.activations, (measured, estimate.activations)
+
+
+def test_activations_scale_with_the_tokens_and_vanish_without_training():
+    plan = archspec.lower(archspec.load_spec(REPO / "specs" / "models" / "deltanet.yaml", SMALL))
+    one = estimate_memory(plan, batch=1, seq_len=64, training=True)
+    assert estimate_memory(plan, batch=4, seq_len=128, training=True).activations == 8 * one.activations
+    assert estimate_memory(plan, batch=1, seq_len=64, training=True, activation_bytes=2).activations * 2 == one.activations
+    built_only = estimate_memory(plan)
+    assert built_only.total == built_only.weights == one.weights
+
+
+def test_huge_specs_are_priced_without_building_anything():
+    plan = archspec.lower(archspec.load_spec(REPO / "specs" / "models" / "deltanet.yaml", ["mixer.heads=1e9"]))
+    estimate = estimate_memory(plan, batch=8, seq_len=512, training=True)
+    assert estimate.weights > 10**14 and estimate.total > estimate.weights

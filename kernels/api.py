@@ -6,7 +6,9 @@ owns the shape contract so that each backend can assume well-formed inputs.
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+import os
+from typing import Any, Callable
 
 import torch
 
@@ -70,6 +72,56 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(f"linear_recurrence: {message}")
 
 
+_FLOAT_DTYPES = "float32, bfloat16, float16 or float64"
+
+
+def check_tensor_arguments(fn: str, reference: str, tensors: dict[str, Any], cu_seqlens: Any) -> None:
+    """Types, dtypes and devices: every named argument a floating-point tensor on the
+    device of `reference`, `cu_seqlens` an integer tensor there. A Python list has no
+    `.shape`; an integer tensor would run through float kernels and give zeros; float
+    offsets would be truncated; tensors on two devices fail deep inside a backend."""
+    device = tensors[reference].device if isinstance(tensors.get(reference), torch.Tensor) else None
+    for name, value in tensors.items():
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(value).__name__}; "
+                            f"pass torch.tensor({name}, dtype=torch.float32)")
+        if not value.is_floating_point():
+            raise TypeError(f"{fn}: {name} must be a floating-point tensor ({_FLOAT_DTYPES}), got {value.dtype}; "
+                            f"convert it with {name}.float() (an integer tensor would be computed wrong, as zeros)")
+        if device is not None and value.device != device:
+            raise ValueError(f"{fn}: {name} is on {value.device} but {reference} is on {device}; pass every tensor on one device")
+    if cu_seqlens is None:
+        return
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{fn}: cu_seqlens must be a torch.Tensor of token offsets, got {type(cu_seqlens).__name__}; "
+                        f"pass torch.tensor(offsets, dtype=torch.int32, device={reference}.device)")
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"{fn}: cu_seqlens must hold integer token offsets (torch.int32 or torch.int64), got "
+                        f"{cu_seqlens.dtype} (fractional offsets would be truncated); pass whole offsets as "
+                        "torch.tensor(offsets, dtype=torch.int32)")
+    if device is not None and cu_seqlens.device != device:
+        raise ValueError(f"{fn}: cu_seqlens is on {cu_seqlens.device} but {reference} is on {device}; "
+                         f"pass cu_seqlens.to({reference}.device)")
+
+
+def _check_backend_device(fn: str, name: str, device: torch.device) -> None:
+    """The Triton kernels run on CUDA tensors (or anywhere under the Triton interpreter,
+    `TRITON_INTERPRET=1`); elsewhere Triton would only say it found no active driver."""
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{fn}: backend='triton' runs on CUDA tensors, but the inputs are on {device}; use "
+                         "backend='torch' (or 'auto', which picks it for CPU tensors), or move the inputs to a "
+                         "CUDA device with .cuda()")
+
+
+def _check_number(fn: str, name: str, value: Any, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{fn}: {name} must be a finite number, got {value!r}")
+
+
 def check_recurrence_inputs(
     q: Tensor,
     k: Tensor,
@@ -83,10 +135,16 @@ def check_recurrence_inputs(
     cu_seqlens: Tensor | None,
     gate: Gate | None = None,
 ) -> None:
-    """Raise a ValueError that names the argument and the expected shape."""
+    """Raise a ValueError that names the argument and the expected shape (a TypeError
+    for an argument of the wrong type or dtype)."""
+    check_tensor_arguments(
+        "linear_recurrence", "q",
+        {"q": q, "k": k, "v": v, "g": g, "beta": beta, "write_key": write_key, "erase": erase, "initial_state": initial_state},
+        cu_seqlens,
+    )
     _check(q.dim() == 4, f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
-    _check(isinstance(n_h, int) and n_h >= 1, f"n_h must be a positive int, got {n_h!r}")
+    _check(isinstance(n_h, int) and not isinstance(n_h, bool) and n_h >= 1, f"n_h must be a positive int, got {n_h!r}")
     TN = T * n_h
     _check(tuple(k.shape) == (B, TN, H, K), f"k must be [B, T*n_h, H, K] = {(B, TN, H, K)}, got {tuple(k.shape)}")
     _check(v.dim() == 4 and tuple(v.shape[:3]) == (B, TN, H), f"v must be [B, T*n_h, H, V] with B, T*n_h, H = {(B, TN, H)}, got {tuple(v.shape)}")
@@ -154,8 +212,10 @@ def linear_recurrence(
     """
     kind = Gate.named(gate) if isinstance(gate, str) else gate
     check_recurrence_inputs(q, k, v, g, beta, write_key, erase, n_h, initial_state, cu_seqlens, kind)
+    _check_number("linear_recurrence", "scale", scale, optional=True)
     kind = Gate.of(g) if kind is None else kind
     name = resolve_backend(backend, q.device)
+    _check_backend_device("linear_recurrence", name, q.device)
     fn = _get(_RECURRENCE_BACKENDS, name)
     return fn(
         q,
@@ -198,6 +258,9 @@ def osdn_write_keys(
     read from `retain` when given, else it is 1 unless passed.
     Differentiable with respect to `k`, `beta`, `retain` and `d0`.
     """
+    check_tensor_arguments("osdn_write_keys", "k", {"k": k, "beta": beta, "retain": retain, "d0": d0}, cu_seqlens)
+    for name, value in (("eta", eta), ("d_min", d_min), ("d_max", d_max), ("eps", eps)):
+        _check_number("osdn_write_keys", name, value)
     if k.dim() != 4:
         raise ValueError(f"osdn_write_keys: k must be [B, T*n_h, H, K], got shape {tuple(k.shape)}")
     B, TN, H, K = k.shape
@@ -211,7 +274,7 @@ def osdn_write_keys(
     inferred = 1 if retain is None else TN // retain.shape[1]
     if n_h is None:
         n_h = inferred
-    if n_h < 1 or TN % n_h or (retain is not None and n_h != inferred):
+    if isinstance(n_h, bool) or not isinstance(n_h, int) or n_h < 1 or TN % n_h or (retain is not None and n_h != inferred):
         raise ValueError(f"osdn_write_keys: n_h={n_h} does not fit k's {TN} sub-steps" + ("" if retain is None else f" and retain's {retain.shape[1]} tokens"))
     rows = B
     if cu_seqlens is not None:
@@ -228,6 +291,7 @@ def osdn_write_keys(
     if not (0 < d_min <= d_max):
         raise ValueError(f"osdn_write_keys: need 0 < d_min <= d_max, got [{d_min}, {d_max}]")
     name = resolve_backend(backend, k.device)
+    _check_backend_device("osdn_write_keys", name, k.device)
     fn = _get(_OSDN_BACKENDS, name)
     return fn(
         k,

@@ -86,9 +86,11 @@ def run_search_command(args: argparse.Namespace) -> int:
 
 
 def run_pareto_command(args: argparse.Namespace) -> int:
-    from archspec.search.pareto import comparison_of, plot_fronts, read_run, report_json
+    from archspec.search.pareto import check_plot_path, comparison_of, plot_fronts, read_run, report_json
     from archspec.search.tables import comparison_table, run_front_table
 
+    if args.plot:
+        check_plot_path(args.plot)  # before reading: a bad --plot is said at once
     runs = [read_run(path) for path in args.runs]
     if args.json:
         print(json.dumps(report_json(runs), indent=2, allow_nan=False))

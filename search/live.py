@@ -41,13 +41,15 @@ class RecordingCallback(Callback):
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
         record = record_from_result(result)
-        if record is not None:
+        if record is not None and not self.run.occupant(record.number, record.overrides):
             existing = self.run.read_trial(record.number)
             if existing is None or existing.status is None:
                 self.run.write_trial_result(record)
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         number = int(trial.config["trial_number"])
+        if self.run.occupant(number, dict(trial.config.get("overrides", {}))):
+            return  # another point's trial holds the folder: it is not written over
         existing = self.run.read_trial(number)
         if existing is not None and existing.status is not None:
             return

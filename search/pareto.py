@@ -25,6 +25,7 @@ from typing import Any
 
 import moocore
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from archspec.atomic import write_atomic
 from archspec.search.rundir import OK, RunDir, TrialRecord, status_counts, trained_count
@@ -162,15 +163,23 @@ class RunSummary:
 def read_run(path: str | Path) -> RunSummary:
     """Read a run directory (finished or still running) into a `RunSummary`."""
     from archspec.errors import ArchspecError
-    from archspec.spec.yaml_source import load_yaml_with_locations
+    from archspec.spec.yaml_source import load_validated
 
     run = RunDir(path)
     if not run.exists():
         raise ArchspecError(f"{path}: not a search run directory (no {run.search_file.name}; `archspec search ... --out DIR` makes one)")
-    data = load_yaml_with_locations(run.search_file, what="search spec").data
-    parsed = [Objective.model_validate(item) for item in data.get("objectives", [])]
+    # Reading results needs the objectives only; a truncated or edited file is refused, located.
+    stored, _ = load_validated(run.search_file, StoredObjectives, what="search spec")
+    parsed = list(stored.objectives)
     records = run.read_trials()
     return RunSummary(name=_run_name(run.path), path=run.path, objectives=parsed, records=records, front=front_of(records, parsed))
+
+
+class StoredObjectives(BaseModel):
+    """What `read_run` needs of a run's `search.yaml`; the rest is the runner's business."""
+
+    model_config = ConfigDict(extra="allow")
+    objectives: list[Objective] = Field(min_length=1)
 
 
 def _run_name(path: Path) -> str:
@@ -286,10 +295,29 @@ def plot_fronts(runs: Sequence[RunSummary], path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     try:  # atomic: a plot being refreshed is never seen half-written
+        check_plot_path(path)
         write_atomic(path, lambda handle: fig.savefig(handle, format="png", dpi=120))
+    except OSError as exc:
+        from archspec.errors import ArchspecError
+
+        raise ArchspecError(f"cannot write the plot {path}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)
     return path
+
+
+def check_plot_path(path: str | Path) -> None:
+    """Refuse a plot path that cannot take a file (a directory, a missing folder), before
+    any run is read."""
+    from archspec.errors import ArchspecError
+
+    path = Path(path)
+    if path.is_dir():
+        raise ArchspecError(f"--plot {path}: is a directory; give a file name such as {path / 'front.png'}")
+    if not path.parent.is_dir():
+        raise ArchspecError(f"--plot {path}: no folder {path.parent} to write it into")
+    if path.exists() and not path.is_file():
+        raise ArchspecError(f"--plot {path}: exists and is not a regular file")
 
 
 def _log_if_wide(ax: Any, axis: str, records: Sequence[TrialRecord], objective: Objective) -> None:

@@ -34,16 +34,21 @@ from pathlib import Path
 from typing import Any
 
 from archspec.errors import ArchspecError, Location
+from archspec.search.leftovers import driver_alive, kill_session_processes, record_driver
+from archspec.search.leftovers import process_start as _process_start
 from archspec.search.rundir import (
     INTERRUPTED,
+    LOCK_FILE,
     OK,
     STUDY_NAME,
     TRAINED_STATUSES,
     RunDir,
+    RunLock,
     TrialRecord,
     trained_count,
     write_yaml_atomic,
 )
+from archspec.search.runcheck import check_resumable
 from archspec.search.searcher import DUPLICATE, ArchspecOptunaSearch, Rejection
 from archspec.search.space import LoadedSearch, SearchSpec, grid_points, load_search_spec, optuna_params, suggest_overrides
 from archspec.search.trial import TrainFn, TrialSetup, make_task, precheck
@@ -90,6 +95,9 @@ def resolve_run(out: str | os.PathLike[str], loaded: LoadedSearch | None, *, res
     may differ (to extend a search).
     """
     run = RunDir(out)
+    if run.path.exists() and not run.path.is_dir():
+        raise ArchspecError(f"{run.path} is a file, not a run directory",
+                            [(Location(origin=f"--out {out}"), None, "give --out a directory (new or empty to start, a run to resume)")])
     if run.exists():
         if not resume:
             raise ArchspecError(
@@ -99,6 +107,7 @@ def resolve_run(out: str | os.PathLike[str], loaded: LoadedSearch | None, *, res
         stored = load_search_spec(run.search_file)
         if loaded is not None:
             _check_same_search(stored, loaded, run)
+        check_resumable(run, stored.spec)  # everything a resume touches, before it touches anything
         spec, note = stored.spec, None
         wanted = trials or (loaded.spec.budget.trials if loaded is not None else None)
         if wanted is not None and wanted != spec.budget.trials:
@@ -106,7 +115,7 @@ def resolve_run(out: str | os.PathLike[str], loaded: LoadedSearch | None, *, res
         return RunPlan(run, LoadedSearch(spec, stored.base, run.base_file, str(run.search_file)), False, note)
     if loaded is None:
         raise ArchspecError(f"{run.path}: nothing to resume (no {run.search_file.name}); give the search spec to start one")
-    if run.path.exists() and any(run.path.iterdir()):
+    if run.path.exists() and any(p.name != LOCK_FILE for p in run.path.iterdir()):
         raise ArchspecError(
             f"{run.path} is not empty and holds no search",
             [(Location(origin=f"--out {out}"), None, "choose an empty or new directory, so that nothing there is overwritten")],
@@ -230,20 +239,6 @@ def stop_orphan(record: TrialRecord, grace_s: float = 10.0) -> bool:
     return True
 
 
-def _process_start(pid: int) -> float | None:
-    """When process `pid` started (seconds since the epoch), or None where there is none
-    (or it is a zombie, or this system has no /proc)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
-    except (OSError, StopIteration, ValueError):
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # the name may hold spaces: fields start after it
-    if fields[0] == "Z":
-        return None
-    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-
-
 def _annotate(study: Any, trial: Any, key: str, value: Any) -> None:
     """A user attribute on a running trial known only as a `FrozenTrial` (after a crash,
     no `optuna.Trial` object is left); Optuna has no public call for that."""
@@ -268,8 +263,8 @@ def ray_session(address: str | None) -> Iterator[None]:
     else:
         # address="local": a private Ray, even if a `ray start` cluster runs on this machine.
         # A short private temp dir: Ray's socket paths must stay under ~100 characters.
-        remove_stale_ray_dirs()
         temp_dir = tempfile.mkdtemp(prefix=RAY_DIR_PREFIX)
+        record_driver(Path(temp_dir))  # how the next search tells this session's processes were left behind
         kwargs.update(address="local", _temp_dir=temp_dir)
     try:
         ray.init(**kwargs)
@@ -288,17 +283,27 @@ RAY_DIR_PREFIX = "archspec-ray-"
 
 
 def remove_stale_ray_dirs(min_age_s: float = 120.0) -> list[Path]:
-    """Remove the private Ray dirs of searches that were killed (`kill -9`, a lost node):
-    their `finally` never ran. A dir is stale when no raylet answers on any of its sockets;
-    a young one may belong to a search that is still starting, so it is left alone."""
+    """Stop what searches that were killed (`kill -9`, a lost node) left of their private
+    Ray sessions, and remove their dirs: their `finally` never ran (`leftovers.py`).
+
+    A session is stale when the driver recorded in its dir no longer runs; for a dir
+    without a recorded driver, when no raylet answers on any of its sockets and it is
+    older than `min_age_s` (a young one may belong to a search that is still starting).
+    Its processes (agents and workers that outlive the driver and ignore SIGTERM) are
+    killed before the dir goes."""
     removed = []
     for path in Path(tempfile.gettempdir()).glob(RAY_DIR_PREFIX + "*"):
         try:
-            if not path.is_dir() or time.time() - path.stat().st_mtime < min_age_s:
+            if not path.is_dir():
                 continue
+            age = time.time() - path.stat().st_mtime
         except OSError:
             continue
-        if not any(_socket_answers(sock) for sock in path.glob("session_*/sockets/raylet")):
+        alive = driver_alive(path)
+        if alive is None:
+            alive = age < min_age_s or any(_socket_answers(sock) for sock in path.glob("session_*/sockets/raylet"))
+        if not alive:
+            kill_session_processes(path)
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
@@ -359,9 +364,27 @@ def run_search(
     train_fn: TrainFn | None = None,
     live: bool = True,
 ) -> SearchOutcome:
-    """Run (or resume) a search into the run directory `out`."""
+    """Run (or resume) a search into the run directory `out`, holding its lock throughout.
+
+    Nothing is written until the whole run directory has been checked (`resolve_run`); a
+    search refused before that leaves no trace, not even the lock file.
+    """
+    lock = RunLock(out).acquire(origin=f"--out {out}")
+    try:
+        return _run_locked(lock, loaded, out, resume=resume, trials=trials, address=address, train_fn=train_fn, live=live)
+    finally:
+        lock.release(remove=lock.created_file and not lock.wrote)
+
+
+def _run_locked(
+    lock: RunLock, loaded: LoadedSearch | None, out: str | os.PathLike[str], *, resume: bool, trials: int | None,
+    address: str | None, train_fn: TrainFn | None, live: bool,
+) -> SearchOutcome:
     from archspec.search.samplers import make_sampler
 
+    # A killed search's Ray processes could still write trial files: stop them before
+    # the files are read (on a cluster, `reconcile` stops such workers by their records).
+    remove_stale_ray_dirs()
     plan = resolve_run(out, loaded, resume=resume, trials=trials)
     run, spec = plan.run, plan.loaded.spec
     base_values = plan.loaded.base_values
@@ -376,6 +399,7 @@ def run_search(
     if not plan.fresh:
         outcome.target = target()
         if outcome.complete:
+            lock.wrote = True
             write_run(plan)
             return outcome
 
@@ -398,6 +422,7 @@ def run_search(
 
     with ray_session(address):
         _check_resources_fit(spec, address)  # before anything is written: a refused run leaves no trace
+        lock.wrote = True
         write_run(plan)
         outcome.target = target()
         sampler = make_sampler(spec)

@@ -204,6 +204,10 @@ def _limit_threads(cpus: float) -> None:
 
 def _finish(run: RunDir, record: TrialRecord) -> TrialRecord:
     record.finished_at = time.time()
+    taken = run.occupant(record.number, record.overrides)
+    if taken:  # another point's trial is there: report the failure, write nothing over it
+        record.status, record.reason = FAILED, taken
+        return record
     run.write_trial_result(record)
     return record
 

@@ -7,6 +7,7 @@ Ray costs ~4 s to start and ~3 s per trial on 2 cores: few trials, short sleeps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -229,12 +230,29 @@ def finished(run: RunDir) -> list:
     return [r for r in run.read_trials() if r.status in ("ok", "failed", "diverged")]
 
 
+def _ray_session_of(driver_pid: int, timeout_s: float = 30.0) -> Path:
+    """The private Ray dir whose recorded driver is `driver_pid`."""
+    import tempfile
+
+    from archspec.search.leftovers import DRIVER_FILE
+    from archspec.search.runner import RAY_DIR_PREFIX
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for path in Path(tempfile.gettempdir()).glob(RAY_DIR_PREFIX + "*"):
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads((path / DRIVER_FILE).read_text())["pid"] == driver_pid:
+                    return path
+        time.sleep(0.2)
+    raise AssertionError(f"no Ray session dir records driver {driver_pid}")
+
+
 def test_resume_after_kill_9(tmp_path):
     path = write_spec(tmp_path, RESUMABLE)
     out = tmp_path / "run"
     log = tmp_path / "calls.log"
     env = {**os.environ, "CHEAP_SLEEP": "1.5", "CHEAP_LOG": str(log), "PYTHONPATH": str(REPO)}
-    # Its own session: kill -9 reaches the driver and the Ray processes it started, nothing else.
+    # Its own session, so that the clean-up at the end reaches whatever the test leaves, nothing else.
     proc = subprocess.Popen([PYTHON, "-c", DRIVER, str(path), str(out)], env=env, cwd=REPO,
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     run = RunDir(out)
@@ -248,19 +266,27 @@ def test_resume_after_kill_9(tmp_path):
                               capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
         assert live.returncode == 0, live.stderr
         assert json.loads(live.stdout)["trials_completed"] >= 2
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        # kill -9 of the driver alone, as a user does: Ray's agents and workers outlive it
+        session = _ray_session_of(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-    before = {r.number: r for r in finished(run)}
-    assert 2 <= len(before) < 6
+        before = {r.number: r for r in finished(run)}
+        assert 2 <= len(before) < 6
 
-    from archspec.search.runner import run_search
+        from archspec.search.leftovers import session_processes
+        from archspec.search.runner import run_search
 
-    os.environ["CHEAP_LOG"] = str(log)
-    try:
-        outcome = run_search(None, out, resume=True, train_fn=cheap.cheap_train, live=False)
+        os.environ["CHEAP_LOG"] = str(log)
+        try:
+            outcome = run_search(None, out, resume=True, train_fn=cheap.cheap_train, live=False)
+        finally:
+            del os.environ["CHEAP_LOG"]
+        # the killed search's Ray is gone: no process holds its session, its dir was removed
+        assert not session.exists() and not session_processes(session)
     finally:
-        del os.environ["CHEAP_LOG"]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever the test itself left
+        proc.wait()
     assert outcome.complete and outcome.trained == 6
     after = {r.number: r for r in finished(run)}
     assert len(after) == 6
@@ -500,7 +526,7 @@ def test_reconcile_tells_unheard_results_and_requeues_cut_off_trials(tmp_path):
         trial.set_user_attr("overrides", {"mixer.transition.n_h": trial.params["mixer.transition.n_h"]})
     run.write_trial_result(TrialRecord(number=finished_unheard.number, status="ok", metrics={"acc": 0.7, "params": 10.0},
                                        started_at=0.0, finished_at=1.0))
-    run.write_trial_start(TrialRecord(number=cut_off.number, status=None, started_at=0.0))
+    run.write_trial_start(TrialRecord(number=cut_off.number, status=None, started_at=0.0, overrides=cut_off.user_attrs["overrides"]))
 
     assert reconcile(run, study, ["acc", "params"]) == 1
     trials = study.get_trials()

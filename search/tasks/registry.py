@@ -8,6 +8,7 @@ lists what is available.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -72,6 +73,32 @@ def task_options(name: str) -> list[str]:
     ]
 
 
+def _typed_options(name: str, family: TaskFamily, options: dict[str, Any]) -> dict[str, Any]:
+    """Each option as the type its task declares: `train_len: yes`, `.inf`, `2.5` for a
+    whole number or a string for a number are refused, naming the option, instead of
+    reaching the task as True, infinity or a silently truncated count."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from archspec.spec.numbers import number_problem
+
+    hints = typing.get_type_hints(family.task_class)
+    typed, problems = {}, []
+    for key, value in options.items():
+        annotation = hints.get(key, Any)
+        problem = number_problem(value, annotation, None)
+        if problem is None:
+            try:
+                value = TypeAdapter(annotation, config={"allow_inf_nan": False}).validate_python(value)
+            except ValidationError as exc:
+                problem = f"got {value!r}: {exc.errors(include_url=False)[0]['msg'].lower()}"
+        if problem:
+            problems.append(f"{key}: {problem}")
+        typed[key] = value
+    if problems:
+        raise ArchspecError(f"task {name!r}: bad option value(s): " + "; ".join(problems))
+    return typed
+
+
 def get_task(name: str, preset: str = "cpu", **options: Any) -> Task:
     """Build the task `name` with the preset's options, overridden by `options`."""
     family = _family(name)
@@ -81,6 +108,7 @@ def get_task(name: str, preset: str = "cpu", **options: Any) -> Task:
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ArchspecError(f"task {name!r}: unknown option(s) {', '.join(unknown)}; it accepts {', '.join(allowed)}")
+    options = _typed_options(name, family, options)
     chosen = family.presets[preset]
     try:
         task = family.make(name, **{**chosen.task_options, **options})

@@ -154,3 +154,24 @@ def test_reference_values_really_are_what_optuna_draws():
     assert sampled_values("int step") == {1, 4, 7}
     assert sampled_values("float step") == {1.0 + 0.5 * i for i in range(7)}
     assert all(not math.isnan(v) for v in sampled_values("int log"))
+
+
+@pytest.mark.parametrize("options, words", [
+    ("{train_len: yes}", "train_len: got true, a boolean"),
+    ("{train_len: .inf}", ".inf is not a finite number"),
+    ("{eval_size: 2.5}", "eval_size: got 2.5: input should be a valid integer"),
+    ("{target: high}", "target: got 'high': input should be a valid number"),
+    ("{eval_factors: [1, two]}", "eval_factors: got [1, 'two']"),
+])
+def test_task_options_of_the_wrong_type_are_refused(tmp_path, options, words):
+    text = SPACE.format(base=TINY, first="mixer.transition.n_h: {int: [1, 3]}", field="mixer.transition.n_h", values=[2])
+    path = write(tmp_path, text.replace("options: {train_len: 8}", f"options: {options}"))
+    found = problems(path)
+    assert any(words in m for _, _, m in found), found
+
+
+def test_task_options_are_converted_to_their_declared_types():
+    from archspec.search.tasks import get_task
+
+    task = get_task("s3", "cpu", train_len=1e2, eval_factors=[1, 2])
+    assert task.train_len == 100 and isinstance(task.train_len, int) and task.eval_factors == (1, 2)

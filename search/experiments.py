@@ -175,7 +175,7 @@ def run_experiment(
             folder = out / slug(run.name) / f"s{seed}"
             metrics_file = folder / METRICS_FILE
             if metrics_file.exists() and not (fresh and selected(run)):
-                record = json.loads(metrics_file.read_text())
+                record = _read_metrics(metrics_file)
                 if record.get("status") in ("ok", "diverged"):
                     results[run.name][str(seed)] = _summary(record)
                     continue
@@ -200,6 +200,21 @@ def run_experiment(
         results[run.name][str(seed)] = _summary(result.record)
         _write_results(out, exp, results)
     return results
+
+
+def _read_metrics(file: Path) -> dict[str, Any]:
+    """A finished run's metrics.json, or an `ArchspecError` naming the file (written
+    atomically by the trainer, a broken one was truncated or edited by hand)."""
+    try:
+        record = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArchspecError(f"{file}: not a metrics file the trainer wrote ({exc}); delete it to train that run again") from None
+    shapes = {"metrics": dict, "train": dict}
+    bad = [k for k, kind in shapes.items() if not isinstance(record, dict) or not isinstance(record.get(k, kind()), kind)]
+    if not isinstance(record, dict) or bad:
+        what = type(record).__name__ if not isinstance(record, dict) else f"`{bad[0]}` of the wrong type"
+        raise ArchspecError(f"{file}: not a metrics file the trainer wrote ({what}); delete it to train that run again")
+    return record
 
 
 def _summary(record: dict[str, Any]) -> dict[str, Any]:

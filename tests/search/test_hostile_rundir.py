@@ -370,3 +370,28 @@ def test_processes_of_a_killed_search_are_stopped_and_no_other(tmp_path, monkeyp
         for proc in (*orphans, alive, bystander):
             proc.kill()
             proc.wait()
+
+
+# ------------------------------------------------------------------ experiment directories
+
+
+@pytest.mark.parametrize("content, words", [
+    ('{"status": "ok", "metr', "not a metrics file the trainer wrote"),
+    ("[1, 2]", "(list)"),
+    ('{"status": "ok", "metrics": [0.5]}', "`metrics` of the wrong type"),
+])
+def test_a_broken_metrics_file_in_an_experiment_is_named(tmp_path, capsys, content, words):
+    import yaml
+
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump({
+        "name": "tiny", "task": {"name": "s3", "options": {"train_len": 4, "eval_size": 8}},
+        "train": {"steps": 1, "batch_size": 2, "measure_throughput": False},
+        "seeds": [0], "runs": [{"name": "dn", "spec": str(REPO / "specs" / "models" / "deltanet.yaml")}],
+    }))
+    broken = tmp_path / "out" / "dn" / "s0" / "metrics.json"
+    broken.parent.mkdir(parents=True)
+    broken.write_text(content)
+    assert main(["experiment", str(exp), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"{broken}: " in err and words in err and "delete it to train that run again" in err and "Traceback" not in err

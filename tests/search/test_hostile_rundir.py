@@ -387,7 +387,7 @@ def test_a_broken_metrics_file_in_an_experiment_is_named(tmp_path, capsys, conte
     exp.write_text(yaml.safe_dump({
         "name": "tiny", "task": {"name": "s3", "options": {"train_len": 4, "eval_size": 8}},
         "train": {"steps": 1, "batch_size": 2, "measure_throughput": False},
-        "seeds": [0], "runs": [{"name": "dn", "spec": str(REPO / "specs" / "models" / "deltanet.yaml")}],
+        "seeds": [0], "runs": [{"name": "dn", "spec": str(REPO / "specs" / "models" / "deltanet.yaml")}], "report": ["token_acc@4"],
     }))
     broken = tmp_path / "out" / "dn" / "s0" / "metrics.json"
     broken.parent.mkdir(parents=True)

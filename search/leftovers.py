@@ -58,7 +58,9 @@ def session_processes(session_dir: Path) -> list[tuple[int, float]]:
     """(pid, start time) of every process of this user that holds a file open, or has its
     working directory, inside `session_dir`; this process excluded."""
     prefix = str(session_dir.resolve()) + os.sep
-    found = []
+    found: list[tuple[int, float]] = []
+    if not Path("/proc").is_dir():  # no way to tell here (not Linux): leave every process alone
+        return found
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue

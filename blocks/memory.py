@@ -7,25 +7,26 @@ counts
 - the weights (`count_params` x bytes per weight), and when training, their gradients
   and AdamW's two moments: 4 copies in all;
 - when training, one step's activations that autograd must keep for the backward, per
-  token and layer: the block's input and the mixer's normalised input (`2 d_model`), the
-  projected streams before and after their activation (`2 x` the stream widths), the
-  recurrence's output before and after the output norm (`2 H V`), the state at each
-  chunk boundary (`H K V` per chunk of `tokens_per_chunk` tokens), and the MLP's input
-  and hidden activations (`d_model + 3 hidden` for SwiGLU: gate, up and their product;
-  `2 hidden` for GELU); plus the final norm's input.
+  token and layer: the block's input and the mixer's normalised input (`2 d_model`),
+  the projected streams before and after their activation (`2 x` the stream widths),
+  the recurrence's output before and after the output norm (`2 H V`), RWKV-7's erase
+  vectors and their gate (`2 n_h H K`), the decay (`H`, or `H K` per channel), the
+  state at each chunk boundary (`H K V` per chunk, of the longer chunks of the two
+  backends), and the MLP's input and hidden activations (`d_model + 3 hidden` for
+  SwiGLU: gate, up and their product; `2 hidden` for GELU); plus the final norm's input.
 
 It leaves out what a backend may avoid holding (the logits, with a fused loss; the
 chunks' score matrices), the optimizer's and allocator's temporaries, and evaluation.
 `tests/blocks/test_memory.py` checks the bound against the tensors autograd really saves
 on the torch backend: at or below them, and within a factor of 3 of them, for every
-shipped design.
+shipped design (up to about 6 where a large vocabulary's logits dominate a small model).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from archspec.kernels.chunked import tokens_per_chunk
+from archspec.kernels.chunking import torch_tokens_per_chunk, triton_tokens_per_chunk
 
 from .cost import count_params
 from .mixer import stream_widths
@@ -53,8 +54,14 @@ class MemoryEstimate:
 def activation_elements_per_token(plan: ModelPlan) -> int:
     """Elements autograd must keep per token of a training step (see the module docstring)."""
     m, d = plan.mixer, plan.d_model
-    chunk = tokens_per_chunk(m.n_h, delta=m.transition != "diagonal")
+    # Both backends keep the state at every chunk boundary; the longer chunk of the two
+    # keeps fewer, and a lower bound must hold for either.
+    chunk = max(torch_tokens_per_chunk(m.n_h, delta=m.transition != "diagonal"), triton_tokens_per_chunk(m.n_h))
     mixer = 2 * d + 2 * sum(stream_widths(m).values()) + 2 * m.heads * m.value_dim
+    # what the kernel keeps besides the streams: RWKV-7's erase vectors (and the gate
+    # values they are made of), the decay per head (scalar) or per key channel
+    mixer += 2 * m.n_h * m.heads * m.head_dim if m.erase else 0
+    mixer += {"none": 0, "scalar": m.heads, "channel": m.heads * m.head_dim}[m.gate]
     states = -(-m.heads * m.head_dim * m.value_dim // chunk)  # one K x V state per head per chunk
     if plan.mlp == "none":
         mlp = 0

@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -303,7 +304,10 @@ def remove_stale_ray_dirs(min_age_s: float = 120.0) -> list[Path]:
         if alive is None:
             alive = age < min_age_s or any(_socket_answers(sock) for sock in path.glob("session_*/sockets/raylet"))
         if not alive:
-            kill_session_processes(path)
+            stopped = kill_session_processes(path)
+            if stopped:  # say so: these were processes of the user's, still running
+                print(f"note: stopped {len(stopped)} Ray process(es) left running by a killed search "
+                      f"(pids {', '.join(map(str, stopped))}; its Ray dir {path})", file=sys.stderr)
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,7 +51,8 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
 def started_run(tmp_path: Path, trials: int = 3) -> RunDir:
-    """A run directory as a search leaves it after `trials` finished trials."""
+    """A run directory as a search leaves it after `trials` finished trials (and the
+    search spec it started from, beside it)."""
     spec_file = tmp_path / "search.yaml"
     spec_file.write_text(SPEC)
     plan = resolve_run(tmp_path / "run", load_search_spec(spec_file), resume=False, trials=None)
@@ -66,6 +68,18 @@ def started_run(tmp_path: Path, trials: int = 3) -> RunDir:
                                            started_at=1.0, finished_at=2.0))
         study.tell(trial, [0.5 + 0.1 * number, 1000.0 + number])
     return run
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory) -> Path:
+    return started_run(tmp_path_factory.mktemp("template")).path.parent
+
+
+@pytest.fixture
+def run(tmp_path: Path, template: Path) -> RunDir:
+    """A copy of the started run (an Optuna study takes a second to create)."""
+    shutil.copytree(template, tmp_path, dirs_exist_ok=True)
+    return RunDir(tmp_path / "run")
 
 
 def snapshot(path: Path) -> dict[str, tuple[bytes, int]]:
@@ -98,8 +112,7 @@ BAD_RECORDS = {
 
 
 @pytest.mark.parametrize("name", list(BAD_RECORDS))
-def test_a_record_of_the_wrong_shape_is_named_not_a_traceback(tmp_path, capsys, name):
-    run = started_run(tmp_path)
+def test_a_record_of_the_wrong_shape_is_named_not_a_traceback(tmp_path, run, capsys, name):
     content, words = BAD_RECORDS[name]
     file = run.trial_dir(1) / "result.json"
     file.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -113,8 +126,7 @@ def test_a_record_of_the_wrong_shape_is_named_not_a_traceback(tmp_path, capsys, 
     assert snapshot(run.path) == before  # search.yaml keeps its trial count; nothing was added
 
 
-def test_every_bad_record_is_listed_at_once(tmp_path):
-    run = started_run(tmp_path)
+def test_every_bad_record_is_listed_at_once(tmp_path, run):
     (run.trial_dir(0) / "result.json").write_text("[]")
     (run.trial_dir(2) / "result.json").write_text("{}")
     (run.trial_dir(2) / "trial.json").write_text("{}")  # the result is read first; its start record is not needed
@@ -127,8 +139,7 @@ def test_every_bad_record_is_listed_at_once(tmp_path):
 
 
 @pytest.mark.parametrize("cut", [0.3, 0.6, 0.9])
-def test_a_truncated_search_yaml_is_located_and_a_resume_changes_nothing(tmp_path, capsys, cut):
-    run = started_run(tmp_path)
+def test_a_truncated_search_yaml_is_located_and_a_resume_changes_nothing(tmp_path, run, capsys, cut):
     text = run.search_file.read_text()
     run.search_file.write_text(text[: int(len(text) * cut)])
     assert main(["pareto", str(run.path)]) == 2
@@ -186,8 +197,7 @@ STUDY_DAMAGE = {
 
 
 @pytest.mark.parametrize("name", list(STUDY_DAMAGE))
-def test_a_bad_study_is_refused_before_the_resume_changes_anything(tmp_path, capsys, name):
-    run = started_run(tmp_path)
+def test_a_bad_study_is_refused_before_the_resume_changes_anything(tmp_path, run, capsys, name):
     damage, words = STUDY_DAMAGE[name]
     damage(run.study_file)
     before = snapshot(run.path)
@@ -198,8 +208,7 @@ def test_a_bad_study_is_refused_before_the_resume_changes_anything(tmp_path, cap
     assert not (run.path / LOCK_FILE).exists() or (run.path / LOCK_FILE).read_text()  # the lock file holds no data
 
 
-def test_a_point_that_disagrees_with_the_study_is_refused(tmp_path, capsys):
-    run = started_run(tmp_path)
+def test_a_point_that_disagrees_with_the_study_is_refused(tmp_path, run, capsys):
     record = run.read_trial(1)
     record.overrides = {"mixer.transition.n_h": 4, "model.d_model": 64}
     (run.trial_dir(1) / "result.json").write_text(json.dumps(record.to_json()))
@@ -223,8 +232,7 @@ def test_out_naming_a_file_is_refused_and_the_file_kept(tmp_path, capsys):
     assert "cannot create" in capsys.readouterr().err
 
 
-def test_plot_onto_a_directory_or_nowhere_is_refused_before_reading(tmp_path, capsys):
-    run = started_run(tmp_path)
+def test_plot_onto_a_directory_or_nowhere_is_refused_before_reading(tmp_path, run, capsys):
     for plot, words in ((tmp_path, "is a directory; give a file name"), (tmp_path / "no" / "f.png", "no folder")):
         assert main(["pareto", str(run.path), "--plot", str(plot)]) == 2
         err = capsys.readouterr().err
@@ -245,8 +253,7 @@ time.sleep(120)
 """
 
 
-def test_a_second_writer_is_refused_with_the_holders_pid_and_host_until_it_dies(tmp_path, capsys):
-    run = started_run(tmp_path)
+def test_a_second_writer_is_refused_with_the_holders_pid_and_host_until_it_dies(tmp_path, run, capsys):
     holder = subprocess.Popen([PYTHON, "-c", HOLDER, str(run.path)], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -295,8 +302,7 @@ def test_a_symlinked_lock_file_is_not_followed(tmp_path):
 # ------------------------------------------------------------------ trial folders
 
 
-def test_a_trial_never_writes_into_a_folder_that_holds_another_point(tmp_path):
-    run = started_run(tmp_path)
+def test_a_trial_never_writes_into_a_folder_that_holds_another_point(tmp_path, run):
     theirs = run.read_trial(1)
     search = load_search_spec(tmp_path / "search.yaml").spec
     setup = TrialSetup(run_dir=str(run.path), search=search, train_fn=lambda *a, **k: pytest.fail("trained"))
@@ -339,7 +345,7 @@ def _agent(log: Path) -> subprocess.Popen:
     return proc
 
 
-def test_processes_of_a_killed_search_are_stopped_and_no_other(tmp_path, monkeypatch):
+def test_processes_of_a_killed_search_are_stopped_and_no_other(tmp_path, monkeypatch, capsys):
     import tempfile
 
     from archspec.search.leftovers import DRIVER_FILE, process_start
@@ -366,6 +372,8 @@ def test_processes_of_a_killed_search_are_stopped_and_no_other(tmp_path, monkeyp
         for proc in orphans:
             assert proc.wait(timeout=10) == -signal.SIGKILL  # SIGTERM is ignored: killed outright
         assert alive.poll() is None and bystander.poll() is None
+        note = capsys.readouterr().err
+        assert f"note: stopped 2 Ray process(es) left running by a killed search" in note and str(dead) in note
     finally:
         for proc in (*orphans, alive, bystander):
             proc.kill()

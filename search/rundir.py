@@ -224,8 +224,8 @@ class RunDir:
             return str(exc)
         if existing is None or _same_point(existing.overrides, overrides):
             return None
-        state = f"a {existing.status} result" if existing.status else "a started trial"
-        return (f"{self.trial_dir(number)} already holds {state} of another point "
+        state = f"the result ({existing.status})" if existing.status else "the start record"
+        return (f"{self.trial_dir(number)} already holds {state} of a trial of another point "
                 f"({_point(existing.overrides)}, not {_point(overrides)}): two searches, or a study.db "
                 "that does not belong to these trials, gave out the same trial number")
 

@@ -623,6 +623,16 @@ def _split_override(item: Override) -> tuple[str, Any, str, bool]:
     return key.strip(), text, origin, True
 
 
+def _parse_override_value(text: str, key: str, origin: str) -> Any:
+    """An override's YAML value; its problems name the field from the top (`a.b[1]`)."""
+    try:
+        return parse_yaml_text(text, origin=origin).data
+    except ArchspecError as exc:
+        exc.problems = [(where, key + ("" if not field else field if field.startswith("[") else "." + field), message)
+                        for where, field, message in exc.problems]
+        raise
+
+
 def override_keys(overrides: Iterable[Override]) -> list[tuple[str, Location]]:
     """The dotted key of each override, with where it was given (for refusing an
     override that cannot take effect before anything is applied)."""
@@ -650,7 +660,7 @@ def apply_overrides(doc: LocatedDocument, overrides: Iterable[Override]) -> Loca
         parts = key.split(".")
         if not key or any(not p for p in parts):
             raise ArchspecError("bad override", [(where, None, f"{key!r} is not a dotted key such as `mixer.heads`")])
-        value = parse_yaml_text(raw, origin=origin).data if is_text else copy.deepcopy(raw)
+        value = _parse_override_value(raw, key, origin) if is_text else copy.deepcopy(raw)
         node, path = data, ()
         index = 0
         while index < len(parts):

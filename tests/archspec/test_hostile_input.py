@@ -129,7 +129,7 @@ def test_control_characters_in_a_file_are_located(tmp_path, char, name):
 def test_control_characters_in_a_set_value_and_in_escapes(capsys):
     assert main(["validate", str(DELTANET), "--set", "name=a\x07b"]) == 2
     err = capsys.readouterr().err
-    assert "--set name=a\\x07b: the control character U+0007 (BEL)" in err and "Traceback" not in err
+    assert "--set name=a\\x07b: name: the control character U+0007 (BEL)" in err and "Traceback" not in err
     # written as an escape inside quotes, the character reaches the string: refused there
     exc = refused('name: "a\\x07b"\n', file="esc.yaml")
     assert problem_texts(exc) == ["esc.yaml:1:7: name: the string holds the control character U+0007 (BEL); "

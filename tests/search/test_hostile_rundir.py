@@ -309,7 +309,7 @@ def test_a_trial_never_writes_into_a_folder_that_holds_another_point(tmp_path, r
     before = snapshot(run.path)
 
     record = execute_trial(setup, 1, mine)
-    assert record.status == "failed" and "already holds a ok result of another point" in record.reason
+    assert record.status == "failed" and "already holds the result (ok) of a trial of another point" in record.reason
     with pytest.raises(TrialFolderTaken):
         run.write_trial_start(TrialRecord(number=1, status=None, overrides=mine))
     with pytest.raises(TrialFolderTaken):

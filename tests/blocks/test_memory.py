@@ -73,3 +73,26 @@ def test_huge_specs_are_priced_without_building_anything():
     plan = archspec.lower(archspec.load_spec(REPO / "specs" / "models" / "deltanet.yaml", ["mixer.heads=1e9"]))
     estimate = estimate_memory(plan, batch=8, seq_len=512, training=True)
     assert estimate.weights > 10**14 and estimate.total > estimate.weights
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["deltanet", "kda", "rwkv7", "deltaproduct-3", "osdn-apf"])
+def test_the_estimate_stays_below_a_real_training_step_on_cuda(name):
+    """What `check_fits` compares on CUDA (bfloat16 activations) against the peak of one
+    AdamW step on the Triton backend, as the trainer takes it."""
+    plan = archspec.lower(archspec.load_spec(REPO / "specs" / "models" / f"{name}.yaml"))
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    model = build_model(plan).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch, seq_len = 8, 512
+    ids = torch.randint(0, plan.vocab_size, (batch, seq_len), device=device)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(ids)
+    F.cross_entropy(logits.float().reshape(-1, plan.vocab_size), ids.reshape(-1)).backward()
+    optimizer.step()
+    peak = torch.cuda.max_memory_allocated(device) - start
+    estimate = estimate_memory(plan, batch=batch, seq_len=seq_len, training=True, activation_bytes=2)
+    assert estimate.total <= peak <= 20 * estimate.total, (estimate, peak)  # a lower bound, not a loose one

@@ -50,10 +50,11 @@ def _load_backend(name: str) -> None:
         from . import triton as _triton  # noqa: F401  (registers "triton")
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """`auto` is the Triton kernel on CUDA tensors and the chunked torch path elsewhere."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+def resolve_backend(backend: str, device: torch.device, choices: tuple[str, ...] = BACKENDS) -> str:
+    """`auto` is the Triton kernel on CUDA tensors and the chunked torch path elsewhere;
+    `choices`: the names the caller takes (the fused pieces have no `naive`)."""
+    if backend not in choices:
+        raise ValueError(f"backend must be one of {choices}, got {backend!r}")
     if backend != "auto":
         return backend
     return "triton" if device.type == "cuda" else "torch"

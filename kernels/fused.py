@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .api import resolve_backend
+
 Tensor = torch.Tensor
 
 FUSED_BACKENDS = ("torch", "triton", "auto")
@@ -22,11 +24,7 @@ FUSED_BACKENDS = ("torch", "triton", "auto")
 
 def resolve_fused_backend(backend: str, device: torch.device) -> str:
     """`auto`: the Triton kernel on CUDA tensors, plain torch elsewhere."""
-    if backend not in FUSED_BACKENDS:
-        raise ValueError(f"backend must be one of {FUSED_BACKENDS}, got {backend!r}")
-    if backend != "auto":
-        return backend
-    return "triton" if device.type == "cuda" else "torch"
+    return resolve_backend(backend, device, FUSED_BACKENDS)
 
 
 def compute_dtype(t: Tensor) -> torch.dtype:

@@ -12,9 +12,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from archspec.blocks.plan import ModelPlan, PreconditionerPlan, RecurrencePlan
+from archspec.blocks.plan import AttentionPlan, LayerPlan, ModelPlan, PreconditionerPlan, RecurrencePlan
+from archspec.spec.layout import layer_sections
 from archspec.spec.loader import load_spec
-from archspec.spec.models import MixerSpec, Spec
+from archspec.spec.models import AttentionSpec, MixerSpec, Spec
 
 
 def _preconditioner(mixer: MixerSpec) -> PreconditionerPlan | None:
@@ -93,13 +94,37 @@ def lower_mixer(mixer: MixerSpec) -> RecurrencePlan:
     )
 
 
+def lower_attention(attention: AttentionSpec) -> AttentionPlan:
+    """One attention section -> its `AttentionPlan` (kv_heads and rope_theta resolved)."""
+    return AttentionPlan(
+        heads=attention.heads,
+        kv_heads=attention.resolved_kv_heads,
+        head_dim=attention.head_dim,
+        rope_theta=attention.resolved_rope_theta,
+        window=attention.window,
+        output_gate=attention.output_gate,
+        qk_norm=attention.qk_norm,
+    )
+
+
+def lower_stack(spec: Spec, mixer: RecurrencePlan) -> tuple[LayerPlan, ...]:
+    """Each layer's plan; empty when every layer is the spec's mixer."""
+    plans = tuple(
+        lower_mixer(section) if isinstance(section, MixerSpec) else lower_attention(section)
+        for section in layer_sections(spec)
+    )
+    return () if all(p == mixer for p in plans) else plans
+
+
 def lower(spec: Spec | Mapping[str, Any] | str | os.PathLike[str]) -> ModelPlan:
     """A spec (or anything `load_spec` takes) -> the `ModelPlan` that `blocks.build_model` builds."""
     spec = load_spec(spec)
     model = spec.model
+    mixer = lower_mixer(spec.mixer)
     return ModelPlan(
         name=spec.name,
-        mixer=lower_mixer(spec.mixer),
+        mixer=mixer,
+        stack=lower_stack(spec, mixer),
         d_model=model.d_model,
         layers=model.layers,
         mlp=model.mlp,

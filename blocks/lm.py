@@ -1,9 +1,11 @@
 """The language model: embedding, N pre-norm blocks (mixer + MLP), final norm, head.
 
 `x = x + mixer(RMSNorm(x))`, then `x = x + mlp(RMSNorm(x))` (no MLP sub-block when the
-plan says `mlp: none`), as in nanoGPT and fla's models. The decoding state is one
-`MixerState` per layer; `forward(ids, state)` continues the sequences that `state`
-describes, so prefill and token-by-token generation are the same call.
+plan says `mlp: none`), as in nanoGPT and fla's models. Each block's sequence mixer is
+its layer plan's: a recurrent `Mixer` or an `Attention` layer (a hybrid stack). The
+decoding state is one state per layer (`MixerState` or `AttentionState`);
+`forward(ids, state)` continues the sequences that `state` describes, so prefill and
+token-by-token generation are the same call.
 
 Training: `forward(ids, labels=labels)` returns the mean next-token loss without making
 the logits (`loss.py`); `cu_seqlens` packs documents in one row (B = 1) so that none sees
@@ -23,28 +25,39 @@ import math
 import torch
 import torch.nn as nn
 
+from .attention import Attention, AttentionState
 from .loss import next_token_loss
 from .mixer import Mixer, MixerState
 from .mlp import MLP
 from .norm import RMSNorm
-from .plan import ModelPlan
+from .plan import AttentionPlan, LayerPlan, ModelPlan
 
 Tensor = torch.Tensor
+LayerState = MixerState | AttentionState
 
 INIT_STD = 0.02
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
 
 
+def sequence_mixer(layer: LayerPlan, d_model: int, norm_eps: float) -> Mixer | Attention:
+    """The module of one layer plan."""
+    if isinstance(layer, AttentionPlan):
+        return Attention(layer, d_model, norm_eps=norm_eps)
+    return Mixer(layer, d_model, norm_eps=norm_eps)
+
+
 class Block(nn.Module):
-    def __init__(self, plan: ModelPlan):
+    def __init__(self, plan: ModelPlan, layer: LayerPlan | None = None):
         super().__init__()
         self.mixer_norm = RMSNorm(plan.d_model, eps=plan.norm_eps)
-        self.mixer = Mixer(plan.mixer, plan.d_model, norm_eps=plan.norm_eps)
+        # `mixer` is the block's sequence mixer, recurrent or attention (one name, so
+        # that state-dict keys do not depend on the layer kind's spelling)
+        self.mixer = sequence_mixer(plan.mixer if layer is None else layer, plan.d_model, plan.norm_eps)
         self.mlp_norm = RMSNorm(plan.d_model, eps=plan.norm_eps) if plan.mlp != "none" else None
         self.mlp = MLP(plan.mlp, plan.d_model, plan.mlp_ratio) if plan.mlp != "none" else None
 
-    def forward(self, x: Tensor, state: MixerState | None, return_state: bool,
-                cu_seqlens: Tensor | None = None) -> tuple[Tensor, MixerState | None]:
+    def forward(self, x: Tensor, state: LayerState | None, return_state: bool,
+                cu_seqlens: Tensor | None = None) -> tuple[Tensor, LayerState | None]:
         h, state = self.mixer(self.mixer_norm(x), state, return_state, cu_seqlens=cu_seqlens)
         x = x + h
         if self.mlp is not None:
@@ -57,7 +70,7 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.plan = plan
         self.embed = nn.Embedding(plan.vocab_size, plan.d_model)
-        self.blocks = nn.ModuleList(Block(plan) for _ in range(plan.layers))
+        self.blocks = nn.ModuleList(Block(plan, layer) for layer in plan.layer_plans)
         self.norm = RMSNorm(plan.d_model, eps=plan.norm_eps)
         self.head = nn.Linear(plan.d_model, plan.vocab_size, bias=False)
         self.fused_backend = "auto"  # the loss's path; `set_backend` changes it
@@ -72,8 +85,17 @@ class LanguageModel(nn.Module):
                 std = residual_std if name.rsplit(".", 1)[-1] in RESIDUAL_OUTPUTS else INIT_STD
                 nn.init.normal_(module.weight, mean=0.0, std=std)
 
-    def mixers(self) -> list[Mixer]:
+    def sequence_mixers(self) -> list[Mixer | Attention]:
+        """Each layer's sequence mixer, bottom first: a `Mixer` or an `Attention`."""
         return [block.mixer for block in self.blocks]
+
+    def mixers(self) -> list[Mixer]:
+        """The recurrent layers' mixers, bottom first (attention layers left out)."""
+        return [m for m in self.sequence_mixers() if isinstance(m, Mixer)]
+
+    def recurrent_layers(self) -> list[int]:
+        """The indices of the recurrent layers, in the order of `mixers()`."""
+        return [i for i, m in enumerate(self.sequence_mixers()) if isinstance(m, Mixer)]
 
     def set_backend(self, name: str) -> None:
         """Run every mixer's recurrence on `name` (`naive`, `torch`, `triton`, `auto`), and
@@ -86,25 +108,26 @@ class LanguageModel(nn.Module):
                 module.fused_backend = fused
         self.fused_backend = fused
 
-    def init_state(self, batch_size: int, device: torch.device | str | None = None) -> list[MixerState]:
-        return [mixer.init_state(batch_size, device) for mixer in self.mixers()]
+    def init_state(self, batch_size: int, device: torch.device | str | None = None) -> list[LayerState]:
+        return [mixer.init_state(batch_size, device) for mixer in self.sequence_mixers()]
 
     def forward(
         self,
         input_ids: Tensor,
-        state: list[MixerState] | None = None,
+        state: list[LayerState] | None = None,
         return_state: bool = False,
         *,
         labels: Tensor | None = None,
         cu_seqlens: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, list[MixerState]]:
+    ) -> Tensor | tuple[Tensor, list[LayerState]]:
         """Logits `[B, T, vocab]`, or with `labels` the mean next-token loss (a scalar; the
         logits are never made); and the state after the last token if `return_state`.
 
         `labels` `[B, T]`: what each position should predict (already shifted), or
         `IGNORE_INDEX` (-100) where nothing is scored. `cu_seqlens` (`[N+1]` token offsets,
         B = 1) packs N documents in the row: each starts from its own state (`state` with N
-        rows) or from zeros, and the returned state has one row per document.
+        rows) or from zeros, and the returned state has one row per document (recurrent
+        layers only: an attention layer takes packed documents without a state).
         """
         if cu_seqlens is not None:
             _check_packed(input_ids, cu_seqlens)

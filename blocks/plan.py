@@ -1,4 +1,5 @@
-"""RecurrencePlan: the frozen IR between the spec language and the modules.
+"""RecurrencePlan, AttentionPlan, ModelPlan: the frozen IR between the spec language and
+the modules.
 
 `archspec.lower` turns a validated spec into a `ModelPlan`; `archspec.blocks.build_model`
 turns a `ModelPlan` into an `nn.Module`. Every lowering decision is a field here, so that
@@ -11,7 +12,7 @@ Plain frozen dataclasses: no pydantic, so blocks and kernels run on a bare GPU m
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import ClassVar, Literal, Union
 
 Backbone = Literal["deltanet", "gdn", "kda"]
 Gate = Literal["none", "scalar", "channel"]
@@ -66,17 +67,53 @@ class RecurrencePlan:
     stable: bool
     caveats: tuple[str, ...] = ()
 
+    kind: ClassVar[str] = "recurrent"
+
     @property
     def uses_beta(self) -> bool:
         return self.beta_scale is not None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"kind": self.kind, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One causal softmax attention layer (`blocks/attention.py`).
+
+    - `kv_heads`: key/value heads; each serves `heads / kv_heads` query heads (GQA).
+    - `rope_theta`: RoPE's base frequency, or None for no position encoding (NoPE).
+    - `window`: each query attends to itself and the `window - 1` tokens before it;
+      None is full causal attention. The decoding state keeps `window - 1` tokens.
+    - `output_gate`: `o * sigmoid(W_g x)` per channel before `o_proj` (Qwen3-Next).
+    - `qk_norm`: RMSNorm over each query and key head before RoPE.
+    """
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float | None = 10000.0
+    window: int | None = None
+    output_gate: bool = False
+    qk_norm: bool = False
+
+    kind: ClassVar[str] = "attention"
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, **asdict(self)}
+
+
+LayerPlan = Union[RecurrencePlan, AttentionPlan]
 
 
 @dataclass(frozen=True)
 class ModelPlan:
-    """The language-model stack around the mixer: what `archspec.compile` builds."""
+    """The language-model stack around the mixer: what `archspec.compile` builds.
+
+    `mixer` is the spec's recurrent mixer. `stack`, when not empty, gives each of the
+    `layers` layers its own plan (a `RecurrencePlan`, possibly overridden, or an
+    `AttentionPlan`); empty means every layer is `mixer`. `layer_plans` is the one to read.
+    """
 
     name: str
     mixer: RecurrencePlan
@@ -87,6 +124,24 @@ class ModelPlan:
     mlp_ratio: float = 4.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
+    stack: tuple[LayerPlan, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.stack and len(self.stack) != self.layers:
+            raise ValueError(f"ModelPlan.stack has {len(self.stack)} layer plans for {self.layers} layers")
+
+    @property
+    def layer_plans(self) -> tuple[LayerPlan, ...]:
+        """One plan per layer, bottom first."""
+        return self.stack or (self.mixer,) * self.layers
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the layers differ (attention among them, or overridden mixers)."""
+        return any(p != self.mixer for p in self.layer_plans)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        data["mixer"] = self.mixer.to_dict()
+        data["stack"] = [p.to_dict() for p in self.stack]
+        return data

@@ -1,4 +1,6 @@
-"""The model spec: a typed, closed schema of one recurrence and the LM stack around it.
+"""The model spec: a typed, closed schema of one recurrence and the LM stack around it,
+and of which layer of the stack is what (`layout`: the recurrent mixer, with per-layer
+overrides, or softmax `attention`).
 
 Every section forbids unknown keys. Settings whose default depends on another field
 (the gate on the backbone, beta_range on the transition, the OSDN settings on the
@@ -9,9 +11,19 @@ Cross-field rules live in `rules.py`; `Spec` runs them after the fields validate
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FieldSerializationInfo,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from archspec.spec.numbers import MAX_SPEC_MAGNITUDE, StrictNumbers
 from archspec.spec.rules import spec_problems
@@ -160,6 +172,142 @@ class ModelSpec(_Section):
     tie_embeddings: bool = Field(False, description="Share the input embedding with the output head.")
 
 
+# A sliding window longer than this many tokens is no window: 1M tokens is beyond every
+# context a model in this project is trained or decoded at; write `window: null` for
+# full attention instead.
+MAX_WINDOW = 1 << 20
+DEFAULT_ROPE_THETA = 10000.0
+LayerKind = Literal["recurrent", "attention"]
+LayerIndex = Annotated[int, Field(ge=0)]
+_RATIO = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+
+
+class AttentionSpec(_Section):
+    """A causal softmax attention layer: grouped-query heads, RoPE, optional sliding
+    window and output gate (`blocks/attention.py`)."""
+
+    heads: int = Field(4, gt=0, description="Query heads.")
+    kv_heads: int | None = Field(
+        None, gt=0, description="Key/value heads (grouped-query attention); must divide heads. Default: heads (multi-head attention)."
+    )
+    head_dim: int = Field(64, gt=0, description="Dimension of each query, key and value head (even with rope).")
+    rope: bool = Field(True, description="Rotary position embedding on queries and keys; false: no position encoding (NoPE).")
+    rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency (only with rope). Default 10000.")
+    window: int | None = Field(
+        None,
+        description=f"Sliding window: each token attends to itself and the window - 1 tokens before it; 1..{MAX_WINDOW}. "
+        "Default: none (full causal attention).",
+        json_schema_extra={"minimum": 1, "maximum": MAX_WINDOW},
+    )
+    output_gate: bool = Field(False, description="Gate the attention output elementwise by sigmoid(W_g x) (Qwen3-Next's gated attention).")
+    qk_norm: bool = Field(False, description="RMS-normalise each query and key head before RoPE (as Qwen3 and Qwen3-Next do).")
+
+    @field_validator("window")
+    @classmethod
+    def _sensible_window(cls, value: int | None) -> int | None:
+        if value is not None and not 1 <= value <= MAX_WINDOW:
+            raise ValueError(
+                f"window must be between 1 and {MAX_WINDOW} tokens, got {value}: it counts the tokens each "
+                "query attends to (itself included); for full causal attention write window: null"
+            )
+        return value
+
+    @property
+    def resolved_kv_heads(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def resolved_rope_theta(self) -> float | None:
+        """The RoPE base, or None without RoPE."""
+        if not self.rope:
+            return None
+        return DEFAULT_ROPE_THETA if self.rope_theta is None else float(self.rope_theta)
+
+
+def _written(section: BaseModel | None, info: FieldSerializationInfo) -> dict[str, Any] | None:
+    """An override section as written: its unset fields must not travel, or a saved and
+    reloaded spec would override the base section with defaults."""
+    if section is None:
+        return None
+    return section.model_dump(mode=info.mode, exclude_unset=True)
+
+
+class LayerOverride(_Section):
+    """Settings for some layers over the section of their kind: `mixer:` for recurrent
+    layers (so a stack can mix, say, KDA and Gated DeltaProduct), `attention:` for
+    attention layers (say, a sliding window on a few of them)."""
+
+    layers: list[LayerIndex] = Field(min_length=1, description="Layer indices (from 0) this override applies to.")
+    mixer: MixerSpec | None = Field(None, description="Mixer fields that replace the spec's mixer fields on these (recurrent) layers.")
+    attention: AttentionSpec | None = Field(
+        None, description="Attention fields that replace the spec's attention fields on these (attention) layers."
+    )
+
+    @model_validator(mode="after")
+    def _one_section(self) -> LayerOverride:
+        if (self.mixer is None) == (self.attention is None):
+            raise ValueError(
+                "an override gives exactly one of `mixer:` (for recurrent layers) or `attention:` "
+                "(for attention layers), with the fields that change"
+            )
+        return self
+
+    @field_serializer("mixer", "attention")
+    def _as_written(self, section: BaseModel | None, info: FieldSerializationInfo) -> dict[str, Any] | None:
+        return _written(section, info)
+
+    @property
+    def kind(self) -> LayerKind:
+        return "recurrent" if self.mixer is not None else "attention"
+
+
+class LayoutSpec(_Section):
+    """Which layer is what. Every layer is the recurrent `mixer` unless `pattern` or
+    `ratio` (a repeating pattern) or `attention_at` (explicit indices) makes it attention."""
+
+    pattern: list[LayerKind] | None = Field(
+        None,
+        min_length=1,
+        description="Layer kinds repeated over the depth (cut at model.layers), e.g. [recurrent, recurrent, recurrent, attention].",
+    )
+    ratio: str | None = Field(
+        None,
+        description="'R:A': R recurrent layers then A attention layers, repeated over the depth; '3:1' is "
+        "[recurrent, recurrent, recurrent, attention]. Not with pattern.",
+        json_schema_extra={"pattern": _RATIO.pattern},
+    )
+    attention_at: list[LayerIndex] = Field(
+        default_factory=list, description="Layer indices (from 0) that are attention, besides those of the pattern."
+    )
+    overrides: list[LayerOverride] = Field(
+        default_factory=list, description="Per-layer settings over the mixer or attention section; a layer takes at most one."
+    )
+
+    @field_validator("ratio")
+    @classmethod
+    def _ratio_form(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        match = _RATIO.match(str(value))
+        if match is None:
+            raise ValueError(
+                f"ratio is written 'R:A' (R recurrent layers, then A attention layers, repeated), e.g. '3:1'; got {value!r}"
+            )
+        recurrent, attention = int(match.group(1)), int(match.group(2))
+        if recurrent + attention == 0:
+            raise ValueError("ratio '0:0' names no layer; '1:0' is all recurrent, '0:1' all attention")
+        return f"{recurrent}:{attention}"
+
+    def period(self) -> list[LayerKind] | None:
+        """The repeating pattern, from `pattern` or `ratio`; None when neither is given."""
+        if self.pattern is not None:
+            return list(self.pattern)
+        if self.ratio is not None:
+            recurrent, attention = (int(x) for x in self.ratio.split(":"))
+            return ["recurrent"] * recurrent + ["attention"] * attention
+        return None
+
+
 class Spec(_Section):
     """An archspec model spec: one linear-RNN mixer design and the LM stack it is compiled into."""
 
@@ -170,6 +318,10 @@ class Spec(_Section):
         None, description="Spec file(s) to start from, relative to this file; this file's keys are deep-merged on top."
     )
     mixer: MixerSpec = Field(default_factory=MixerSpec)
+    attention: AttentionSpec = Field(
+        default_factory=AttentionSpec, description="The attention layers' settings (used by the layers that `layout` makes attention)."
+    )
+    layout: LayoutSpec = Field(default_factory=LayoutSpec, description="Which layer is what; default: every layer is the mixer.")
     model: ModelSpec = Field(default_factory=ModelSpec)
 
     @model_validator(mode="after")

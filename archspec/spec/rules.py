@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from archspec.spec.models import MixerSpec, Spec
+    from archspec.spec.models import AttentionSpec, MixerSpec, Spec
 
 RulePath = tuple[str, ...]
 
@@ -78,6 +78,106 @@ def mixer_problems(mixer: MixerSpec) -> list[tuple[RulePath, str]]:
     return problems
 
 
+def attention_problems(attention: AttentionSpec) -> list[tuple[RulePath, str]]:
+    """Rule problems of one attention section, paths relative to it."""
+    problems: list[tuple[RulePath, str]] = []
+    heads, kv_heads = attention.heads, attention.resolved_kv_heads
+    if heads % kv_heads:
+        problems.append((
+            ("kv_heads",),
+            f"kv_heads = {kv_heads} does not divide heads = {heads}: grouped-query attention shares each "
+            "key/value head among heads / kv_heads query heads, so heads must be a multiple of kv_heads "
+            f"(divisors of {heads}: {', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})",
+        ))
+    if attention.rope and attention.head_dim % 2:
+        problems.append((
+            ("head_dim",),
+            f"head_dim = {attention.head_dim} is odd: RoPE rotates pairs of channels, so it needs an even "
+            "head_dim (or rope: false)",
+        ))
+    if not attention.rope and attention.rope_theta is not None:
+        problems.append((
+            ("rope_theta",),
+            "rope_theta is RoPE's base frequency and rope is off here; set rope: true or remove rope_theta",
+        ))
+    return problems
+
+
+def _index_problems(indices: list[int], depth: int, where: RulePath) -> list[tuple[RulePath, str]]:
+    """Indices past the depth, and indices listed twice."""
+    problems: list[tuple[RulePath, str]] = []
+    seen: set[int] = set()
+    for position, index in enumerate(indices):
+        if index >= depth:
+            problems.append((
+                where + (position,),
+                f"layer {index} is past the last layer: model.layers = {depth}, so layer indices run 0..{depth - 1}",
+            ))
+        elif index in seen:
+            problems.append((where + (position,), f"layer {index} is listed twice"))
+        seen.add(index)
+    return problems
+
+
+def _section_problems(section, kind: str):
+    return mixer_problems(section) if kind == "recurrent" else attention_problems(section)
+
+
+def layout_problems(spec: Spec) -> list[tuple[RulePath, str]]:
+    """Rule problems of the layout: indices against the depth, overrides against the
+    kinds of the layers they name, and the sections the overrides produce."""
+    from archspec.spec.layout import layer_kinds, overridden, written_paths
+
+    layout, depth = spec.layout, spec.model.layers
+    problems: list[tuple[RulePath, str]] = []
+    if layout.pattern is not None and layout.ratio is not None:
+        problems.append((
+            ("layout", "ratio"),
+            "give the repeating pattern once: `pattern` (a list of layer kinds) or `ratio` ('R:A'), not both",
+        ))
+    problems += _index_problems(layout.attention_at, depth, ("layout", "attention_at"))
+    kinds = layer_kinds(layout, depth)
+    owner: dict[int, int] = {}
+    for position, override in enumerate(layout.overrides):
+        where: RulePath = ("layout", "overrides", position)
+        problems += _index_problems(override.layers, depth, where + ("layers",))
+        section_name = "mixer" if override.kind == "recurrent" else "attention"
+        for j, layer in enumerate(override.layers):
+            if layer >= depth:
+                continue
+            if kinds[layer] != override.kind:
+                problems.append((
+                    where + ("layers", j),
+                    f"layer {layer} is {'an attention' if kinds[layer] == 'attention' else 'a recurrent'} layer; "
+                    f"an override with `{section_name}:` applies to {override.kind} layers only",
+                ))
+            elif layer in owner and owner[layer] != position:
+                problems.append((
+                    where + ("layers", j),
+                    f"layer {layer} is already overridden by layout.overrides[{owner[layer]}]; a layer takes at "
+                    "most one override (merge the two)",
+                ))
+            else:
+                owner.setdefault(layer, position)
+        base = spec.mixer if override.kind == "recurrent" else spec.attention
+        written = override.mixer if override.kind == "recurrent" else override.attention
+        own = set(_section_problems(base, override.kind))
+        wrote = written_paths(written)
+        for path, message in _section_problems(overridden(base, written), override.kind):
+            if (path, message) in own:
+                continue  # the base section's own problem, reported there
+            if path in wrote:
+                problems.append((where + (section_name,) + path, message))
+            else:
+                problems.append((
+                    where + (section_name,),
+                    f"with this override, {section_name}.{'.'.join(path)}: {message}",
+                ))
+    return problems
+
+
 def spec_problems(spec: Spec) -> list[tuple[RulePath, str]]:
     """Rule problems of a whole spec, paths from the top level."""
-    return [(("mixer",) + path, message) for path, message in mixer_problems(spec.mixer)]
+    problems = [(("mixer",) + path, message) for path, message in mixer_problems(spec.mixer)]
+    problems += [(("attention",) + path, message) for path, message in attention_problems(spec.attention)]
+    return problems + layout_problems(spec)

@@ -1,0 +1,234 @@
+"""Causal softmax attention, the other layer kind of a hybrid stack.
+
+Per token `x_t` (`[B, T, d_model]` in, same out), as the attention layers of fla's hybrid
+models and of Qwen3-Next are built:
+
+1. `q = W_q x` (`heads` heads), `k = W_k x`, `v = W_v x` (`kv_heads` heads each; every
+   key/value head serves `heads / kv_heads` query heads: grouped-query attention).
+2. Optional RMSNorm over each query and key head (`qk_norm`), then RoPE on q and k
+   (`rope_theta`; none for NoPE), at the tokens' absolute positions.
+3. `o = softmax(q k^T / sqrt(head_dim) + causal mask) v`; with a sliding `window`, token t
+   attends to tokens `t - window + 1 .. t` only.
+4. Optional output gate `o * sigmoid(W_g x)` per channel (Qwen3-Next's gated attention),
+   then `o_proj`.
+
+Kernels (no dependency beyond torch): `torch.nn.functional.scaled_dot_product_attention`
+with `is_causal` for full attention, which takes the flash backend on CUDA; for a sliding
+window, FlexAttention with a block mask on CUDA (compiled; it skips the blocks outside
+the window), and SDPA with an explicit boolean mask elsewhere, because FlexAttention
+without compilation materialises every score anyway (and the FLOP counter cannot see
+it). A continuation (a state with cached keys) and packed documents (`cu_seqlens`, a
+block-diagonal mask) also take SDPA with an explicit mask.
+
+Decoding state (`AttentionState`): the rotated keys and the values of the tokens a later
+query can still see (all of them; the last `window - 1` with a window) and the number of
+tokens seen, from which RoPE's positions continue. Calling the layer on a sequence in one
+piece or in several, carrying the state, gives the same output.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .plan import AttentionPlan
+
+Tensor = torch.Tensor
+Kernel = Literal["auto", "sdpa", "flex"]
+
+
+@dataclass
+class AttentionState:
+    """One attention layer's decoding state."""
+
+    k: Tensor  # [B, kv_heads, C, head_dim]: the last C tokens' keys, RoPE applied
+    v: Tensor  # [B, kv_heads, C, head_dim]
+    position: int  # tokens seen so far
+
+    @property
+    def cached(self) -> int:
+        return self.k.shape[2]
+
+
+def check_plan(plan: AttentionPlan) -> None:
+    """Refuse plans the layer cannot build; the spec validator should never produce one."""
+    problems = []
+    if min(plan.heads, plan.kv_heads, plan.head_dim) < 1:
+        problems.append("heads, kv_heads and head_dim must be positive")
+    elif plan.heads % plan.kv_heads:
+        problems.append(f"kv_heads = {plan.kv_heads} must divide heads = {plan.heads}")
+    if plan.rope_theta is not None and (plan.head_dim % 2 or plan.rope_theta <= 0):
+        problems.append("RoPE needs an even head_dim and rope_theta > 0")
+    if plan.window is not None and plan.window < 1:
+        problems.append("window must be >= 1 (or None)")
+    if problems:
+        raise ValueError("invalid AttentionPlan: " + "; ".join(problems))
+
+
+def rope_angles(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin `[T, head_dim / 2]` of RoPE at `positions` (frequencies `theta^(-2i/D)`).
+
+    Angles are formed in float64 when the model is float64 and in float32 otherwise, then
+    cast to the activations' dtype, as is usual for RoPE under autocast.
+    """
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=work) / head_dim)
+    angles = positions.to(work)[:, None] * inv_freq[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each pair (x_i, x_{i + D/2}) of `x` `[B, heads, T, D]` by its angle (the
+    rotate-half pairing of GPT-NeoX and LLaMA)."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+def visible(query_positions: Tensor, key_positions: Tensor, window: int | None) -> Tensor:
+    """Boolean `[T, S]`: which key each query may attend to (causal, within the window)."""
+    distance = query_positions[:, None] - key_positions[None, :]
+    allowed = distance >= 0
+    if window is not None:
+        allowed = allowed & (distance < window)
+    return allowed
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=32)
+def _window_block_mask(length: int, window: int, device: str):
+    """FlexAttention's block mask of a sliding window over one fresh sequence."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    return create_block_mask(mask_mod, None, None, length, length, device=device)
+
+
+class Attention(nn.Module):
+    def __init__(self, plan: AttentionPlan, d_model: int, norm_eps: float = 1e-6):
+        super().__init__()
+        check_plan(plan)
+        self.plan = plan
+        H, Hkv, D = plan.heads, plan.kv_heads, plan.head_dim
+        # auto: SDPA, or FlexAttention for a sliding window on CUDA; tests force either
+        self.kernel: Kernel = "auto"
+        self.q_proj = nn.Linear(d_model, H * D, bias=False)
+        self.k_proj = nn.Linear(d_model, Hkv * D, bias=False)
+        self.v_proj = nn.Linear(d_model, Hkv * D, bias=False)
+        self.g_proj = nn.Linear(d_model, H * D, bias=False) if plan.output_gate else None
+        self.q_norm = nn.RMSNorm(D, eps=norm_eps) if plan.qk_norm else None
+        self.k_norm = nn.RMSNorm(D, eps=norm_eps) if plan.qk_norm else None
+        self.o_proj = nn.Linear(H * D, d_model, bias=False)
+
+    @property
+    def scale(self) -> float:
+        return self.plan.head_dim**-0.5
+
+    def init_state(self, batch_size: int, device: torch.device | str | None = None) -> AttentionState:
+        """The state of a sequence that has not started (what `state=None` means)."""
+        p = self.o_proj.weight
+        device = p.device if device is None else torch.device(device)
+        empty = torch.zeros(batch_size, self.plan.kv_heads, 0, self.plan.head_dim, device=device, dtype=p.dtype)
+        return AttentionState(empty, empty.clone(), 0)
+
+    def _heads(self, proj: nn.Linear, x: Tensor, heads: int, norm: nn.Module | None) -> Tensor:
+        B, T, _ = x.shape
+        h = proj(x).reshape(B, T, heads, self.plan.head_dim)
+        if norm is not None:
+            h = norm(h)
+        return h.transpose(1, 2)  # [B, heads, T, D]
+
+    def forward(
+        self, x: Tensor, state: AttentionState | None = None, return_state: bool = False, *,
+        cu_seqlens: Tensor | None = None,
+    ) -> tuple[Tensor, AttentionState | None]:
+        """`x` `[B, T, d_model]` -> `[B, T, d_model]`, and the state after the last token.
+
+        `cu_seqlens` (token offsets `[N+1]`, B = 1) packs N documents in one row: each
+        attends only within itself, from position 0, as if it ran alone. Packed documents
+        take no state and return none (their caches would differ in length).
+        """
+        plan = self.plan
+        B, T, _ = x.shape
+        if cu_seqlens is not None and (state is not None or return_state):
+            raise ValueError(
+                "an attention layer keeps no state for packed documents (cu_seqlens): their KV caches "
+                "would differ in length; decode documents as separate rows"
+            )
+        start = 0 if state is None else state.position
+        q = self._heads(self.q_proj, x, plan.heads, self.q_norm)
+        k = self._heads(self.k_proj, x, plan.kv_heads, self.k_norm)
+        v = self._heads(self.v_proj, x, plan.kv_heads, None)
+        positions = torch.arange(start, start + T, device=x.device)
+        document = None
+        if cu_seqlens is not None:
+            document = torch.searchsorted(cu_seqlens[1:], positions, right=True)
+            positions = positions - cu_seqlens[document]  # each document from position 0
+        if plan.rope_theta is not None:
+            cos, sin = rope_angles(positions, plan.head_dim, plan.rope_theta, q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        cached = 0 if state is None else state.cached
+        if cached:
+            k = torch.cat((state.k.to(k.dtype), k), dim=2)
+            v = torch.cat((state.v.to(v.dtype), v), dim=2)
+        o = self._attend(q, k, v, start, cached) if document is None else self._attend_packed(q, k, v, positions, document)
+
+        o = o.transpose(1, 2).reshape(B, T, plan.heads * plan.head_dim)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x))
+        y = self.o_proj(o)
+        if not return_state:
+            return y, None
+        keep = k.shape[2] if plan.window is None else min(k.shape[2], plan.window - 1)
+        first = k.shape[2] - keep
+        return y, AttentionState(k[:, :, first:], v[:, :, first:], start + T)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cached: int) -> Tensor:
+        """Softmax attention of q `[B, H, T, D]` (positions `start ..`) over k, v
+        `[B, Hkv, cached + T, D]`: the `cached` earlier tokens, then the queries' own."""
+        window, T = self.plan.window, q.shape[2]
+        gqa = self.plan.kv_heads != self.plan.heads
+        if cached == 0 and (window is None or window >= T):  # plain causal attention
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        if cached == 0 and self._flex(q):
+            block_mask = _window_block_mask(T, window, str(q.device))
+            attend = _compiled_flex() if q.is_cuda else _eager_flex()
+            return attend(q, k, v, block_mask=block_mask, scale=self.scale, enable_gqa=gqa)
+        if T == 1:  # one new token sees every cached one (the cache keeps only the window)
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=gqa)
+        positions = torch.arange(start, start + T, device=q.device)
+        mask = visible(positions, torch.arange(start - cached, start + T, device=q.device), window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+
+    def _attend_packed(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, document: Tensor) -> Tensor:
+        """Attention within each packed document: SDPA with the block-diagonal causal mask
+        (and the window), built from each token's document and its position in it."""
+        mask = visible(positions, positions, self.plan.window) & (document[:, None] == document[None, :])
+        gqa = self.plan.kv_heads != self.plan.heads
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+
+    def _flex(self, q: Tensor) -> bool:
+        """Whether a fresh sliding-window sequence takes FlexAttention."""
+        if self.kernel == "auto":
+            return q.is_cuda
+        return self.kernel == "flex"
+
+
+def _eager_flex():
+    """FlexAttention without compilation (what `kernel = "flex"` runs off CUDA: tests)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention

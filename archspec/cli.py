@@ -35,6 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_overrides_option(compile_)
     compile_.add_argument("--save", metavar="FILE", help="write the module (state_dict and resolved spec) to FILE")
     compile_.add_argument("--seq-len", type=int, default=2048, metavar="T", help="sequence length for FLOPs/token (default 2048)")
+    compile_.add_argument(
+        "--long-context", type=int, default=32768, metavar="T",
+        help="the long context at which FLOPs/token and the decoding state are also given (default 32768)",
+    )
     compile_.set_defaults(func=run_compile)
 
     schema = subparsers.add_parser("schema", help="write the JSON Schema of model specs (for editors)")
@@ -55,8 +59,20 @@ def run_validate(args: argparse.Namespace) -> int:
             continue
         m = spec.mixer
         extra = ", osdn" + (" apf" if m.preconditioner.setting("apf") else "") if m.preconditioner.enabled else ""
-        print(f"ok  {path}  ({spec.name}: {m.backbone}, {m.transition.type} n_h={m.transition.n_h}, gate {m.resolved_gate}{extra})")
+        print(f"ok  {path}  ({spec.name}: {m.backbone}, {m.transition.type} n_h={m.transition.n_h}, gate {m.resolved_gate}{extra}{_layout_note(spec)})")
     return 2 if failed else 0
+
+
+def _layout_note(spec) -> str:
+    """`; 6 recurrent + 2 attention layers` for a stack with attention or overrides."""
+    from archspec.spec.layout import layer_kinds
+
+    kinds = layer_kinds(spec.layout, spec.model.layers)
+    attention = kinds.count("attention")
+    if not attention and not spec.layout.overrides:
+        return ""
+    overridden = f", {len(spec.layout.overrides)} override(s)" if spec.layout.overrides else ""
+    return f"; {len(kinds) - attention} recurrent + {attention} attention layers{overridden}"
 
 
 def run_compile(args: argparse.Namespace) -> int:
@@ -69,15 +85,17 @@ def run_compile(args: argparse.Namespace) -> int:
 
     if args.seq_len < 1:
         raise ArchspecError(f"--seq-len must be >= 1, got {args.seq_len}")
+    if args.long_context < 1:
+        raise ArchspecError(f"--long-context must be >= 1, got {args.long_context}")
     from archspec.memory import check_fits
 
     spec = load_spec(args.spec, args.overrides)
     plan = lower(spec)
     check_fits(plan, "cpu", what=f"spec {spec.name!r}")  # validate checks numbers one by one; their product must fit
     model = build_model(plan)
-    cost = estimate(plan, seq_len=args.seq_len)
+    cost = estimate(plan, seq_len=args.seq_len, long_context=args.long_context)
     console = Console(file=sys.stdout)
-    console.print(compile_report(plan, cost, estimate(plan, seq_len=args.seq_len, device="cuda")))
+    console.print(compile_report(plan, cost, estimate(plan, seq_len=args.seq_len, long_context=args.long_context, device="cuda")))
     built = sum(p.numel() for p in model.parameters())
     if built != cost.params:  # the cost model mirrors the modules; say so if it ever drifts
         console.print(f"[red]warning: the built module has {built:,} parameters, the cost model says {cost.params:,}[/red]")

@@ -2,16 +2,24 @@
 
 Everything here is computed from the plan alone (no module is built), so a search can
 price a spec before training it. Each count mirrors the modules in this package term by
-term; `tests/blocks/test_cost.py` checks them against the built modules and against
+term, summed layer by layer (a hybrid stack's layers differ); `tests/blocks/test_cost.py`
+checks them against the built modules and against
 `torch.utils.flop_counter.FlopCounterMode` on the `torch` backend.
 
 FLOPs are `2 x` multiply-adds of matmul-type work (contractions): projections, short
-convs, the MLP, the head and the recurrence as the backend that runs it computes it: the
-Triton chunk kernel on a GPU (`backend="triton"`, 64 sub-steps per chunk) and the chunked
-PyTorch path elsewhere (`backend="torch"`, 16 or 32), each at its own chunk size
-(`archspec.kernels.chunking`). Elementwise work (norms, activations, gate and beta
-formulas, decay factors, the OSDN scan, which is O(K) per sub-step) is not counted, as is
-usual for FLOP counts of language models.
+convs, the MLP, the head, the recurrence as the backend that runs it computes it (the
+Triton chunk kernel on a GPU, `backend="triton"`, 64 sub-steps per chunk; the chunked
+PyTorch path elsewhere, `backend="torch"`, 16 or 32; each at its own chunk size,
+`archspec.kernels.chunking`), and attention's `q k^T` and `p v` over the causal pairs
+(query t sees `min(t + 1, window)` keys: the work a causal kernel that skips masked blocks
+does, so a token of a long sequence costs more than one of a short one). Elementwise work
+(norms, activations, RoPE, softmax, gate and beta formulas, decay factors, the OSDN scan,
+which is O(K) per sub-step) is not counted, as is usual for FLOP counts of language
+models.
+
+The decoding state of a sequence grows with its length only in attention layers (their
+KV cache: every token's key and value, or the window's last `window - 1`); a recurrent
+layer's is its fixed matrix state, conv tails and OSDN's `d`.
 """
 
 from __future__ import annotations
@@ -22,12 +30,16 @@ from archspec.kernels.chunking import torch_tokens_per_chunk, triton_tokens_per_
 
 from .mixer import stream_widths
 from .mlp import mlp_hidden_size
-from .plan import ModelPlan, RecurrencePlan
+from .plan import AttentionPlan, LayerPlan, ModelPlan, RecurrencePlan
 
 # Terms of `flops_breakdown` that FlopCounterMode does not see: it counts aten matmuls
 # and convolutions, but `torch.linalg.solve_triangular` has no flop formula there, and
 # the channel-gate scores' within-token leaves are elementwise products summed over K.
 NOT_SEEN_BY_FLOP_COUNTER = ("recurrence_solve", "recurrence_channel_leaves")
+# Terms FlopCounterMode sees as a dense T x T product: on the CPU, scaled_dot_product_attention
+# runs its math path, which computes every score and masks the ones a query may not see.
+# The analytic terms count the causal pairs only (`causal_pairs`).
+ATTENTION_TERMS = ("attention_scores", "attention_values")
 
 STATE_BYTES_PER_ELEMENT = 4  # the matrix state and OSDN's d are kept in float32
 
@@ -88,14 +100,36 @@ def _mlp_matrices(plan: ModelPlan) -> int:
     return (3 if plan.mlp == "swiglu" else 2) * plan.d_model * hidden
 
 
+def _attention_matrices(plan: AttentionPlan, d_model: int) -> list[tuple[int, int]]:
+    """`(d_in, d_out)` of every matrix weight of one `Attention` layer, each used once per token."""
+    H, Hkv, D = plan.heads, plan.kv_heads, plan.head_dim
+    mats = [(d_model, H * D), (d_model, Hkv * D), (d_model, Hkv * D)]  # q, k, v
+    if plan.output_gate:
+        mats.append((d_model, H * D))
+    return mats + [(H * D, d_model)]  # o_proj
+
+
+def attention_params(plan: AttentionPlan, d_model: int) -> int:
+    """Parameters of one `Attention` layer: its matrices and the q/k norms' weights."""
+    norms = 2 * plan.head_dim if plan.qk_norm else 0
+    return sum(i * o for i, o in _attention_matrices(plan, d_model)) + norms
+
+
+def layer_params(layer: LayerPlan, d_model: int) -> int:
+    """Parameters of one layer's sequence mixer (recurrent or attention)."""
+    if isinstance(layer, AttentionPlan):
+        return attention_params(layer, d_model)
+    return mixer_params(layer, d_model)
+
+
 def count_params(plan: ModelPlan) -> int:
     """Exactly `sum(p.numel() for p in build_model(plan).parameters())`."""
     d = plan.d_model
     norms = d * (2 if plan.mlp != "none" else 1)
-    block = norms + mixer_params(plan.mixer, d) + _mlp_matrices(plan)
+    blocks = sum(norms + layer_params(layer, d) + _mlp_matrices(plan) for layer in plan.layer_plans)
     embed = plan.vocab_size * d
     head = 0 if plan.tie_embeddings else plan.vocab_size * d
-    return embed + plan.layers * block + d + head
+    return embed + blocks + d + head
 
 
 def _score_macs(rows_per_token: int, ct: int, n_h: int, K: int, channel: bool) -> tuple[int, int]:
@@ -221,20 +255,45 @@ def _triton_recurrence_flops(plan: RecurrencePlan, seq_len: int) -> dict[str, fl
     return {"recurrence_matmul": per_token * fwd, "recurrence_channel_leaves": 0.0, "recurrence_solve": per_token * solve}
 
 
+def causal_pairs(seq_len: int, window: int | None) -> int:
+    """(query, key) pairs of causal attention over `seq_len` tokens: query t sees
+    `min(t + 1, window)` keys."""
+    if window is None or window >= seq_len:
+        return seq_len * (seq_len + 1) // 2
+    return window * (window + 1) // 2 + (seq_len - window) * window
+
+
+def _attention_flops(plan: AttentionPlan, seq_len: int) -> dict[str, float]:
+    """FLOPs per token of `q k^T` and of the probabilities times `v`, over the causal
+    pairs of a `seq_len`-token sequence, every query head."""
+    per_pair = 2.0 * plan.heads * plan.head_dim
+    pairs_per_token = causal_pairs(seq_len, plan.window) / seq_len
+    return {"attention_scores": per_pair * pairs_per_token, "attention_values": per_pair * pairs_per_token}
+
+
+def _add(terms: dict[str, float], more: dict[str, float]) -> None:
+    for name, value in more.items():
+        terms[name] = terms.get(name, 0.0) + value
+
+
 def flops_breakdown(plan: ModelPlan, seq_len: int, backend: str = "torch") -> dict[str, float]:
     """Forward FLOPs per token by kind, for sequences of `seq_len` tokens, with the
-    recurrence as `backend` (`"torch"`: the CPU path, `"triton"`: the GPU kernel) runs it."""
+    recurrence as `backend` (`"torch"`: the CPU path, `"triton"`: the GPU kernel) runs it,
+    summed over the layers (a term a stack does not have is absent)."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    layers = plan.layers
-    terms = {
-        "projections": 2.0 * layers * sum(i * o for i, o in _mixer_matrices(plan.mixer, plan.d_model)),
-        "short_conv": 2.0 * layers * _conv_weights(plan.mixer),
-        "mlp": 2.0 * layers * _mlp_matrices(plan),
-        "head": 2.0 * plan.vocab_size * plan.d_model,
-    }
-    for name, value in _recurrence_flops(plan.mixer, seq_len, backend).items():
-        terms[name] = layers * value
+    d = plan.d_model
+    terms = {"projections": 0.0}
+    for layer in plan.layer_plans:
+        if isinstance(layer, AttentionPlan):
+            terms["projections"] += 2.0 * sum(i * o for i, o in _attention_matrices(layer, d))
+            _add(terms, _attention_flops(layer, seq_len))
+            continue
+        terms["projections"] += 2.0 * sum(i * o for i, o in _mixer_matrices(layer, d))
+        _add(terms, {"short_conv": 2.0 * _conv_weights(layer)})
+        _add(terms, _recurrence_flops(layer, seq_len, backend))
+    terms["mlp"] = 2.0 * plan.layers * _mlp_matrices(plan)
+    terms["head"] = 2.0 * plan.vocab_size * d
     return terms
 
 
@@ -243,12 +302,27 @@ def flops_per_token(plan: ModelPlan, seq_len: int, backend: str = "torch") -> fl
     return float(sum(flops_breakdown(plan, seq_len, backend).values()))
 
 
-def state_bytes(plan: ModelPlan, activation_bytes: int = 4) -> int:
-    """Decoding state of one sequence, all layers: the matrix state S (float32), the short
-    convs' tails (`W - 1` inputs per stream, in the activations' dtype of
-    `activation_bytes`) and OSDN's `d` (float32)."""
-    m = plan.mixer
-    matrix = m.heads * m.head_dim * m.value_dim * STATE_BYTES_PER_ELEMENT
-    tails = max(m.short_conv - 1, 0) * sum(stream_widths(m).values()) * activation_bytes
-    osdn = m.heads * m.head_dim * STATE_BYTES_PER_ELEMENT if m.preconditioner is not None else 0
-    return plan.layers * (matrix + tails + osdn)
+def cached_tokens(plan: AttentionPlan, context_len: int) -> int:
+    """Tokens an attention layer keeps after `context_len` tokens: all, or the window's last `window - 1`."""
+    return context_len if plan.window is None else min(context_len, plan.window - 1)
+
+
+def layer_state_bytes(layer: LayerPlan, context_len: int | None = None, activation_bytes: int = 4) -> int:
+    """One layer's decoding state of one sequence. Recurrent: the matrix state S
+    (float32), the short convs' tails (`W - 1` inputs per stream, in the activations'
+    dtype of `activation_bytes`) and OSDN's `d` (float32). Attention: the keys and
+    values of the cached tokens after `context_len` tokens, in the activations' dtype."""
+    if isinstance(layer, AttentionPlan):
+        if context_len is None or context_len < 0:
+            raise ValueError(f"an attention layer's state (its KV cache) needs a context length >= 0, got {context_len}")
+        return 2 * layer.kv_heads * layer.head_dim * cached_tokens(layer, context_len) * activation_bytes
+    matrix = layer.heads * layer.head_dim * layer.value_dim * STATE_BYTES_PER_ELEMENT
+    tails = max(layer.short_conv - 1, 0) * sum(stream_widths(layer).values()) * activation_bytes
+    osdn = layer.heads * layer.head_dim * STATE_BYTES_PER_ELEMENT if layer.preconditioner is not None else 0
+    return matrix + tails + osdn
+
+
+def state_bytes(plan: ModelPlan, context_len: int | None = None, activation_bytes: int = 4) -> int:
+    """Decoding state of one sequence after `context_len` tokens, all layers (see
+    `layer_state_bytes`). A stack without attention needs no context length."""
+    return sum(layer_state_bytes(layer, context_len, activation_bytes) for layer in plan.layer_plans)

@@ -52,8 +52,11 @@ from archspec.spec.yaml_source import (
     unreadable_reason,
 )
 
-# Metrics the cost model gives before anything is trained: the only ones a constraint may use.
-COST_METRICS = ("params", "flops_per_token", "state_bytes")
+# Metrics the cost model gives before anything is trained: the only ones a constraint may use
+# (`archspec.cost.cost_metric_names()`, written out here so that reading a search spec does not
+# import torch; tests/search/test_space.py checks the two agree). The `@32768` ones are at the
+# cost model's long context, where attention layers' KV cache and quadratic work show.
+COST_METRICS = ("params", "flops_per_token", "state_bytes", "flops_per_token@32768", "state_bytes@32768")
 MAX_GRID_POINTS = 100_000
 
 # PyYAML reads `1e-4` (no dot) as a string (YAML 1.1); users write it all the time.

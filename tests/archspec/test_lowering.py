@@ -32,8 +32,12 @@ EXPECTED = {
 }
 
 
+# Hybrid stacks: their placement is checked in test_layout.py.
+HYBRIDS = {"qwen3-next-hybrid", "kimi-linear-hybrid", "jet-nemotron-placement"}
+
+
 def test_every_published_design_has_a_spec():
-    assert {p.stem for p in MODELS.glob("*.yaml")} == set(EXPECTED)
+    assert {p.stem for p in MODELS.glob("*.yaml")} == set(EXPECTED) | HYBRIDS
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

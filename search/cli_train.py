@@ -132,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         for name, value in result.metrics.items():
             table.add_row(name, f"{value:.6g}")
         console.print(table)
+        for layer, note in result.record.get("diagnostics", {}).get("notes", {}).items():
+            console.print(f"layer {layer}: {note}")
     if result.status != "ok":
         console.print(f"[bold red]{result.status}[/]: {result.reason}")
     console.print(f"wrote {out / 'metrics.json'}")

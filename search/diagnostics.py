@@ -23,7 +23,11 @@ what the kernels never materialise:
 Metric names: `erank@<layer>.<head>` (mean over sequences and positions),
 `q_geo@<layer>` and `q_geo@<layer>.<head>`, `max_factor_norm@<layer>`, `write_gain@<layer>`
 (delta-rule layers only), and over the whole model `q_geo` and `max_factor_norm`. Layers
-and heads count from 0.
+and heads count from 0; a layer is its index in the stack.
+
+These quantities belong to a recurrent state. In a hybrid stack the attention layers
+have none of them (their state is a KV cache that grows with the sequence and is not
+replayed): they get no metric, and the report says so per layer (`notes`).
 """
 
 from __future__ import annotations
@@ -122,15 +126,27 @@ def replay(captured: dict) -> LayerReplay:
     return LayerReplay(erank, ratio, norms, gain, n_h)
 
 
+ATTENTION_NOTE = (
+    "attention layer: effective rank, residual ratio, factor norms and write gain describe a "
+    "recurrent matrix state; this layer's state is a KV cache, so they do not apply"
+)
+
+
 @dataclass
 class DiagnosticsReport:
     """Scalar metrics, and per-layer curves along the sequence for the plots:
-    `erank[layer]` `[H, T]` (mean over sequences), `residual_ratio[layer]` `[T]`
-    (geometric mean over sequences, heads and the token's sub-steps)."""
+    `erank[i]` `[H, T]` (mean over sequences), `residual_ratio[i]` `[T]` (geometric mean
+    over sequences, heads and the token's sub-steps), for the recurrent layer
+    `layers[i]` of the stack; `notes[layer]` says why a layer has no diagnostics."""
 
     metrics: dict[str, float]
     erank: list[list[list[float]]] = field(default_factory=list)
     residual_ratio: list[list[float]] = field(default_factory=list)
+    layers: list[int] | None = None  # the stack index of each curve; None: 0, 1, ...
+    notes: dict[int, str] = field(default_factory=dict)
+
+    def layer_index(self, i: int) -> int:
+        return i if self.layers is None else self.layers[i]
 
 
 def _nanmean(x: Tensor) -> float:
@@ -138,12 +154,14 @@ def _nanmean(x: Tensor) -> float:
     return float(x.mean()) if x.numel() else float("nan")
 
 
-def summarize(layers: list[LayerReplay]) -> DiagnosticsReport:
-    """Metrics and curves from the replays of every layer."""
+def summarize(layers: list[LayerReplay], indices: list[int] | None = None) -> DiagnosticsReport:
+    """Metrics and curves from the replays of every recurrent layer; `indices` are their
+    places in the stack (default 0, 1, ...)."""
+    indices = list(range(len(layers))) if indices is None else indices
     metrics: dict[str, float] = {}
     erank_curves, ratio_curves = [], []
     all_ratios, all_norms = [], []
-    for li, layer in enumerate(layers):
+    for li, layer in zip(indices, layers):
         B, T, H = layer.erank.shape
         for h in range(H):
             metrics[f"erank@{li}.{h}"] = _nanmean(layer.erank[:, :, h])
@@ -164,17 +182,20 @@ def summarize(layers: list[LayerReplay]) -> DiagnosticsReport:
     if layers:
         metrics["q_geo"] = geometric_mean(torch.cat(all_ratios))
         metrics["max_factor_norm"] = max(all_norms)
-    return DiagnosticsReport(metrics, erank_curves, ratio_curves)
+    return DiagnosticsReport(metrics, erank_curves, ratio_curves, layers=indices)
 
 
 @torch.no_grad()
 def collect(model: nn.Module, inputs: Tensor) -> DiagnosticsReport:
-    """Run `model` once on `inputs` `[B, T]` with every mixer capturing, then replay.
+    """Run `model` once on `inputs` `[B, T]` with every recurrent mixer capturing, then
+    replay; attention layers are noted, not measured.
 
     The forward runs in float32 without autocast so that the replay sees the values a
     full-precision kernel would.
     """
     mixers = model.mixers()
+    recurrent = model.recurrent_layers() if hasattr(model, "recurrent_layers") else list(range(len(mixers)))
+    depth = len(model.sequence_mixers()) if hasattr(model, "sequence_mixers") else len(mixers)
     was_training = model.training
     model.eval()
     try:
@@ -188,7 +209,9 @@ def collect(model: nn.Module, inputs: Tensor) -> DiagnosticsReport:
             mixer.capture = False
             mixer.captured = None
         model.train(was_training)
-    missing = [i for i, c in enumerate(captured) if c is None]
+    missing = [recurrent[i] for i, c in enumerate(captured) if c is None]
     if missing:
         raise RuntimeError(f"diagnostics: layers {missing} captured nothing (mixer.capture not supported?)")
-    return summarize([replay(c) for c in captured])
+    report = summarize([replay(c) for c in captured], recurrent)
+    report.notes = {layer: ATTENTION_NOTE for layer in range(depth) if layer not in recurrent}
+    return report

@@ -77,17 +77,19 @@ def plot_accuracy(
 
 
 def plot_diagnostics(report: DiagnosticsReport, train_len: int, path: str | os.PathLike[str], title: str = "") -> Path | None:
-    """Rows: layers; columns: effective rank per head, residual ratio per token."""
+    """Rows: recurrent layers; columns: effective rank per head, residual ratio per token.
+    Attention layers have no row; the title names them."""
     layers = len(report.erank)
     if layers == 0:
         return None
     fig, axes = plt.subplots(layers, 2, figsize=(12, 3.2 * layers), squeeze=False)
-    for li in range(layers):
-        ax_rank, ax_q = axes[li]
-        for h, curve in enumerate(report.erank[li]):
+    for row in range(layers):
+        li = report.layer_index(row)
+        ax_rank, ax_q = axes[row]
+        for h, curve in enumerate(report.erank[row]):
             ax_rank.plot(_positions(curve), curve, label=f"head {h}")
         ax_rank.set_ylabel(f"layer {li}: effective rank")
-        q = report.residual_ratio[li]
+        q = report.residual_ratio[row]
         q_geo = report.metrics.get(f"q_geo@{li}", float("nan"))
         ax_q.plot(_positions(q), q, label=f"q_t (q_geo = {q_geo:.3g})")
         ax_q.set_yscale("log")
@@ -100,5 +102,7 @@ def plot_diagnostics(report: DiagnosticsReport, train_len: int, path: str | os.P
         ax.set_xlabel("position t")
     norm = report.metrics.get("max_factor_norm")
     suffix = f" (largest transition-factor norm {norm:.3f})" if norm is not None else ""
+    if report.notes:
+        suffix += f"; attention layers {', '.join(map(str, sorted(report.notes)))} not shown (no recurrent state)"
     fig.suptitle((title + suffix).strip())
     return _save(fig, path)

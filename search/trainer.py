@@ -302,7 +302,12 @@ def train(
 
             report_d = collect(model, task.diagnostic_batch().inputs)
             metrics.update(report_d.metrics)
-            record["diagnostics"] = {"erank": report_d.erank, "residual_ratio": report_d.residual_ratio}
+            record["diagnostics"] = {
+                "erank": report_d.erank,
+                "residual_ratio": report_d.residual_ratio,
+                "layers": report_d.layers,
+                "notes": {str(layer): note for layer, note in report_d.notes.items()},
+            }
     except _Diverged as exc:
         status, reason, steps_done = "diverged", exc.reason, exc.step
     except (RuntimeError, torch.OutOfMemoryError) as exc:  # a kernel or memory failure: record it, do not crash
@@ -446,7 +451,8 @@ def _write_outputs(out: Path, record: dict[str, Any], curves: dict[str, list[Cur
                 files["accuracy_plot"] = png.name
         if diagnostics and "diagnostics" in record:
             diag = record["diagnostics"]
-            report = DiagnosticsReport(record["metrics"], diag["erank"], diag["residual_ratio"])
+            report = DiagnosticsReport(record["metrics"], diag["erank"], diag["residual_ratio"], diag.get("layers"),
+                                       {int(k): v for k, v in diag.get("notes", {}).items()})
             png = plots.plot_diagnostics(report, task.train_len, out / "diagnostics.png", title=title)
             if png is not None:
                 files["diagnostics_plot"] = png.name

@@ -283,6 +283,18 @@ class LayoutSpec(_Section):
         default_factory=list, description="Per-layer settings over the mixer or attention section; a layer takes at most one."
     )
 
+    @field_validator("ratio", mode="before")
+    @classmethod
+    def _unquoted_ratio(cls, value: Any) -> Any:
+        # YAML 1.1 (PyYAML) reads an unquoted 3:1 as the base-60 integer 181.
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 60:
+            written = f"{value // 60}:{value % 60}"
+            raise ValueError(
+                f"got the number {value}: YAML reads an unquoted {written} as a base-60 number; "
+                f"quote the ratio: '{written}'"
+            )
+        return value
+
     @field_validator("ratio")
     @classmethod
     def _ratio_form(cls, value: str | None) -> str | None:

@@ -138,6 +138,7 @@ def test_every_layout_rule_is_refused_at_its_place(tmp_path):
         ("attention: {window: 10000000}", "attention.window", "for full causal attention write window: null"),
         ("attention: {rope: false, rope_theta: 100}", "attention.rope_theta", "rope is off here"),
         ("layout: {ratio: '3-1'}", "layout.ratio", "ratio is written 'R:A'"),
+        ("layout: {ratio: 3:1}", "layout.ratio", "YAML reads an unquoted 3:1 as a base-60 number; quote the ratio: '3:1'"),
         ("layout: {ratio: '0:0'}", "layout.ratio", "names no layer"),
         ("layout: {attention_at: [-1]}", "layout.attention_at[0]", "greater than or equal to 0"),
         ("layout: {pattern: [recurrent, atention]}", "layout.pattern[1]", "did you mean attention?"),

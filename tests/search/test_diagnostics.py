@@ -128,3 +128,24 @@ def test_capture_of_a_real_model_matches_closed_forms(spec):
         assert report.metrics["max_factor_norm"] == pytest.approx(1.0)
         assert report.metrics["write_gain@0"] == pytest.approx(1.0)
     assert all(m.capture is False and m.captured is None for m in model.mixers())
+
+
+def test_a_hybrid_stack_is_measured_per_recurrent_layer_and_says_so_for_attention():
+    """Metrics carry each recurrent layer's index in the stack; the attention layers get
+    none and a note; each recurrent layer's numbers are its own replay's."""
+    torch.manual_seed(0)
+    model = archspec.compile(ROOT / "specs" / "models" / "kimi-linear-hybrid.yaml",
+                             **{**SMALL, "model.layers": 4, "layout.ratio": "1:1", "attention.head_dim": 8})
+    ids = torch.randint(11, (2, 10))
+    report = dg.collect(model, ids)
+    assert report.layers == [0, 2] and sorted(report.notes) == [1, 3]
+    assert "KV cache" in report.notes[1] and "do not apply" in report.notes[1]
+    assert {"erank@0.0", "erank@2.1", "q_geo@2", "max_factor_norm@0"} <= set(report.metrics)
+    assert not any(name.split("@")[1].split(".")[0] in ("1", "3") for name in report.metrics if "@" in name)
+    for mixer in model.mixers():
+        mixer.capture = True
+    model(ids)
+    for index, mixer in zip((0, 2), model.mixers()):
+        alone = dg.summarize([dg.replay(mixer.captured)], [index])
+        assert report.metrics[f"q_geo@{index}"] == pytest.approx(alone.metrics[f"q_geo@{index}"])
+        assert report.metrics[f"erank@{index}.0"] == pytest.approx(alone.metrics[f"erank@{index}.0"])

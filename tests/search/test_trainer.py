@@ -309,3 +309,35 @@ def test_ctrl_c_keeps_what_was_measured(tmp_path, monkeypatch):
     record = json.loads((tmp_path / "metrics.json").read_text())
     assert record["status"] == "interrupted" and record["metrics"]["params"] > 0
     assert [h["step"] for h in record["history"]] == [1, 2]
+
+
+HYBRID = str(ROOT / "specs" / "models" / "qwen3-next-hybrid.yaml")
+TINY_HYBRID = ["model.layers=4", "layout.ratio='1:1'", "model.d_model=32", "mixer.heads=2", "mixer.head_dim=8", "attention.heads=4",
+               "attention.head_dim=8", "layout.overrides=[{layers: [3], attention: {window: 4}}]"]
+
+
+def test_a_hybrid_trains_with_diagnostics_from_the_cli(tmp_path, capsys):
+    """Recurrent and attention layers train together; the cost metrics include the long
+    context; diagnostics cover the recurrent layers and name the attention ones."""
+    out = tmp_path / "run"
+    code = main([
+        "train", HYBRID, "--task", "s3", "--steps", "30", "--batch-size", "16", "--out", str(out),
+        "--task-option", "train_len=8", "--task-option", "eval_size=16", "--diagnostics", "--lr", "0.01",
+        *[a for s in TINY_HYBRID for a in ("--set", s)],
+    ])
+    assert code == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "layer 1: attention layer" in printed and "layer 3: attention layer" in printed
+    record = json.loads((out / "metrics.json").read_text())
+    m = record["metrics"]
+    model = archspec.compile(archspec.load_spec(HYBRID, [*TINY_HYBRID, "model.vocab_size=6"]))
+    report = archspec.cost.estimate(model.plan)
+    assert m["params"] == sum(p.numel() for p in model.parameters()) == report.params
+    # layer 1's KV cache grows with the context (layer 3's window keeps 3 tokens)
+    assert m["state_bytes@32768"] == report.state_bytes_long > m["state_bytes"] == report.state_bytes
+    assert m["tokens_per_s"] > 0
+    assert record["diagnostics"]["layers"] == [0, 2] and set(record["diagnostics"]["notes"]) == {"1", "3"}
+    assert {"erank@0.0", "erank@2.1", "q_geo@2"} <= set(m) and "erank@1.0" not in m
+    losses = [h["loss"] for h in record["history"]]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5  # it learns
+    assert (out / "diagnostics.png").read_bytes()[:4] == b"\x89PNG"

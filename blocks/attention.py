@@ -179,6 +179,9 @@ class Attention(nn.Module):
         if plan.rope_theta is not None:
             cos, sin = rope_angles(positions, plan.head_dim, plan.rope_theta, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # under autocast the q/k norms may return float32 while v is bfloat16; the kernels
+        # (FlexAttention in particular) take one dtype
+        q, k = q.to(v.dtype), k.to(v.dtype)
 
         cached = 0 if state is None else state.cached
         if cached:

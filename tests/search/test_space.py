@@ -262,3 +262,68 @@ def test_samplers_are_seeded_and_reproducible(tmp_path, name, kind):
     first = proposals(0)
     assert proposals(0) == first
     assert proposals(1) != first
+
+
+# --------------------------------------------------------------------------- hybrid placement
+
+PLACEMENT = f"""\
+name: placement
+base: {TINY}
+space:
+  model.layers: {{choices: [2, 4]}}
+  layout.ratio: {{choices: ['1:0', '3:1', '1:1', '0:1']}}
+  layout.attention_at:
+    choices: [[], [0], [1]]
+    when: {{layout.ratio: '1:0'}}
+  attention.window:
+    choices: [null, 4, 16]
+    when: {{layout.ratio: ['3:1', '1:1', '0:1']}}
+  attention.kv_heads:
+    choices: [1, 2]
+    when: {{layout.ratio: ['3:1', '1:1', '0:1']}}
+task: {{name: s3, options: {{train_len: 8}}}}
+objectives:
+  - token_acc@16: max
+  - state_bytes@32768: min
+constraints: ["state_bytes@32768 <= 1e7"]
+budget: {{trials: 4, steps: 10}}
+sampler: grid
+"""
+
+
+def test_attention_placement_is_searchable_with_conditions(tmp_path):
+    """Pattern, indices, window and kv_heads are dotted fields; every point of the grid is
+    a valid spec whose layers are what the point says."""
+    from archspec.spec.layout import layer_kinds
+
+    loaded = load_search_spec(write(tmp_path, PLACEMENT))
+    points = grid_points(loaded.spec.space, loaded.base_values)
+    # 2 depths x (1:0 with 3 index choices + 3 ratios with 3 windows x 2 kv_heads)
+    assert len(points) == 2 * (3 + 3 * 3 * 2)
+    for point in points:
+        spec = load_spec(loaded.base_file, list(point.items()))
+        kinds = layer_kinds(spec.layout, spec.model.layers)
+        if point["layout.ratio"] == "1:0":
+            assert "attention.window" not in point
+            assert [i for i, k in enumerate(kinds) if k == "attention"] == point["layout.attention_at"]
+        else:
+            assert "layout.attention_at" not in point and spec.attention.window == point["attention.window"]
+            assert kinds.count("attention") == {"3:1": spec.model.layers // 4, "1:1": spec.model.layers // 2, "0:1": spec.model.layers}[point["layout.ratio"]]
+
+
+def test_an_index_past_a_searched_depth_is_refused_with_its_field(tmp_path):
+    bad = PLACEMENT.replace("choices: [[], [0], [1]]", "choices: [[], [0], [3]]")
+    loaded = load_search_spec(write(tmp_path, bad))
+    point = {"model.layers": 2, "layout.ratio": "1:0", "layout.attention_at": [3]}
+    with pytest.raises(ArchspecError) as info:
+        load_spec(loaded.base_file, list(point.items()))
+    assert "layer 3 is past the last layer: model.layers = 2" in str(info.value)
+
+
+def test_the_cost_metrics_a_constraint_may_use_are_the_cost_models():
+    from archspec.cost import cost_metric_names, estimate
+    from archspec.search.space import COST_METRICS
+
+    assert COST_METRICS == cost_metric_names()
+    assert tuple(estimate(load_spec(TINY)).metrics()) == COST_METRICS
+    assert Constraint.model_validate("state_bytes@32768 <= 1e6").metric == "state_bytes@32768"

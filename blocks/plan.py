@@ -12,7 +12,7 @@ Plain frozen dataclasses: no pydantic, so blocks and kernels run on a bare GPU m
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import ClassVar, Literal, Union
+from typing import ClassVar, Literal
 
 Backbone = Literal["deltanet", "gdn", "kda"]
 Gate = Literal["none", "scalar", "channel"]
@@ -103,7 +103,7 @@ class AttentionPlan:
         return {"kind": self.kind, **asdict(self)}
 
 
-LayerPlan = Union[RecurrencePlan, AttentionPlan]
+LayerPlan = RecurrencePlan | AttentionPlan
 
 
 @dataclass(frozen=True)

@@ -136,3 +136,23 @@ def test_schema_accepts_shipped_specs_and_rejects_unknown_keys():
         assert list(validator.iter_errors(yaml.safe_load(path.read_text()))) == [], path
     errors = list(validator.iter_errors({"name": "x", "mixer": {"haeds": 4, "backbone": "gnd"}}))
     assert len(errors) == 2
+
+
+def test_compile_of_a_hybrid_prints_its_layers_and_the_long_context(capsys):
+    path = MODELS / "jet-nemotron-placement.yaml"
+    sets = ["--set", "model.d_model=64", "--set", "mixer.heads=2"]
+    code, out, err = run(capsys, "compile", str(path), *sets, "--seq-len", "1024", "--long-context", "4096")
+    assert code == 0 and err == ""
+    text = " ".join(out.split())
+    assert "28 layers: 24 recurrent, 4 attention (14, 19, 20, 21)" in text and "window 1152" in text
+    plan = lower(load_spec(path, ["model.d_model=64", "mixer.heads=2"]))
+    from archspec.cost import estimate
+
+    cost = estimate(plan, seq_len=1024, long_context=4096)
+    for words in ("state @ 4096", "T=1024", "T=4096", f"{cost.state_bytes:,}", f"{cost.state_bytes_long:,}",
+                  f"{cost.flops_per_token_long:,.0f}", f"{count_params(plan):,}"):
+        assert words in text, words
+    code, out, _ = run(capsys, "validate", str(path))
+    assert code == 0 and "24 recurrent + 4 attention layers, 1 override(s)" in out
+    code, _, err = run(capsys, "compile", str(path), "--long-context", "0")
+    assert code == 2 and "--long-context must be >= 1" in err

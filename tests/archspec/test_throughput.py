@@ -105,3 +105,16 @@ def test_gpu_peak_memory_counts_the_optimizer_state():
     params_bytes = sum(p.numel() * 4 for p in model.parameters())
     assert report.peak_mem_bytes >= 4 * params_bytes
     assert all(torch.equal(before[k].cuda(), v) for k, v in model.state_dict().items())
+
+
+def test_bench_cli_times_a_hybrid(tmp_path, capsys):
+    hybrid = Path(DELTANET).parent / "kimi-linear-hybrid.yaml"
+    sets = ["model.layers=2", "layout.ratio='1:1'", "model.d_model=16", "mixer.heads=2", "mixer.head_dim=8",
+            "attention.head_dim=8", "attention.window=4"]
+    out = tmp_path / "bench.json"
+    code = main(["bench", str(hybrid), *[a for s in sets for a in ("--set", s)], "--batch", "2", "--seq-len", "16",
+                 "--warmup", "1", "--steps", "2", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["tokens_per_s"] > 0
+    assert data["params"] == sum(p.numel() for p in archspec.compile(archspec.load_spec(hybrid, sets)).parameters())

@@ -138,7 +138,8 @@ def test_schema_accepts_shipped_specs_and_rejects_unknown_keys():
     assert len(errors) == 2
 
 
-def test_compile_of_a_hybrid_prints_its_layers_and_the_long_context(capsys):
+def test_compile_of_a_hybrid_prints_its_layers_and_the_long_context(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # rich wraps table cells at the terminal's width
     path = MODELS / "jet-nemotron-placement.yaml"
     sets = ["--set", "model.d_model=64", "--set", "mixer.heads=2"]
     code, out, err = run(capsys, "compile", str(path), *sets, "--seq-len", "1024", "--long-context", "4096")

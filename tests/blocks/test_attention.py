@@ -200,3 +200,30 @@ def test_refuses_plans_it_cannot_build():
         Attention(AttentionPlan(heads=2, kv_heads=2, head_dim=3), 8)
     with pytest.raises(ValueError, match="stack has 1 layer plans for 2 layers"):
         ModelPlan(name="x", mixer=mixer_plan(), d_model=8, layers=2, mlp="none", vocab_size=5, stack=(mixer_plan(),))
+
+
+@pytest.mark.parametrize("name", ["gqa-window", "mqa-gate-qknorm"])
+def test_packed_documents_attend_as_if_each_ran_alone(name):
+    """`cu_seqlens`: each document's output equals the reference run on it alone (from
+    position 0, no token of another document seen); a state is refused with packing."""
+    layer = _layer(CASES[name])
+    lengths = [3, 5, 1, 6]
+    x = torch.randn(1, sum(lengths), 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    cu_seqlens = torch.tensor([0, 3, 8, 9, 15])
+    y, state = layer(x, cu_seqlens=cu_seqlens)
+    assert state is None
+    for lo, hi in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        torch.testing.assert_close(y[:, lo:hi], reference_attention(layer, x[:, lo:hi]))
+    with pytest.raises(ValueError, match="no state for packed documents"):
+        layer(x, return_state=True, cu_seqlens=cu_seqlens)
+
+
+def test_a_packed_hybrid_stack_runs_each_document_alone():
+    torch.manual_seed(0)
+    model = build_model(_hybrid_plan()).double()
+    model.set_backend("naive")
+    ids = torch.randint(0, 13, (1, 11), generator=torch.Generator().manual_seed(6))
+    cu_seqlens = torch.tensor([0, 4, 11])
+    packed = model(ids, cu_seqlens=cu_seqlens)
+    torch.testing.assert_close(packed[:, :4], model(ids[:, :4]))
+    torch.testing.assert_close(packed[:, 4:], model(ids[:, 4:]))

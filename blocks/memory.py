@@ -14,6 +14,10 @@ counts
   state at each chunk boundary (`H K V` per chunk, of the longer chunks of the two
   backends), and the MLP's input and hidden activations (`d_model + 3 hidden` for
   SwiGLU: gate, up and their product; `2 hidden` for GELU); plus the final norm's input.
+  An attention layer of a hybrid stack keeps, besides the block's input and normalised
+  input, its queries, keys and values after RoPE, its output before `o_proj` and, with
+  an output gate, the gate's pre-activation (`2 heads D + 2 kv_heads D`, `+ heads D`);
+  its scores are left out (a flash kernel does not keep them).
 
 It leaves out what a backend may avoid holding (the logits, with a fused loss; the
 chunks' score matrices), the optimizer's and allocator's temporaries, and evaluation.
@@ -31,7 +35,7 @@ from archspec.kernels.chunking import torch_tokens_per_chunk, triton_tokens_per_
 from .cost import count_params
 from .mixer import stream_widths
 from .mlp import mlp_hidden_size
-from .plan import ModelPlan
+from .plan import AttentionPlan, ModelPlan, RecurrencePlan
 
 WEIGHT_BYTES = 4  # the modules are built in float32
 TRAINING_COPIES = 4  # weights, gradients, AdamW's exp_avg and exp_avg_sq
@@ -51,9 +55,8 @@ class MemoryEstimate:
         return self.weights + self.gradients_and_optimizer + self.activations
 
 
-def activation_elements_per_token(plan: ModelPlan) -> int:
-    """Elements autograd must keep per token of a training step (see the module docstring)."""
-    m, d = plan.mixer, plan.d_model
+def _recurrent_elements(m: RecurrencePlan, d: int) -> int:
+    """Per token, what one recurrent layer's mixer keeps (with the block's two inputs)."""
     # Both backends keep the state at every chunk boundary; the longer chunk of the two
     # keeps fewer, and a lower bound must hold for either.
     chunk = max(torch_tokens_per_chunk(m.n_h, delta=m.transition != "diagonal"), triton_tokens_per_chunk(m.n_h))
@@ -63,12 +66,30 @@ def activation_elements_per_token(plan: ModelPlan) -> int:
     mixer += 2 * m.n_h * m.heads * m.head_dim if m.erase else 0
     mixer += {"none": 0, "scalar": m.heads, "channel": m.heads * m.head_dim}[m.gate]
     states = -(-m.heads * m.head_dim * m.value_dim // chunk)  # one K x V state per head per chunk
+    return mixer + states
+
+
+def _attention_elements(a: AttentionPlan, d: int) -> int:
+    """Per token, what one attention layer keeps (with the block's two inputs)."""
+    q_and_output = 2 * a.heads * a.head_dim
+    keys_and_values = 2 * a.kv_heads * a.head_dim
+    gate = a.heads * a.head_dim if a.output_gate else 0
+    return 2 * d + q_and_output + keys_and_values + gate
+
+
+def activation_elements_per_token(plan: ModelPlan) -> int:
+    """Elements autograd must keep per token of a training step (see the module docstring)."""
+    d = plan.d_model
     if plan.mlp == "none":
         mlp = 0
     else:
         hidden = mlp_hidden_size(plan.mlp, d, plan.mlp_ratio)
         mlp = d + (3 if plan.mlp == "swiglu" else 2) * hidden
-    return plan.layers * (mixer + states + mlp) + d
+    layers = sum(
+        _attention_elements(layer, d) if isinstance(layer, AttentionPlan) else _recurrent_elements(layer, d)
+        for layer in plan.layer_plans
+    )
+    return layers + plan.layers * mlp + d
 
 
 def estimate_memory(

@@ -178,7 +178,7 @@ class ModelSpec(_Section):
 MAX_WINDOW = 1 << 20
 DEFAULT_ROPE_THETA = 10000.0
 LayerKind = Literal["recurrent", "attention"]
-LayerIndex = Annotated[int, Field(ge=0, strict=True)]
+LayerIndex = Annotated[int, Field(ge=0)]
 _RATIO = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
 
@@ -186,20 +186,16 @@ class AttentionSpec(_Section):
     """A causal softmax attention layer: grouped-query heads, RoPE, optional sliding
     window and output gate (`blocks/attention.py`)."""
 
-    # strict: `true` is not a head count or a window (pydantic would read it as 1)
-    heads: int = Field(4, gt=0, strict=True, description="Query heads.")
+    heads: int = Field(4, gt=0, description="Query heads.")
     kv_heads: int | None = Field(
-        None, gt=0, strict=True,
+        None, gt=0,
         description="Key/value heads (grouped-query attention); must divide heads. Default: heads (multi-head attention).",
     )
-    head_dim: int = Field(64, gt=0, strict=True, description="Dimension of each query, key and value head (even with rope).")
+    head_dim: int = Field(64, gt=0, description="Dimension of each query, key and value head (even with rope).")
     rope: bool = Field(True, description="Rotary position embedding on queries and keys; false: no position encoding (NoPE).")
-    rope_theta: float | None = Field(
-        None, gt=0, allow_inf_nan=False, description="RoPE base frequency (only with rope). Default 10000."
-    )
+    rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency (only with rope). Default 10000.")
     window: int | None = Field(
         None,
-        strict=True,
         description=f"Sliding window: each token attends to itself and the window - 1 tokens before it; 1..{MAX_WINDOW}. "
         "Default: none (full causal attention).",
         json_schema_extra={"minimum": 1, "maximum": MAX_WINDOW},

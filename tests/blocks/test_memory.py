@@ -76,7 +76,7 @@ def test_huge_specs_are_priced_without_building_anything():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["deltanet", "kda", "rwkv7", "deltaproduct-3", "osdn-apf"])
+@pytest.mark.parametrize("name", ["deltanet", "kda", "rwkv7", "deltaproduct-3", "osdn-apf", "qwen3-next-hybrid"])
 def test_the_estimate_stays_below_a_real_training_step_on_cuda(name):
     """What `check_fits` compares on CUDA (bfloat16 activations) against the peak of one
     AdamW step on the Triton backend, as the trainer takes it."""

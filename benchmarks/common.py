@@ -56,8 +56,9 @@ def _lowered(spec: str, overrides: tuple[tuple[str, Any], ...]) -> RecurrencePla
     return archspec.lower(archspec.load_spec(SPECS / f"{spec}.yaml", list(overrides))).mixer
 
 
-# The benchmarked recurrences: every spec of specs/models, and larger n_h and the other
-# gate kinds where a spec fixes them.
+# The benchmarked recurrences: the recurrence of every single-mixer spec of specs/models
+# (a hybrid's recurrent layers are among them), and larger n_h and the other gate kinds
+# where a spec fixes them.
 PLANS = [
     Bench("deltanet", "deltanet"),
     Bench("gated-deltanet", "gated-deltanet"),

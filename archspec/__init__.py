@@ -1,7 +1,8 @@
 """archspec: a declarative architecture-search toolkit for linear-RNN sequence mixers.
 
 `load_spec` reads and validates a spec, `lower` turns it into the `ModelPlan` IR,
-`compile` builds the `nn.Module`. Attributes load lazily so that `import archspec`
+`compile` builds the `nn.Module`, `load` rebuilds a trained one from its weights directory
+(`model.safetensors` and `spec.yaml`, `archspec/weights.py`). Attributes load lazily so that `import archspec`
 stays cheap and `archspec.kernels` can be imported without pydantic.
 """
 
@@ -15,14 +16,16 @@ if TYPE_CHECKING:
     from archspec.lowering import lower
     from archspec.spec.loader import load_spec
     from archspec.spec.models import Spec
+    from archspec.weights import load
 
-__all__ = ["load_spec", "lower", "compile", "Spec"]
+__all__ = ["load_spec", "lower", "compile", "load", "Spec"]
 
 _EXPORTS = {
     "load_spec": "archspec.spec.loader",
     "Spec": "archspec.spec.models",
     "lower": "archspec.lowering",
     "compile": "archspec.compiler",
+    "load": "archspec.weights",
 }
 
 

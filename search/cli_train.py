@@ -1,7 +1,8 @@
 """`archspec train SPEC --task NAME`: train one spec on one task and write its scores.
 
-Writes `DIR/metrics.json` (atomically), `DIR/accuracy.png` and, with `--diagnostics`,
-`DIR/diagnostics.png`; prints the metrics. Exit status 0 when the run finished, 1 when it
+Writes `DIR/metrics.json` (atomically), `DIR/accuracy.png`, with `--diagnostics`
+`DIR/diagnostics.png`, and the trained model (`DIR/model.safetensors` with `DIR/spec.yaml`:
+`archspec.load(DIR)`); prints the metrics. `--resume` continues an unfinished run in DIR. Exit status 0 when the run finished, 1 when it
 diverged or failed (the reason is in metrics.json and printed), 2 for bad input.
 """
 
@@ -44,6 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--diagnostics", action="store_true", help="effective rank, residual ratio q_t, factor norms, and their plot")
     p.add_argument("--no-throughput", action="store_true", help="skip measuring tokens_per_s and peak_mem_bytes")
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the unfinished run in DIR from its last validation (same spec and settings)")
     p.set_defaults(func=run)
 
     e = subparsers.add_parser(
@@ -97,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from .checkpoints import RESUME_FILE, unfinished_step
     from .tasks import get_task
     from .trainer import train
 
@@ -105,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
         raise ArchspecError(f"{args.spec}: no such spec file")
     task = get_task(args.task, args.preset, **parse_options(args.task_options, "--task-option"))
     out = Path(args.out) if args.out else Path("runs") / "train" / f"{spec_path.stem}-{task.name}-s{args.seed}"
+    left = unfinished_step(out)
+    if left is not None and not args.resume:
+        raise ArchspecError(f"{out} holds an unfinished run ({RESUME_FILE}, step {left}): continue it with --resume, "
+                            "or choose another --out (or delete that file to start over)")
     result = train(
         args.spec,
         task,
@@ -123,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         target=args.target,
         backend=args.backend,
         measure_throughput=not args.no_throughput,
+        resume=args.resume,
     )
     console = Console(stderr=result.status != "ok")
     if not args.quiet:
@@ -137,4 +146,8 @@ def run(args: argparse.Namespace) -> int:
     if result.status != "ok":
         console.print(f"[bold red]{result.status}[/]: {result.reason}")
     console.print(f"wrote {out / 'metrics.json'}")
+    saved = result.record.get("checkpoint")
+    if saved:
+        which = f"{saved['metric']} = {saved['value']:.4g}" if "metric" in saved else "the last weights"
+        console.print(f"wrote {out / saved['weights']} (step {saved['step']}, {which}); archspec.load('{out}') rebuilds it")
     return 0 if result.status == "ok" else 1

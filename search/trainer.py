@@ -13,8 +13,11 @@ step in `reason`; an error while training (out of memory, a kernel failure) give
 `ArchspecError` before anything runs.
 
 With `out_dir`, writes `metrics.json` atomically (`{"status", "reason", "metrics": {name:
-float}, "spec", "task", "train", "curves", "history", ...}`), `accuracy.png`, and with
-`diagnostics=True` `diagnostics.png` (see `search/diagnostics.py`).
+float}, "spec", "task", "train", "curves", "history", "checkpoint", ...}`), `accuracy.png`,
+with `diagnostics=True` `diagnostics.png` (see `search/diagnostics.py`), and the trained
+model: `model.safetensors` (the best weights by the task's validation metric) with
+`spec.yaml`, which `archspec.load(out_dir)` rebuilds, and while the run is unfinished
+`resume.pt`, from which `resume=True` continues it exactly (`search/checkpoints.py`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from archspec.errors import ArchspecError
 from archspec.throughput import measure_training_throughput
 from archspec.training import autocast_for, make_optimizer as make_adamw, training_loss
 
+from .checkpoints import Checkpoints, TrainingState, fingerprint
 from .metrics import concat_outcomes, outcome_from_logits
 from .tasks import Task, get_task
 from .tasks.base import Batch, Curve, TrainPreset
@@ -241,6 +245,8 @@ def train(
     measure_throughput: bool = True,
     time_limit_s: float | None = None,
     spec_label: str | None = None,
+    save_weights: bool = True,
+    resume: bool = False,
 ) -> TrainResult:
     """Train `spec` on `task` (a `Task` or a name for `get_task(name, preset, **task_options)`).
 
@@ -248,6 +254,9 @@ def train(
     `target` overrides the early-stop threshold (0 disables early stopping); `backend`
     forces a kernel backend (`torch`, `naive`, `triton`). `time_limit_s` ends the
     optimisation early (then evaluates as usual; `train.time_limited` in metrics.json).
+    With `out_dir`, the weights are saved unless `save_weights=False`; `resume=True`
+    continues the unfinished run in `out_dir` from its last validation (the same
+    settings are required: the error names any that differ).
     Returns a `TrainResult`; never raises for a diverging or failing run (see the module
     docstring).
     """
@@ -267,6 +276,14 @@ def train(
         model.set_backend(backend)
 
     out = Path(out_dir) if out_dir is not None else None
+    if resume and (out is None or not save_weights):
+        raise ArchspecError("resume needs the run's output directory and its saved state (out_dir, save_weights)")
+    settings = fingerprint(spec=built.spec_record, task=task.describe(), train=dataclasses.asdict(config), seed=seed)
+    from_plan = set(built.spec_record) == {"plan"}  # a bare ModelPlan has no spec to write
+    checkpoints = Checkpoints(out if save_weights else None, None if from_plan else built.spec_record,
+                              task.validation_metric, settings)
+    resumed = checkpoints.load_resume() if resume else None
+
     record: dict[str, Any] = {
         "status": "running",
         "reason": None,
@@ -292,9 +309,11 @@ def train(
             if report.peak_mem_bytes is not None:
                 metrics["peak_mem_bytes"] = float(report.peak_mem_bytes)
         deadline = None if time_limit_s is None else started + time_limit_s
-        steps_done, stop = _loop(model, task, config, seed, device, quiet, history, evals, deadline)
+        checkpoints.start()
+        steps_done, stop = _loop(model, task, config, seed, device, quiet, history, evals, deadline, checkpoints, resumed)
         record["train"]["early_stopped"] = stop == "target"
         record["train"]["time_limited"] = stop == "time"
+        checkpoints.restore_best(model)  # the scores below are of the weights that are kept
         quality, curves = evaluate(model, task, task.eval_sets(), device, config.eval_batch_size, with_curves=True)
         metrics.update(quality)
         if diagnostics:
@@ -308,14 +327,17 @@ def train(
                 "layers": report_d.layers,
                 "notes": {str(layer): note for layer, note in report_d.notes.items()},
             }
+        checkpoints.finish(model, steps_done, weights_ok=True)
     except _Diverged as exc:
         status, reason, steps_done = "diverged", exc.reason, exc.step
+        checkpoints.finish(model, steps_done, weights_ok=False)
     except (RuntimeError, torch.OutOfMemoryError) as exc:  # a kernel or memory failure: record it, do not crash
         status, reason = "failed", f"{type(exc).__name__}: {exc}"
         record["traceback"] = traceback.format_exc()
     except KeyboardInterrupt:
         # Keep what the run measured, then let the interrupt end the program.
-        record.update(status="interrupted", reason="interrupted by the user", metrics=metrics, history=history, evals=evals)
+        record.update(status="interrupted", reason="interrupted by the user", metrics=metrics, history=history, evals=evals,
+                      checkpoint=checkpoints.record())
         if out is not None:
             write_metrics(out, record)
         raise
@@ -325,6 +347,7 @@ def train(
     record["train"].update(steps_done=steps_done, seconds=time.perf_counter() - started)
     record["history"] = history
     record["evals"] = evals
+    record["checkpoint"] = checkpoints.record()
     record["curves"] = {
         split: [dataclasses.asdict(c) for c in split_curves] for split, split_curves in curves.items()
     }
@@ -387,20 +410,25 @@ def _loop(
     quiet: bool,
     history: list[dict[str, float]],
     evals: list[dict[str, Any]],
-    deadline: float | None = None,
+    deadline: float | None,
+    checkpoints: Checkpoints,
+    resumed: dict[str, Any] | None = None,
 ) -> tuple[int, str | None]:
     """The optimisation loop; returns (steps done, why it stopped early: "target", "time"
-    or None). Raises `_Diverged`."""
+    or None). Raises `_Diverged`. After each validation `checkpoints` keeps the best
+    weights and the resume state; `resumed` (a loaded resume state) continues from it."""
     optimizer = make_optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     generator = torch.Generator().manual_seed(seed)
+    state = TrainingState(model, optimizer, scheduler, generator, history, evals)
+    done = 0 if resumed is None else checkpoints.restore(resumed, state)
     record_every = max(1, config.steps // MAX_HISTORY)
     progress = _progress(quiet, f"{task.name}")
-    bar = progress.add_task(task.name, total=config.steps, loss="-", note="") if progress else None
+    bar = progress.add_task(task.name, total=config.steps, completed=done, loss="-", note="") if progress else None
     model.train()
-    step = 0
+    step = done
     with progress if progress is not None else nullcontext():
-        for step in range(1, config.steps + 1):
+        for step in range(done + 1, config.steps + 1):
             inputs, targets, mask = (t.to(device) for t in task.train_batch(config.batch_size, generator))
             loss = training_loss(model, inputs, masked_labels(targets, mask), device=device)
             if not torch.isfinite(loss):
@@ -420,6 +448,7 @@ def _loop(
             if step % config.eval_every == 0 or step == config.steps:
                 val, _ = evaluate(model, task, task.validation_sets(), device, config.eval_batch_size, with_curves=False)
                 evals.append({"step": step, **val})
+                checkpoints.validated(step, val, state)
                 if config.early_stop is not None:
                     name, threshold = config.early_stop
                     value = val.get(name, float("nan"))

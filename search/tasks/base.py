@@ -51,6 +51,23 @@ class TrainPreset:
     grad_clip: float = 1.0
 
 
+class ValidationMetric(NamedTuple):
+    """The validation metric that ranks checkpoints of a run: its name in the validation
+    splits' metrics and which way is better."""
+
+    name: str
+    higher_is_better: bool = True
+
+    def keeps(self, value: float, best: float | None) -> bool:
+        """Whether a checkpoint scoring `value` replaces the best so far (None: nothing
+        yet): when it is at least as good, since on a tie it has trained longer. NaN never."""
+        if value != value:
+            return False
+        if best is None:
+            return True
+        return value >= best if self.higher_is_better else value <= best
+
+
 @dataclass(frozen=True)
 class Preset:
     """A named size of a task: its data options and its training settings."""
@@ -80,6 +97,11 @@ class Task(ABC):
     eval_seed: int
     # Set by `get_task` from the chosen preset; None when the task was built directly.
     preset: TrainPreset | None = None
+
+    @property
+    def validation_metric(self) -> ValidationMetric | None:
+        """The metric that picks a run's best checkpoint (None: the last one is kept)."""
+        return None
 
     @property
     def early_stop(self) -> tuple[str, float] | None:

@@ -15,7 +15,7 @@ import torch
 from archspec.errors import ArchspecError
 
 from ..metrics import TokenOutcome, bits_per_token, per_position_bits, token_accuracy
-from .base import Batch, Curve, Preset, Task, TrainPreset
+from .base import Batch, Curve, Preset, Task, TrainPreset, ValidationMetric
 from .corpus import load_split
 
 PRESETS: dict[str, Preset] = {
@@ -76,6 +76,10 @@ class BytesLM(Task):
     def _make_validation_sets(self, generator: torch.Generator) -> dict[str, Batch]:
         full = self.eval_sets()["heldout"]
         return {"heldout": Batch(*(t[::4] for t in full))}
+
+    @property
+    def validation_metric(self) -> ValidationMetric:
+        return ValidationMetric("bpb", higher_is_better=False)
 
     def score(self, outcome: TokenOutcome, split: str) -> dict[str, float]:
         return {"bpb": bits_per_token(outcome), f"token_acc@{outcome.length}": token_accuracy(outcome)}

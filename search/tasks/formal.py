@@ -25,7 +25,7 @@ import torch
 from archspec.errors import ArchspecError
 
 from ..metrics import TokenOutcome, scaled_accuracy, token_accuracy
-from .base import Batch, Curve, Preset, Task, TrainPreset
+from .base import Batch, Curve, Preset, Task, TrainPreset, ValidationMetric
 
 MODULUS = 5
 
@@ -108,8 +108,12 @@ class _FormalTask(Task):
         self.train_len = self.max_train_len + 1  # the query token
 
     @property
+    def validation_metric(self) -> ValidationMetric:
+        return ValidationMetric(f"scaled_acc@{self.max_train_len}")
+
+    @property
     def early_stop(self) -> tuple[str, float] | None:
-        return (f"scaled_acc@{self.max_train_len}", self.target) if self.target else None
+        return (self.validation_metric.name, self.target) if self.target else None
 
     def _strings(self, n: int, length: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """`n` strings of `length` symbols `[n, length]` and their answers `[n]`."""

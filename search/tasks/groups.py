@@ -22,7 +22,7 @@ import torch
 from archspec.errors import ArchspecError
 
 from ..metrics import TokenOutcome, per_position_accuracy, prefix_sequence_accuracy, sequence_accuracy, token_accuracy
-from .base import Batch, Curve, Preset, Task, TrainPreset
+from .base import Batch, Curve, Preset, Task, TrainPreset, ValidationMetric
 
 Permutation = tuple[int, ...]
 
@@ -168,8 +168,12 @@ class GroupWordProblem(Task):
             raise ArchspecError(f"task {self.name}: eval_factors must be positive integers, got {self.eval_factors}")
 
     @property
+    def validation_metric(self) -> ValidationMetric:
+        return ValidationMetric(f"seq_acc@{self.train_len}")
+
+    @property
     def early_stop(self) -> tuple[str, float] | None:
-        return (f"seq_acc@{self.train_len}", self.target) if self.target else None
+        return (self.validation_metric.name, self.target) if self.target else None
 
     def describe(self) -> dict:
         d = super().describe()

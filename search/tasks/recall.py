@@ -23,7 +23,7 @@ import torch
 from archspec.errors import ArchspecError
 
 from ..metrics import TokenOutcome, per_position_accuracy, sequence_accuracy, token_accuracy
-from .base import Batch, Curve, Preset, Task, TrainPreset
+from .base import Batch, Curve, Preset, Task, TrainPreset, ValidationMetric
 
 PRESETS: dict[str, Preset] = {
     "cpu": Preset(
@@ -89,8 +89,12 @@ class MultiQueryRecall(Task):
         return (self.seq_len - self.context_len) // 2
 
     @property
+    def validation_metric(self) -> ValidationMetric:
+        return ValidationMetric(f"token_acc@{self.seq_len}")
+
+    @property
     def early_stop(self) -> tuple[str, float] | None:
-        return (f"token_acc@{self.seq_len}", self.target) if self.target else None
+        return (self.validation_metric.name, self.target) if self.target else None
 
     def _sample(self, n: int, generator: torch.Generator) -> Batch:
         kv, L = self.num_kv_pairs, self.seq_len

@@ -5,9 +5,9 @@ package runs on a bare GPU machine. Beside the recurrence, the fused pieces of a
 step (`kernels/fused.py`): linear cross-entropy, gated RMSNorm, short conv.
 """
 
-from .api import BACKENDS, linear_recurrence, osdn_write_keys, register_backend, resolve_backend
+from .api import BACKENDS, decode_step, linear_recurrence, osdn_write_keys, register_backend, resolve_backend
 from .linear_ce import IGNORE_INDEX, linear_cross_entropy
-from .naive import linear_recurrence_naive, osdn_write_keys_naive, recurrence_step
+from .naive import decode_step_naive, linear_recurrence_naive, osdn_write_keys_naive, recurrence_step
 from .rms_norm import rms_norm
 from .short_conv import conv_tails, short_conv
 
@@ -19,10 +19,12 @@ __all__ = [
     "short_conv",
     "BACKENDS",
     "linear_recurrence",
+    "decode_step",
     "osdn_write_keys",
     "register_backend",
     "resolve_backend",
     "linear_recurrence_naive",
     "osdn_write_keys_naive",
     "recurrence_step",
+    "decode_step_naive",
 ]

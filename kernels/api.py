@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from .kinds import Gate
-from .naive import linear_recurrence_naive, osdn_write_keys_naive
+from .naive import decode_step_naive, linear_recurrence_naive, osdn_write_keys_naive
 
 Tensor = torch.Tensor
 
@@ -27,6 +27,12 @@ _RECURRENCE_BACKENDS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
 _OSDN_BACKENDS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
     "naive": osdn_write_keys_naive,
 }
+# The decoding step. The torch backend's step is the definition itself: one token is a few
+# batched matrix-vector products in torch, with nothing to chunk.
+_STEP_BACKENDS: dict[str, Callable[..., Tensor]] = {
+    "naive": decode_step_naive,
+    "torch": decode_step_naive,
+}
 
 
 def register_backend(
@@ -34,12 +40,15 @@ def register_backend(
     *,
     recurrence: Callable[..., tuple[Tensor, Tensor | None]] | None = None,
     osdn: Callable[..., tuple[Tensor, Tensor]] | None = None,
+    step: Callable[..., Tensor] | None = None,
 ) -> None:
-    """Make `backend=name` available to `linear_recurrence` / `osdn_write_keys`."""
+    """Make `backend=name` available to `linear_recurrence` / `osdn_write_keys` / `decode_step`."""
     if recurrence is not None:
         _RECURRENCE_BACKENDS[name] = recurrence
     if osdn is not None:
         _OSDN_BACKENDS[name] = osdn
+    if step is not None:
+        _STEP_BACKENDS[name] = step
 
 
 def _load_backend(name: str) -> None:
@@ -48,6 +57,9 @@ def _load_backend(name: str) -> None:
         from . import chunked  # noqa: F401  (registers "torch")
     elif name == "triton":
         from . import triton as _triton  # noqa: F401  (registers "triton")
+        from .triton.decode import decode_step_triton
+
+        register_backend("triton", step=decode_step_triton)
 
 
 def resolve_backend(backend: str, device: torch.device, choices: tuple[str, ...] = BACKENDS) -> str:
@@ -306,3 +318,94 @@ def osdn_write_keys(
         eps=eps,
         cu_seqlens=cu_seqlens,
     )
+
+
+def _check_step(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(f"decode_step: {message}")
+
+
+def check_step_inputs(
+    q: Tensor, k: Tensor, v: Tensor, state: Tensor, g: Tensor | None, gate: Gate | None, beta: Tensor | None,
+    write_key: Tensor | None, erase: Tensor | None, n_h: int, d: Tensor | None, retain: Tensor | None,
+) -> None:
+    """Raise a ValueError that names the argument and the expected shape."""
+    _check_step(q.dim() == 4 and q.shape[1] == 1, f"q must be [B, 1, H, K] (one token), got shape {tuple(q.shape)}")
+    B, _, H, K = q.shape
+    _check_step(isinstance(n_h, int) and n_h >= 1, f"n_h must be a positive int, got {n_h!r}")
+    _check_step(tuple(k.shape) == (B, n_h, H, K), f"k must be [B, n_h, H, K] = {(B, n_h, H, K)}, got {tuple(k.shape)}")
+    _check_step(v.dim() == 4 and tuple(v.shape[:3]) == (B, n_h, H),
+                f"v must be [B, n_h, H, V] with B, n_h, H = {(B, n_h, H)}, got {tuple(v.shape)}")
+    V = v.shape[-1]
+    _check_step(tuple(state.shape) == (B, H, K, V), f"state must be [B, H, K, V] = {(B, H, K, V)}, got {tuple(state.shape)}")
+    _check_step(state.dtype in (torch.float32, torch.float64) and state.is_contiguous(),
+                f"state must be a contiguous float32 (or float64) tensor, got {state.dtype}")
+    for name, t in (("write_key", write_key), ("erase", erase)):
+        if t is not None:
+            _check_step(tuple(t.shape) == (B, n_h, H, K), f"{name} must be [B, n_h, H, K] = {(B, n_h, H, K)}, got {tuple(t.shape)}")
+    if beta is not None:
+        _check_step(tuple(beta.shape) == (B, n_h, H), f"beta must be [B, n_h, H] = {(B, n_h, H)}, got {tuple(beta.shape)}")
+    if g is not None:
+        _check_step(tuple(g.shape) in ((B, 1, H), (B, 1, H, K)),
+                    f"g must be [B, 1, H] (scalar gate) or [B, 1, H, K] (channel gate), got {tuple(g.shape)}")
+    if gate is not None:
+        _check_step(Gate.of(g) == gate, f"gate={gate.name.lower()!r} does not match g of "
+                    + ("none" if g is None else f"shape {tuple(g.shape)}"))
+    if d is not None:
+        _check_step(write_key is None, "OSDN (d given) forms the write keys itself: pass write_key=None")
+        _check_step(beta is not None and erase is None, "OSDN preconditions the delta rule: it needs beta and no erase")
+        _check_step(tuple(d.shape) == (B, H, K) and d.dtype == state.dtype and d.is_contiguous(),
+                    f"d must be a contiguous [B, H, K] = {(B, H, K)} tensor of the state's dtype {state.dtype}, "
+                    f"got {tuple(d.shape)} {d.dtype}")
+    if retain is not None:
+        _check_step(d is not None, "retain (APF) acts on OSDN's d: pass d too")
+        _check_step(tuple(retain.shape) == (B, 1, H), f"retain must be [B, 1, H] = {(B, 1, H)}, got {tuple(retain.shape)}")
+
+
+def decode_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: Tensor,
+    *,
+    g: Tensor | None = None,
+    gate: str | Gate | None = None,
+    beta: Tensor | None = None,
+    write_key: Tensor | None = None,
+    erase: Tensor | None = None,
+    n_h: int = 1,
+    scale: float | None = None,
+    d: Tensor | None = None,
+    retain: Tensor | None = None,
+    eta: float = 0.003,
+    d_min: float = 0.5,
+    d_max: float = 2.0,
+    beta_aware: bool = True,
+    eps: float = 1e-6,
+    backend: str = "auto",
+) -> Tensor:
+    """One token of `linear_recurrence` for every row of a batch, in place: the decoding step.
+
+    Arguments in the token layout of `linear_recurrence` with `T = 1`: `q` `[B, 1, H, K]`;
+    `k`, `write_key`, `erase` `[B, n_h, H, K]`; `v` `[B, n_h, H, V]`; `beta` `[B, n_h, H]`;
+    `g` `[B, 1, H]` or `[B, 1, H, K]`. `state` `[B, H, K, V]` (float32, or float64 for a
+    float64 model) is the state after the tokens so far; it is updated in place, so that a
+    captured CUDA graph can replay the step on the same buffers.
+
+    With `d` `[B, H, K]` (OSDN's preconditioner, the state's dtype) the write keys are
+    `d * k`, formed and `d` updated sub-step by sub-step as `osdn_write_keys` does (`retain`
+    `[B, 1, H]`: APF; `eta`, `d_min`, `d_max`, `beta_aware`, `eps` as there); `d` is updated
+    in place too. Returns `o` `[B, 1, H, V]` in the dtype of `v`. Running a prefill through
+    `linear_recurrence` and then tokens through this step equals running the whole sequence
+    (tests/kernels/test_decode.py). No autograd: decoding is inference.
+    """
+    kind = Gate.named(gate) if isinstance(gate, str) else gate
+    check_step_inputs(q, k, v, state, g, kind, beta, write_key, erase, n_h, d, retain)
+    if not (0 < d_min <= d_max):
+        raise ValueError(f"decode_step: need 0 < d_min <= d_max, got [{d_min}, {d_max}]")
+    kind = Gate.of(g) if kind is None else kind
+    name = resolve_backend(backend, q.device)
+    fn = _get(_STEP_BACKENDS, name)
+    with torch.no_grad():
+        return fn(q, k, v, state, g=g, gate=kind, beta=beta, write_key=write_key, erase=erase, n_h=n_h, scale=scale,
+                  d=d, retain=retain, eta=eta, d_min=d_min, d_max=d_max, beta_aware=beta_aware, eps=eps)

@@ -1,6 +1,7 @@
 """The recurrence, token by token: the definition every other backend is tested against.
 
-This is `RECURRENCE.md` written as a loop and nothing more. It is slow (one Python
+This is `RECURRENCE.md` written as a loop and nothing more; `decode_step_naive` is one
+token of it for every row of a batch (the decoding step's definition). It is slow (one Python
 iteration per sub-step) and meant for tests, for decoding one token at a time, and for
 diagnostics that need every intermediate state. Keep it obviously correct; never
 optimise it.
@@ -59,6 +60,78 @@ def apply_gate(state: Tensor, g: Tensor | None) -> Tensor:
     if g.dim() == state.dim() - 2:  # scalar gate [N, H]
         return state * torch.exp(g)[..., None, None]
     return state * torch.exp(g)[..., :, None]
+
+
+def osdn_update(
+    d: Tensor,
+    k: Tensor,
+    beta: Tensor | None,
+    *,
+    rho: Tensor | float = 1.0,
+    eta: float,
+    d_min: float,
+    d_max: float,
+    beta_aware: bool,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """One sub-step of OSDN's scan (`RECURRENCE.md`, "OSDN") on `d` `[N, H, K]`: the write
+    key `d * k` with the current `d`, then the next `d`. `k` `[N, H, K]`, `beta` `[N, H]`,
+    `rho` the APF retain `[N, H, 1]` at a token's first sub-step (1 elsewhere)."""
+    s = k * k
+    norm = torch.clamp(s.sum(-1, keepdim=True), min=eps)
+    key = d * k  # emit with the current d, then update
+    align = (d * s).sum(-1, keepdim=True)
+    if beta_aware:
+        b = beta[..., None]
+        step = eta * b * (1 - b * align) / norm * s
+    else:
+        step = eta * (1 - align) / norm * s
+    return key, torch.clamp(rho * d + step, d_min, d_max)
+
+
+def decode_step_naive(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: Tensor,
+    *,
+    g: Tensor | None = None,
+    gate: object = None,
+    beta: Tensor | None = None,
+    write_key: Tensor | None = None,
+    erase: Tensor | None = None,
+    n_h: int = 1,
+    scale: float | None = None,
+    d: Tensor | None = None,
+    retain: Tensor | None = None,
+    eta: float = 0.003,
+    d_min: float = 0.5,
+    d_max: float = 2.0,
+    beta_aware: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
+    """One token of `RECURRENCE.md` for every row: the gate, `n_h` sub-steps (with OSDN's
+    write keys and `d` update when `d` is given), the read-out. Arguments as
+    `archspec.kernels.decode_step` (`[B, 1, ...]` token layout); updates `state` (and `d`)
+    in place and returns `o` `[B, 1, H, V]` in the dtype of `v`."""
+    acc = state.dtype
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    S = apply_gate(state, None if g is None else g[:, 0].to(acc))
+    dd = None if d is None else d.to(acc)
+    for j in range(n_h):
+        kj = k[:, j].to(acc)
+        bj = None if beta is None else beta[:, j].to(acc)
+        wj = None if write_key is None else write_key[:, j].to(acc)
+        if dd is not None:
+            rho = retain[:, 0].to(acc)[..., None] if (retain is not None and j == 0) else 1.0
+            wj, dd = osdn_update(dd, kj, bj, rho=rho, eta=eta, d_min=d_min, d_max=d_max, beta_aware=beta_aware, eps=eps)
+        S = recurrence_step(S, kj, v[:, j].to(acc), beta=bj, write_key=wj,
+                            erase=None if erase is None else erase[:, j].to(acc))
+    o = torch.einsum("bhkv,bhk->bhv", S, scale * q[:, 0].to(acc))
+    state.copy_(S)
+    if d is not None:
+        d.copy_(dd)
+    return o[:, None].to(v.dtype)
 
 
 def _run_one_sequence(
@@ -198,20 +271,12 @@ def osdn_write_keys_naive(
     def scan(lo: int, hi: int, d: Tensor) -> tuple[list[Tensor], Tensor]:
         keys = []
         for i in range(lo, hi):
-            ki = k[:, i].to(acc)
-            s = ki * ki
-            norm = torch.clamp((ki * ki).sum(-1, keepdim=True), min=eps)
-            keys.append(d * ki)  # emit with the current d, then update
             rho = 1.0
             if retain is not None and i % n_h == 0:  # APF acts once per token
                 rho = retain[:, i // n_h].to(acc)[..., None]
-            align = (d * s).sum(-1, keepdim=True)
-            if beta_aware:
-                b = beta[:, i].to(acc)[..., None]
-                step = eta * b * (1 - b * align) / norm * s
-            else:
-                step = eta * (1 - align) / norm * s
-            d = torch.clamp(rho * d + step, d_min, d_max)
+            key, d = osdn_update(d, k[:, i].to(acc), None if beta is None else beta[:, i].to(acc), rho=rho, eta=eta,
+                                 d_min=d_min, d_max=d_max, beta_aware=beta_aware, eps=eps)
+            keys.append(key)
         return keys, d
 
     if cu_seqlens is None:

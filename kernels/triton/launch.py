@@ -11,7 +11,7 @@ and `tests/kernels/test_launch.py` pins each guard).
 Sweeps and tests change the chunk kernels' settings only through `overridden(...)`, a
 context manager; no environment variable changes how a kernel runs. The fused pieces of
 the training step (cross-entropy, RMSNorm, short convolution) have one entry each, below
-the table; their functions take another entry as an argument.
+the table, and so has the decoding step; their functions take another entry as an argument.
 """
 
 from __future__ import annotations
@@ -191,6 +191,21 @@ class ShortConvLaunch:
 
 
 SHORT_CONV_LAUNCH = ShortConvLaunch()
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """The decoding step (`decode.py`): V columns of a head's state per program, warps and
+    stages. The step moves the state once and little else, so what matters is enough
+    programs in flight at batch 1 (B * H * V / block_v of them) with each tile
+    (`K x block_v` float32, 16 KB at K = 128) in registers. Not yet swept on the H200."""
+
+    block_v: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+DECODE_LAUNCH = DecodeLaunch()
 
 
 def pow2(n: int) -> int:

@@ -1,0 +1,253 @@
+"""The decoding step against the chunk path: a prefill through `linear_recurrence` and then
+one `decode_step` per token equal the whole sequence through `linear_recurrence`
+(outputs and final state; OSDN's `d` too), for every plan the chunk kernel runs: n_h
+sub-steps, no / scalar / channel gates, tied, untied and OSDN write keys, beta in [0, 1]
+and [0, 2], RWKV-7's erase with and without beta. float32 to 1e-5, float64 to 1e-10, on
+the torch step (the definition) and the Triton step (under the interpreter on the CPU;
+GPU-marked tests on CUDA). The definition itself is also checked against a hand-written
+token of `RECURRENCE.md`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from archspec.kernels import decode_step, linear_recurrence, osdn_write_keys
+
+from .cases import Case, all_cases, make_inputs
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+CUDA = torch.cuda.is_available()
+
+
+def _token_slice(inputs: dict, lo: int, hi: int) -> dict:
+    """The arguments of tokens `lo..hi-1` (sub-step tensors sliced by `n_h`)."""
+    n = inputs["n_h"]
+    out = {}
+    for name, value in inputs.items():
+        if not isinstance(value, torch.Tensor) or name in ("initial_state", "d0"):
+            out[name] = value
+        elif name in ("q", "g", "retain"):
+            out[name] = value[:, lo:hi]
+        else:
+            out[name] = value[:, lo * n : hi * n]
+    return out
+
+
+def _whole(inputs: dict, backend: str, osdn: dict | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    args = {k: v for k, v in inputs.items() if k not in ("retain", "d0")}
+    d = None
+    if osdn is not None:
+        args["write_key"], d = osdn_write_keys(inputs["k"], inputs["beta"], retain=inputs.get("retain"),
+                                               d0=inputs.get("d0"), n_h=inputs["n_h"], backend=backend, **osdn)
+    o, state = linear_recurrence(**args, output_final_state=True, backend=backend)
+    return o, state, d
+
+
+def _prefill_then_steps(inputs: dict, prefill: int, backend: str, osdn: dict | None):
+    T = inputs["q"].shape[1]
+    o_pre, state, d = _whole(_token_slice(inputs, 0, prefill), backend, osdn)
+    state = state.contiguous()
+    if d is not None:
+        d = d.contiguous()
+    outs = [o_pre]
+    for t in range(prefill, T):
+        tok = _token_slice(inputs, t, t + 1)
+        step = {name: tok[name] for name in ("g", "beta", "write_key", "erase") if tok.get(name) is not None}
+        if osdn is not None:
+            step.pop("write_key", None)
+            step.update(osdn, d=d, retain=tok.get("retain"))
+        outs.append(decode_step(tok["q"], tok["k"], tok["v"], state, n_h=inputs["n_h"], backend=backend, **step))
+    return torch.cat(outs, dim=1), state, d
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert torch.isfinite(got).all(), what
+    err = (got.double().cpu() - want.double().cpu()).abs().max().item()
+    scale = max(1.0, want.double().abs().max().item())
+    assert err <= TOL[dtype] * scale, f"{what}: max error {err:.2e} (scale {scale:.2f})"
+
+
+def _check(case: Case, dtype: torch.dtype, backend: str, device: str, *, T: int = 9, prefill: int = 5,
+           osdn: dict | None = None, retain: bool = False, d0: bool = False, seed: int = 0) -> None:
+    inputs = make_inputs(case, B=2, T=T, H=2, K=8, V=16, dtype=dtype, device=device, seed=seed, requires_grad=False)
+    if osdn is not None:
+        inputs.pop("write_key", None)
+        gen = torch.Generator().manual_seed(seed + 1)
+        if retain:
+            inputs["retain"] = (0.9 + 0.1 * torch.rand(2, T, 2, generator=gen, dtype=torch.float64)).to(device, dtype)
+        if d0:
+            inputs["d0"] = (0.6 + 1.2 * torch.rand(2, 2, 8, generator=gen, dtype=torch.float64)).to(device, dtype)
+    with torch.no_grad():
+        o_want, s_want, d_want = _whole(inputs, backend, osdn)
+        o_got, s_got, d_got = _prefill_then_steps(inputs, prefill, backend, osdn)
+    _close(o_got, o_want, dtype, "outputs")
+    _close(s_got, s_want, dtype, "final state")
+    if osdn is not None:
+        _close(d_got, d_want, dtype, "OSDN d")
+
+
+# Every plan; the preconditioned cases of `all_cases` take random write keys (the chunk
+# path's view of OSDN); the real OSDN scan is tested below.
+PLANS = all_cases(max_n_h=3)
+OSDN = dict(eta=0.2, d_min=0.5, d_max=2.0)  # a large eta: d moves visibly every step
+OSDN_PLANS = [
+    (Case(gate=gate, n_h=n_h, write_key="preconditioned"), aware, retain, d0)
+    for gate, n_h, (aware, retain, d0) in itertools.product(
+        ("none", "scalar", "channel"), (1, 2), ((True, False, False), (False, True, True), (True, True, False)))
+]
+
+
+def _rwkv7_with_beta(dtype, backend, device):
+    """RWKV-7's erase with a write strength `beta` (the kernels' HAS_BETA path)."""
+    case = Case(gate="channel", transition="rwkv7", n_h=2, write_key="untied", beta_scale=2.0)
+    inputs = make_inputs(case, B=2, T=7, H=2, K=8, V=16, dtype=dtype, device=device, requires_grad=False)
+    inputs["beta"] = torch.rand(2, 14, 2, dtype=dtype, generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.no_grad():
+        o_want, s_want, _ = _whole(inputs, backend, None)
+        o_got, s_got, _ = _prefill_then_steps(inputs, 3, backend, None)
+    _close(o_got, o_want, dtype, "outputs")
+    _close(s_got, s_want, dtype, "final state")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("case", PLANS, ids=[c.id for c in PLANS])
+def test_torch_step_continues_the_chunk_path(case, dtype):
+    _check(case, dtype, "torch", "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("case,aware,retain,d0", OSDN_PLANS,
+                         ids=[f"{c.gate}-nh{c.n_h}-aware{a}-apf{r}-d0{d}" for c, a, r, d in OSDN_PLANS])
+def test_torch_step_with_osdn_continues_the_scan(case, aware, retain, d0, dtype):
+    _check(case, dtype, "torch", "cpu", osdn={**OSDN, "beta_aware": aware}, retain=retain, d0=d0)
+
+
+def test_torch_step_rwkv7_with_beta():
+    _rwkv7_with_beta(torch.float64, "torch", "cpu")
+
+
+# The Triton step: under the interpreter every launch costs tens of milliseconds, so the
+# CPU runs one case per (gate, transition) family with the options spread over them, and
+# CUDA runs them all.
+TRITON_CPU_PLANS = [
+    Case(gate="none", transition="householder", n_h=1),
+    Case(gate="scalar", transition="householder", n_h=2, beta_scale=2.0, initial_state=True),
+    Case(gate="channel", transition="householder", n_h=3, write_key="preconditioned"),
+    Case(gate="none", transition="diagonal", write_key="untied", initial_state=True),
+    Case(gate="scalar", transition="diagonal"),
+    Case(gate="channel", transition="diagonal"),
+    Case(gate="none", transition="rwkv7", n_h=1, write_key="untied"),
+    Case(gate="channel", transition="rwkv7", n_h=2, write_key="untied", beta_scale=2.0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("case", TRITON_CPU_PLANS, ids=[c.id for c in TRITON_CPU_PLANS])
+def test_triton_step_continues_the_chunk_kernel(case, dtype):
+    pytest.importorskip("triton")
+    _check(case, dtype, "triton", "cuda" if CUDA else "cpu", T=6, prefill=4)
+
+
+@pytest.mark.parametrize("gate,aware,retain", [("scalar", True, True), ("channel", False, False)])
+def test_triton_step_with_osdn_continues_the_scan(gate, aware, retain):
+    pytest.importorskip("triton")
+    case = Case(gate=gate, n_h=2, write_key="preconditioned")
+    _check(case, torch.float64, "triton", "cuda" if CUDA else "cpu", T=6, prefill=4,
+           osdn={**OSDN, "beta_aware": aware}, retain=retain, d0=True)
+
+
+def test_triton_step_rwkv7_with_beta():
+    pytest.importorskip("triton")
+    _rwkv7_with_beta(torch.float64, "triton", "cuda" if CUDA else "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("case", PLANS, ids=[c.id for c in PLANS])
+def test_triton_step_every_plan_on_cuda(case, dtype):
+    _check(case, dtype, "triton", "cuda", T=40, prefill=33)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,aware,retain,d0", OSDN_PLANS,
+                         ids=[f"{c.gate}-nh{c.n_h}-aware{a}-apf{r}-d0{d}" for c, a, r, d in OSDN_PLANS])
+def test_triton_step_with_osdn_on_cuda(case, aware, retain, d0):
+    for dtype in (torch.float64, torch.float32):
+        _check(case, dtype, "triton", "cuda", T=40, prefill=33, osdn={**OSDN, "beta_aware": aware}, retain=retain, d0=d0)
+
+
+@pytest.mark.gpu
+def test_triton_step_in_bfloat16_on_cuda_follows_float64():
+    """bfloat16 token vectors over a float32 state: the step against the float64 definition."""
+    case = Case(gate="scalar", transition="householder", n_h=2)
+    inputs = make_inputs(case, B=4, T=1, H=4, K=128, V=128, dtype=torch.float64, device="cuda", requires_grad=False)
+    state = torch.randn(4, 4, 128, 128, device="cuda", dtype=torch.float64) * 0.1
+    tok = {n: inputs[n] for n in ("q", "k", "v", "g", "beta")}
+    want_state = state.clone()
+    want = decode_step(**tok, state=want_state, n_h=2, backend="torch")
+    got_state = state.float()
+    got = decode_step(**{n: t.bfloat16() for n, t in tok.items()}, state=got_state, n_h=2, backend="triton")
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - want).abs().max().item() < 3e-2 * want.abs().max().item()
+    assert (got_state.double() - want_state).abs().max().item() < 1e-2 * want_state.abs().max().item()
+
+
+def test_the_step_definition_is_one_token_of_recurrence_md():
+    """`decode_step_naive` against the token written out here: channel gate, two Householder
+    sub-steps with OSDN write keys and APF, then the read-out."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, K, V = 2, 3, 4, 5
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k, v = rand(B, 1, H, K), F.normalize(rand(B, 2, H, K), dim=-1), rand(B, 2, H, V)
+    g, beta = -F.softplus(rand(B, 1, H, K)), torch.sigmoid(rand(B, 2, H))
+    retain, d = torch.sigmoid(rand(B, 1, H)), 0.5 + torch.rand(B, H, K, generator=gen, dtype=torch.float64)
+    state = rand(B, H, K, V)
+    eta, eps = 0.1, 1e-6
+
+    S, dd = state.clone(), d.clone()
+    want = torch.empty(B, H, V, dtype=torch.float64)
+    for b, h in itertools.product(range(B), range(H)):
+        M = torch.diag(torch.exp(g[b, 0, h])) @ S[b, h]
+        dv = dd[b, h]
+        for j in range(2):
+            kj, bj = k[b, j, h], beta[b, j, h]
+            w = dv * kj
+            s = kj * kj
+            rho = retain[b, 0, h] if j == 0 else 1.0
+            dv = torch.clamp(rho * dv + eta * bj * (1 - bj * (dv @ s)) / max(float(kj @ kj), eps) * s, 0.5, 2.0)
+            M = M + bj * torch.outer(w, v[b, j, h] - M.T @ kj)
+        want[b, h] = M.T @ (K**-0.5 * q[b, 0, h])
+        S[b, h], dd[b, h] = M, dv
+
+    got_state, got_d = state.clone(), d.clone()
+    got = decode_step(q, k, v, got_state, g=g, beta=beta, n_h=2, d=got_d, retain=retain, eta=eta, backend="naive")
+    torch.testing.assert_close(got[:, 0], want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got_state, S, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got_d, dd, rtol=0, atol=1e-12)
+
+
+def test_bad_step_arguments_are_named():
+    q, k, v = torch.zeros(2, 1, 3, 4), torch.zeros(2, 2, 3, 4), torch.zeros(2, 2, 3, 5)
+    state = torch.zeros(2, 3, 4, 5)
+    with pytest.raises(ValueError, match=r"decode_step: q must be \[B, 1, H, K\] \(one token\)"):
+        decode_step(torch.zeros(2, 2, 3, 4), k, v, state, n_h=2)
+    with pytest.raises(ValueError, match=r"k must be \[B, n_h, H, K\] = \(2, 1, 3, 4\)"):
+        decode_step(q, k, v, state)
+    with pytest.raises(ValueError, match=r"state must be \[B, H, K, V\] = \(2, 3, 4, 5\)"):
+        decode_step(q, k, v, torch.zeros(2, 3, 5, 4), n_h=2)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        decode_step(q, k, v, state.half(), n_h=2)
+    with pytest.raises(ValueError, match="OSDN preconditions the delta rule: it needs beta"):
+        decode_step(q, k, v, state, n_h=2, d=torch.ones(2, 3, 4))
+    with pytest.raises(ValueError, match="retain \\(APF\\) acts on OSDN's d"):
+        decode_step(q, k, v, state, n_h=2, beta=torch.ones(2, 2, 3), retain=torch.ones(2, 1, 3))
+    with pytest.raises(ValueError, match="gate='channel' does not match g of shape \\(2, 1, 3\\)"):
+        decode_step(q, k, v, state, n_h=2, g=torch.zeros(2, 1, 3), gate="channel")

@@ -7,6 +7,10 @@ decoding state is one state per layer (`MixerState` or `AttentionState`);
 `forward(ids, state)` continues the sequences that `state` describes, so prefill and
 token-by-token generation are the same call.
 
+Generation: `generate(...)` (`generate.py`) prefills through `forward` and then decodes
+with `step`, one token for every row in place on the state (`Mixer.step`: one decoding
+launch per recurrent layer), captured in a CUDA graph on CUDA.
+
 Training: `forward(ids, labels=labels)` returns the mean next-token loss without making
 the logits (`loss.py`); `cu_seqlens` packs documents in one row (B = 1) so that none sees
 another, each as if it ran alone.
@@ -27,7 +31,7 @@ import torch.nn as nn
 
 from .attention import Attention, AttentionState
 from .loss import next_token_loss
-from .mixer import Mixer, MixerState
+from .mixer import Mixer, MixerState, decode_state
 from .mlp import MLP
 from .norm import RMSNorm
 from .plan import AttentionPlan, LayerPlan, ModelPlan
@@ -63,6 +67,13 @@ class Block(nn.Module):
         if self.mlp is not None:
             x = x + self.mlp(self.mlp_norm(x))
         return x, state
+
+    def step(self, x: Tensor, state: MixerState) -> Tensor:
+        """One token `[B, 1, d_model]`, the layer's state updated in place."""
+        x = x + self.mixer.step(self.mixer_norm(x), state)
+        if self.mlp is not None:
+            x = x + self.mlp(self.mlp_norm(x))
+        return x
 
 
 class LanguageModel(nn.Module):
@@ -129,6 +140,17 @@ class LanguageModel(nn.Module):
         rows) or from zeros, and the returned state has one row per document (recurrent
         layers only: an attention layer takes packed documents without a state).
         """
+        x, new_state = self.hidden_states(input_ids, state, return_state, cu_seqlens=cu_seqlens)
+        out = self.head(x) if labels is None else next_token_loss(x, self.head.weight, labels, backend=self.fused_backend)
+        return (out, new_state) if return_state else out
+
+    def hidden_states(
+        self, input_ids: Tensor, state: list[MixerState] | None = None, return_state: bool = False, *,
+        cu_seqlens: Tensor | None = None,
+    ) -> tuple[Tensor, list[MixerState]]:
+        """`forward` up to the final norm: the rows the head reads `[B, T, d_model]`, and the
+        per-layer states (None each unless `return_state`). Generation reads the head at a
+        prompt's last token only."""
         if cu_seqlens is not None:
             _check_packed(input_ids, cu_seqlens)
         x = self.embed(input_ids)
@@ -136,9 +158,29 @@ class LanguageModel(nn.Module):
         for i, block in enumerate(self.blocks):
             x, layer_state = block(x, None if state is None else state[i], return_state, cu_seqlens)
             new_state.append(layer_state)
-        x = self.norm(x)
-        out = self.head(x) if labels is None else next_token_loss(x, self.head.weight, labels, backend=self.fused_backend)
-        return (out, new_state) if return_state else out
+        return self.norm(x), new_state
+
+    def decode_state(self, state: list[MixerState]) -> list[MixerState]:
+        """A copy of `state` that `step` updates in place (tensors of its own, contiguous)."""
+        return [decode_state(layer) for layer in state]
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor, state: list[MixerState]) -> Tensor:
+        """Decode one token for every row: `tokens` `[B]` -> next-token logits `[B, vocab]`,
+        `state` (from `decode_state`) advanced in place. Equal to `forward` of the one-token
+        piece; on fixed buffers, so that a CUDA graph can capture it."""
+        x = self.embed(tokens[:, None])
+        for block, layer_state in zip(self.blocks, state):
+            x = block.step(x, layer_state)
+        return self.head(self.norm(x))[:, 0]
+
+    def generate(self, input_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, eos: int | list[int] | None = None, **options):
+        """Sample continuations of prompts; see `blocks.generate.generate` (`input_ids` a
+        `[B, T]` tensor, or a list of prompts of different lengths, packed for the prefill)."""
+        from .generate import generate
+
+        return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos, **options)
 
 
 def _check_packed(input_ids: Tensor, cu_seqlens: Tensor) -> None:

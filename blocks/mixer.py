@@ -21,6 +21,8 @@ DeltaNet / GatedDeltaNet / GatedDeltaProduct / KDA / GLA layers:
 
 Decoding state (`MixerState`): the matrix state S, the conv tails, OSDN's d. Calling the
 mixer on a sequence in one piece or in several, carrying the state, gives the same output.
+`step` decodes one token in place on that state: the same streams, then one
+`kernels.decode_step` (one launch on CUDA) instead of the chunk kernel.
 Packed documents (`cu_seqlens`, B = 1) run as if each were alone: the conv, the OSDN scan
 and the recurrence restart at every document, and the state has one row per document.
 
@@ -39,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from archspec.kernels import linear_recurrence
+from archspec.kernels import decode_step, linear_recurrence
 
 from .conv import ShortConv
 from .gates import ChannelGate, ScalarGate
@@ -60,6 +62,13 @@ class MixerState:
     recurrent: Tensor  # S [B, H, K, V]; float32 (float64 in a float64 model)
     conv: dict[str, Tensor] = field(default_factory=dict)  # stream -> tail [B, W-1, C]
     d: Tensor | None = None  # OSDN's preconditioner [B, H, K]
+
+
+def decode_state(state: MixerState) -> MixerState:
+    """A copy of `state` that `Mixer.step` may update in place: contiguous tensors of its
+    own, OSDN's `d` in the matrix state's dtype."""
+    d = None if state.d is None else state.d.to(state.recurrent.dtype).contiguous().clone()
+    return MixerState(state.recurrent.contiguous().clone(), {k: t.contiguous().clone() for k, t in state.conv.items()}, d)
 
 
 def check_plan(plan: RecurrencePlan) -> None:
@@ -225,6 +234,47 @@ class Mixer(nn.Module):
         if not return_state:
             return y, None
         return y, MixerState(final, tails, d_final)
+
+    def _stream_step(self, name: str, x: Tensor, state: MixerState, unit: bool) -> Tensor:
+        """`_stream` of one token, the conv's tail shifted in place."""
+        h = self.proj[name](x)
+        head_dim = self.plan.head_dim if unit else 0
+        if self.conv is not None:
+            return self.conv[name].step(h, state.conv[name], activation=True, head_dim=head_dim, norm_eps=L2_EPS)
+        h = F.silu(h)
+        if unit:
+            h = F.normalize(h.unflatten(-1, (-1, head_dim)), dim=-1, eps=L2_EPS).flatten(-2)
+        return h
+
+    def step(self, x: Tensor, state: MixerState) -> Tensor:
+        """One token `x` `[B, 1, d_model]` -> `[B, 1, d_model]`, continuing `state` in place
+        (S, the conv tails and OSDN's d; each row one sequence): what `forward` gives for
+        a one-token piece, through the decoding step. `state`'s tensors must be its own
+        (`decode_state` makes them so), since they are overwritten."""
+        plan = self.plan
+        B = x.shape[0]
+        H, K, V, n = plan.heads, plan.head_dim, plan.value_dim, plan.n_h
+        unit = plan.transition != "diagonal"
+        q = self._stream_step("q", x, state, unit).reshape(B, 1, H, K)
+        k = self._stream_step("k", x, state, unit).reshape(B, n, H, K)
+        v = self._stream_step("v", x, state, False).reshape(B, n, H, V)
+        beta = erase = write_key = None
+        if self.b_proj is not None:
+            beta = plan.beta_scale * torch.sigmoid(self.b_proj(x)).reshape(B, n, H)
+        if self.a_proj is not None:
+            erase = plan.beta_scale * torch.sigmoid(self.a_proj(x)).reshape(B, n, H, K) * k
+        if "w" in self.proj:
+            write_key = self._stream_step("w", x, state, True).reshape(B, n, H, K)
+        osdn: dict = {}
+        if self.preconditioner is not None:
+            pre = self.preconditioner
+            retain = torch.sigmoid(pre.retain_proj(x)) if pre.retain_proj is not None else None
+            osdn = dict(d=state.d, retain=retain, eta=pre.plan.eta, d_min=pre.plan.d_min, d_max=pre.plan.d_max,
+                        beta_aware=pre.plan.beta_aware, eps=pre.plan.eps)
+        o = decode_step(q, k, v, state.recurrent, g=None if self.gate is None else self.gate(x), gate=plan.gate,
+                        beta=beta, write_key=write_key, erase=erase, n_h=n, scale=self.scale, backend=self.backend,
+                        **osdn)
+        return self._output(x, o, None, {}, None, False)[0]
 
     def _store_capture(self, kwargs: dict, osdn_inputs: dict | None) -> None:
         """Diagnostics (docs/interfaces.md): the kernel's exact inputs, detached."""

@@ -1,0 +1,194 @@
+"""Generation: a prefill through the chunk path and then decoding steps equal the forward
+over the whole sequence, for every plan (float64 to 1e-10, float32 to 1e-5); greedy
+generation picks the argmax of that forward at every position; prompts of different
+lengths, packed for the prefill, continue as if each ran alone; sampling draws from the
+truncated softmax; eos ends a row; the CUDA graph replays the eager step (GPU-marked).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from archspec.blocks import build_model
+from archspec.blocks.generate import Sampling, sample
+
+from .plans import COMBINATIONS, model_plan
+
+CUDA = torch.cuda.is_available()
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+VOCAB = 13
+
+
+def _model(name: str, dtype: torch.dtype = torch.float64, backend: str = "torch", device: str = "cpu"):
+    torch.manual_seed(0)
+    model = build_model(model_plan(COMBINATIONS[name], layers=2, vocab_size=VOCAB)).to(device, dtype)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "d0_delta" in pname or "retain_proj.bias" in pname:  # move the trivial initial values
+                p.add_(0.5 * torch.randn_like(p) - (3.0 if "retain" in pname else 0.0))
+            elif p.dim() >= 2:
+                p.mul_(10.0)  # weights far from the 0.02 init, so that logits and states are not tiny
+    model.set_backend(backend)
+    return model.eval()
+
+
+def _prefill_then_steps(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits at every position: the prompt's from the prefill's hidden rows, then one step
+    per further token (teacher-forced)."""
+    with torch.no_grad():
+        hidden, state = model.hidden_states(ids[:, :prefill], return_state=True)
+        logits = [model.head(hidden)]
+        state = model.decode_state(state)
+        for t in range(prefill, ids.shape[1]):
+            logits.append(model.step(ids[:, t], state)[:, None])
+    return torch.cat(logits, dim=1)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = max(1.0, want.abs().max().item())
+    err = (got - want).abs().max().item()
+    assert err <= TOL[dtype] * scale, f"max error {err:.2e} at scale {scale:.2f}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", list(COMBINATIONS))
+def test_prefill_and_steps_equal_the_forward(name, dtype):
+    model = _model(name, dtype)
+    ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids)
+    _close(_prefill_then_steps(model, ids, 6), want, dtype)
+
+
+def test_the_step_on_triton_equals_the_forward():
+    """The Triton decoding step (the interpreter on the CPU) inside the model."""
+    pytest.importorskip("triton")
+    model = _model("osgdn-apf-learned", torch.float64, backend="triton", device="cuda" if CUDA else "cpu")
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2)).to(model.embed.weight.device)
+    with torch.no_grad():
+        want = model(ids)
+    _close(_prefill_then_steps(model, ids, 5), want, torch.float64)
+
+
+@pytest.mark.parametrize("name", ["gdn-scalar", "rwkv7-nh2-b2-channel", "osdn-apf-nh2"])
+def test_greedy_generation_is_the_argmax_of_the_forward(name):
+    model = _model(name)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    out = model.generate(prompt, 6, temperature=0)
+    assert out.shape == (2, 11) and torch.equal(out[:, :5], prompt)
+    with torch.no_grad():
+        logits = model(out)
+    assert torch.equal(out[:, 5:], logits[:, 4:-1].argmax(-1))
+    assert model.training is False
+
+
+def test_prompts_of_different_lengths_continue_as_if_alone():
+    model = _model("oskda-betafree-nh2")
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (3, 7, 1, 5)]
+    together = model.generate(prompts, 5, temperature=0)
+    assert isinstance(together, list) and len(together) == 4
+    for prompt, row in zip(prompts, together):
+        alone = model.generate(prompt[None], 5, temperature=0)[0]
+        assert torch.equal(row, alone)
+        with torch.no_grad():
+            logits = model(row[None])[0]
+        assert torch.equal(row[len(prompt):], logits[len(prompt) - 1 : -1].argmax(-1))
+
+
+def test_eos_ends_a_row():
+    model = _model("gdn-scalar")
+    prompt = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(5))
+    free = model.generate(prompt, 6, temperature=0)
+    eos = int(free[0, 6])  # the third token row 0 generates
+    first_in = [int((row[4:] == eos).nonzero()[0]) if (row[4:] == eos).any() else None for row in free]
+    out = model.generate(prompt, 6, temperature=0, eos=eos)
+    for row, free_row, hit in zip(out, free, first_in):
+        stop = 4 + hit + 1 if hit is not None else free.shape[1]
+        assert torch.equal(row[:stop], free_row[:stop])
+        assert (row[stop:] == eos).all()
+    if all(h is not None for h in first_in):
+        assert out.shape[1] == 4 + max(first_in) + 1  # the loop ended when every row had
+    listed = model.generate(list(prompt), 6, temperature=0, eos=eos)
+    assert torch.equal(listed[0], free[0, : 4 + first_in[0] + 1])
+
+
+def test_sampling_draws_from_the_truncated_softmax():
+    logits = torch.log(torch.tensor([[0.05, 0.4, 0.1, 0.3, 0.15]])).repeat(20000, 1)
+    gen = torch.Generator().manual_seed(6)
+
+    def frequencies(s: Sampling) -> torch.Tensor:
+        return torch.bincount(sample(logits, s, gen), minlength=5).double() / logits.shape[0]
+
+    def expect(keep: list[int], temperature: float = 1.0) -> torch.Tensor:
+        p = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15], dtype=torch.float64) ** (1 / temperature)
+        mask = torch.zeros(5, dtype=torch.bool)
+        mask[keep] = True
+        p = p * mask
+        return p / p.sum()
+
+    tol = 0.015
+    assert (frequencies(Sampling()) - expect([0, 1, 2, 3, 4])).abs().max() < tol
+    assert (frequencies(Sampling(top_k=2)) - expect([1, 3])).abs().max() < tol
+    # top_p 0.75: 0.4 + 0.3 = 0.7 < 0.75, so 0.15 joins; the rest are dropped
+    assert (frequencies(Sampling(top_p=0.75)) - expect([1, 3, 4])).abs().max() < tol
+    assert (frequencies(Sampling(temperature=0.5, top_k=3)) - expect([1, 3, 4], 0.5)).abs().max() < tol
+    assert torch.equal(sample(logits[:3], Sampling(temperature=0)), torch.tensor([1, 1, 1]))
+    assert torch.equal(sample(logits[:3], Sampling(top_k=1), gen), torch.tensor([1, 1, 1]))
+
+
+def test_sampled_generation_is_reproducible_under_a_generator():
+    model = _model("kda-channel")
+    prompt = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(7))
+    a = model.generate(prompt, 8, temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(8))
+    b = model.generate(prompt, 8, temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a, b)
+
+
+def test_bad_generation_arguments_are_named():
+    model = _model("deltanet-none")
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    cases = [
+        (dict(input_ids=prompt, max_new_tokens=-1), "max_new_tokens must be an int >= 0"),
+        (dict(input_ids=prompt, max_new_tokens=2, temperature=-1.0), "temperature must be >= 0"),
+        (dict(input_ids=prompt, max_new_tokens=2, top_k=0), "top_k must be a positive int"),
+        (dict(input_ids=prompt, max_new_tokens=2, top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(input_ids=prompt, max_new_tokens=2, eos=VOCAB), r"eos must be a token id .* in \[0, 13\)"),
+        (dict(input_ids=prompt + VOCAB, max_new_tokens=2), r"token ids must lie in \[0, 13\)"),
+        (dict(input_ids=torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2), r"\[B, T\] integer tensor with T >= 1"),
+        (dict(input_ids=[[1, 2], []], max_new_tokens=2), "prompt 1 must be a non-empty 1-D sequence"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            model.generate(**kwargs)
+    if not CUDA:
+        with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device"):
+            model.generate(prompt, 2, cuda_graph=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(COMBINATIONS))
+def test_prefill_and_triton_steps_equal_the_forward_on_cuda(name):
+    model = _model(name, torch.float32, backend="auto", device="cuda")
+    ids = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad():
+        want = model(ids)
+    _close(_prefill_then_steps(model, ids, 33), want, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gdn-scalar", "oskda-betafree-nh2", "rwkv7-nh2-b2-channel"])
+def test_the_cuda_graph_replays_the_eager_step(name):
+    model = _model(name, torch.float32, backend="auto", device="cuda")
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).cuda() for n in (9, 3, 17)]
+    eager = model.generate(prompts, 12, temperature=0, cuda_graph=False)
+    graphed = model.generate(prompts, 12, temperature=0, cuda_graph=True)
+    again = model.generate(prompts, 12, temperature=0, cuda_graph=True)  # the kept graph, loaded afresh
+    for a, b, c in zip(eager, graphed, again):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert len(model._captured_steps) == 1
+    with torch.no_grad():
+        logits = model(graphed[0][None])[0]
+    assert torch.equal(graphed[0][9:], logits[8:-1].argmax(-1))

@@ -158,6 +158,7 @@ def load(path: str | os.PathLike[str], *, device: torch.device | str | None = No
     the module from `spec.yaml`, its tensors from the file; returned in eval mode."""
     from archspec.blocks import build_model
     from archspec.lowering import lower
+    from archspec.memory import check_fits
     from archspec.spec.loader import load_spec
 
     directory = weights_dir(path)
@@ -165,7 +166,9 @@ def load(path: str | os.PathLike[str], *, device: torch.device | str | None = No
     if not spec_path.is_file():
         raise ArchspecError(f"{directory}: {WEIGHTS_FILE} without {SPEC_FILE}: the weights were saved from a bare "
                             "ModelPlan; build the model from that plan and fill it with archspec.weights.load_state")
-    model = build_model(lower(load_spec(spec_path)))
+    plan = lower(load_spec(spec_path))
+    check_fits(plan, "cpu", what=f"the model saved in {directory}")  # built in float32 on the CPU
+    model = build_model(plan)
     load_state(model, directory / WEIGHTS_FILE)
     if device is not None:
         model = model.to(device)

@@ -329,7 +329,14 @@ def check_step_inputs(
     q: Tensor, k: Tensor, v: Tensor, state: Tensor, g: Tensor | None, gate: Gate | None, beta: Tensor | None,
     write_key: Tensor | None, erase: Tensor | None, n_h: int, d: Tensor | None, retain: Tensor | None,
 ) -> None:
-    """Raise a ValueError that names the argument and the expected shape."""
+    """Raise a ValueError that names the argument and the expected shape (a TypeError for
+    an argument of the wrong type or dtype)."""
+    check_tensor_arguments(
+        "decode_step", "q",
+        {"q": q, "k": k, "v": v, "state": state, "g": g, "beta": beta, "write_key": write_key, "erase": erase,
+         "d": d, "retain": retain},
+        None,
+    )
     _check_step(q.dim() == 4 and q.shape[1] == 1, f"q must be [B, 1, H, K] (one token), got shape {tuple(q.shape)}")
     B, _, H, K = q.shape
     _check_step(isinstance(n_h, int) and n_h >= 1, f"n_h must be a positive int, got {n_h!r}")
@@ -401,10 +408,14 @@ def decode_step(
     """
     kind = Gate.named(gate) if isinstance(gate, str) else gate
     check_step_inputs(q, k, v, state, g, kind, beta, write_key, erase, n_h, d, retain)
+    _check_number("decode_step", "scale", scale, optional=True)
+    for label, value in (("eta", eta), ("d_min", d_min), ("d_max", d_max), ("eps", eps)):
+        _check_number("decode_step", label, value)
     if not (0 < d_min <= d_max):
         raise ValueError(f"decode_step: need 0 < d_min <= d_max, got [{d_min}, {d_max}]")
     kind = Gate.of(g) if kind is None else kind
     name = resolve_backend(backend, q.device)
+    _check_backend_device("decode_step", name, q.device)
     fn = _get(_STEP_BACKENDS, name)
     with torch.no_grad():
         return fn(q, k, v, state, g=g, gate=kind, beta=beta, write_key=write_key, erase=erase, n_h=n_h, scale=scale,

@@ -249,5 +249,9 @@ def test_bad_step_arguments_are_named():
         decode_step(q, k, v, state, n_h=2, d=torch.ones(2, 3, 4))
     with pytest.raises(ValueError, match="retain \\(APF\\) acts on OSDN's d"):
         decode_step(q, k, v, state, n_h=2, beta=torch.ones(2, 2, 3), retain=torch.ones(2, 1, 3))
+    with pytest.raises(TypeError, match="decode_step: k must be a floating-point tensor"):
+        decode_step(q, k.long(), v, state, n_h=2)
+    with pytest.raises(ValueError, match="decode_step: eta must be a finite number"):
+        decode_step(q, k, v, state, n_h=2, beta=torch.ones(2, 2, 3), d=torch.ones(2, 3, 4), eta=float("nan"))
     with pytest.raises(ValueError, match="gate='channel' does not match g of shape \\(2, 1, 3\\)"):
         decode_step(q, k, v, state, n_h=2, g=torch.zeros(2, 1, 3), gate="channel")

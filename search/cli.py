@@ -18,6 +18,7 @@ from archspec.errors import ArchspecError
 # Modules that contribute commands, in the order `archspec --help` lists them.
 COMMAND_MODULES = (
     "archspec.cli",
+    "archspec.cli_export",
     "archspec.search.cli_train",
     "archspec.search.cli_search",
     "archspec.throughput",

@@ -1,0 +1,139 @@
+"""`ArchspecForCausalLM`: a compiled archspec model as a transformers causal LM.
+
+The wrapper holds the compiled `LanguageModel` as `model` (state-dict keys `model.*`) and
+adds what the ecosystem expects: a `forward(input_ids, attention_mask, cache, use_cache,
+labels, logits_to_keep)` that returns `CausalLMOutputWithPast`, `generate()` through
+`GenerationMixin`, `save_pretrained` / `from_pretrained` (safetensors, the spec in
+`config.json`).
+
+- Prefill (no state yet): the chunk kernel over the prompt. A left- or right-padded batch
+  (`attention_mask` with zeros) is packed without its padding (`cu_seqlens`), so each
+  row's state is that of its own tokens only, as a recurrent model needs; the padded
+  positions' logits are those of zero rows and mean nothing.
+- Decoding (a state in `cache`): one token through `LanguageModel.step` (the decoding
+  step, in place on the cache's state); several through the chunk kernel from the state.
+- `labels` (aligned with `input_ids`, -100 unscored): the mean next-token cross-entropy,
+  shifted inside as transformers' causal LMs do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .cache import ArchspecCache
+from .config import ArchspecConfig
+
+Tensor = torch.Tensor
+IGNORE_INDEX = -100
+
+
+class ArchspecForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = ArchspecConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+    _tied_weights_keys = {"model.head.weight": "model.embed.weight"}
+
+    def __init__(self, config: ArchspecConfig):
+        super().__init__(config)
+        from archspec.blocks import build_model
+
+        self.model = build_model(config.plan())
+        self.post_init()
+
+    @classmethod
+    def from_archspec(cls, model, spec) -> ArchspecForCausalLM:
+        """Wrap a compiled `LanguageModel` (its weights copied) with the resolved `spec` it
+        was built from (a `Spec` or its document)."""
+        from archspec.weights import spec_document
+
+        wrapped = cls(ArchspecConfig(spec=spec_document(spec)))
+        wrapped.model.load_state_dict(model.state_dict())
+        return wrapped.to(next(model.parameters()).device)
+
+    # archspec's constructor initialises every weight as its training does, and
+    # from_pretrained overwrites them all; nothing for transformers to initialise
+    def _init_weights(self, module) -> None:
+        return None
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # forward makes its own ArchspecCache
+
+    def get_input_embeddings(self):
+        return self.model.embed
+
+    def set_input_embeddings(self, value) -> None:
+        self.model.embed = value
+
+    def get_output_embeddings(self):
+        return self.model.head
+
+    def set_output_embeddings(self, value) -> None:
+        self.model.head = value
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        cache: ArchspecCache | None = None,
+        use_cache: bool | None = None,
+        labels: Tensor | None = None,
+        logits_to_keep: int = 0,
+        inputs_embeds: Tensor | None = None,
+        return_dict: bool | None = None,
+        past_key_values: ArchspecCache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast | tuple:
+        if input_ids is None or inputs_embeds is not None:
+            raise ValueError("ArchspecForCausalLM takes input_ids (not inputs_embeds)")
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and not isinstance(cache, ArchspecCache):
+            raise ValueError(f"ArchspecForCausalLM keeps its state in an ArchspecCache, got {type(cache).__name__}")
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if use_cache and cache is None:
+            cache = ArchspecCache(self.config.num_hidden_layers)
+        state = None if cache is None else cache.states()
+        B, T = input_ids.shape
+        mask = None if attention_mask is None else attention_mask[:, -T:].bool()
+        padded = mask is not None and not bool(mask.all())
+
+        if state is not None and padded:
+            raise ValueError("a continuation's new tokens must all be real (attention_mask 1): padding belongs to the prompt")
+        if state is not None and T == 1:
+            logits = self.model.step(input_ids[:, 0], state)[:, None]
+            cache.advance(1)
+        else:
+            hidden, new_state = self._hidden(input_ids, mask if padded else None, state, use_cache)
+            if use_cache:
+                cache.store(self.model.decode_state(new_state), T)
+            if logits_to_keep:
+                hidden = hidden[:, -logits_to_keep:]
+            logits = self.model.head(hidden)
+
+        loss = None
+        if labels is not None:
+            if logits.shape[1] != T:
+                raise ValueError("labels need the logits of every position: leave logits_to_keep at 0")
+            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
+        return output if return_dict is not False else output.to_tuple()
+
+    def _hidden(self, input_ids: Tensor, mask: Tensor | None, state, use_cache: bool) -> tuple[Tensor, list]:
+        """The rows before the head `[B, T, d]` and the state after each row's last real token."""
+        if mask is None:
+            return self.model.hidden_states(input_ids, state, return_state=use_cache)
+        # Pack each row's real tokens as one document: the recurrence never reads a pad.
+        lengths = mask.sum(1)
+        if bool((lengths == 0).any()):
+            raise ValueError("attention_mask: every row needs at least one real token")
+        offsets = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        hidden, new_state = self.model.hidden_states(input_ids[mask][None], None, return_state=use_cache,
+                                                     cu_seqlens=offsets)
+        out = hidden.new_zeros(*input_ids.shape, hidden.shape[-1])
+        out[mask] = hidden[0]
+        return out, new_state

@@ -192,3 +192,18 @@ def test_the_cuda_graph_replays_the_eager_step(name):
     with torch.no_grad():
         logits = model(graphed[0][None])[0]
     assert torch.equal(graphed[0][9:], logits[8:-1].argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gdn-scalar", "kda-channel", "osgdn-apf-learned", "rwkv7-nh2-b2-channel"])
+def test_a_bfloat16_model_decodes_like_its_forward_on_cuda(name):
+    """bfloat16 weights (how the decoding benchmark runs), float32 state: the steps follow
+    the model's own forward within bfloat16's rounding, and generate runs from the graph."""
+    model = _model(name, torch.float32, backend="auto", device="cuda").to(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (4, 40), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad():
+        want = model(ids).float()
+    got = _prefill_then_steps(model, ids, 33).float()
+    assert (got - want).abs().max().item() <= 5e-2 * want.abs().max().item()  # OSDN: bf16 write keys in the forward
+    out = model.generate(ids[:, :8], 16, temperature=0)
+    assert out.shape == (4, 24) and model.init_state(1)[0].recurrent.dtype == torch.float32

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-
 from archspec.kernels import conv_tails, short_conv
+from archspec.kernels.short_conv import short_conv_step
 
 Tensor = torch.Tensor
 
@@ -61,13 +60,6 @@ class ShortConv(nn.Module):
              norm_eps: float = 1e-6) -> Tensor:
         """One token `x` `[B, 1, C]` of decoding: `forward` of a one-token piece, with the
         tail `[B, W-1, C]` shifted in place (a captured CUDA graph replays it on the same
-        buffer). Arithmetic as `short_conv_ref`: float32 (float64 for float64 inputs)."""
-        acc = torch.promote_types(x.dtype, torch.float32)
-        weight = self.conv.weight.reshape(self.channels, self.kernel_size).to(acc)
-        window = torch.cat([tail.to(acc), x.to(acc)], dim=1)  # inputs t-W+1 .. t: [B, W, C]
-        z = (window * weight.t()[None]).sum(1, keepdim=True)
-        y = F.silu(z) if activation else z
-        if head_dim:
-            y = F.normalize(y.unflatten(-1, (-1, head_dim)), dim=-1, eps=norm_eps).flatten(-2)
-        tail.copy_(window[:, 1:])
-        return y.to(x.dtype)
+        buffer): `kernels.short_conv.short_conv_step`, one launch on CUDA."""
+        return short_conv_step(x, self.conv.weight, tail, activation=activation, head_dim=head_dim, eps=norm_eps,
+                               backend=self.fused_backend)

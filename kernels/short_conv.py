@@ -11,7 +11,8 @@ packed in one row, B = 1) a token never reads another document's inputs.
 `short_conv_ref` is the definition in plain torch (the CPU path; autograd saves what it
 saves); on CUDA `short_conv` runs `kernels/triton/short_conv.py`, whose backward
 recomputes the pre-activation instead of saving it. `conv_tails` gives the tail each
-sequence carries on.
+sequence carries on. `short_conv_step` is one token of decoding, the tail shifted in
+place (`short_conv_step_ref` its definition; one launch of `triton/decode.py` on CUDA).
 """
 
 from __future__ import annotations
@@ -182,3 +183,43 @@ def short_conv(x: Tensor, weight: Tensor, *, tail: Tensor | None = None, cu_seql
     if resolve_fused_backend(backend, x.device) == "triton":
         return _ShortConvTriton.apply(x, weight, tail, cu_seqlens, activation, head_dim, eps)
     return short_conv_ref(x, weight, tail=tail, cu_seqlens=cu_seqlens, activation=activation, head_dim=head_dim, eps=eps)
+
+
+def short_conv_step_ref(x: Tensor, weight: Tensor, tail: Tensor, *, activation: bool = True, head_dim: int = 0,
+                        eps: float = 1e-6) -> Tensor:
+    """One token of `short_conv_ref`: `x` `[B, 1, C]` after the carried `tail`
+    `[B, W-1, C]`, which is shifted in place to end with `x`. Float32 arithmetic (float64
+    for float64 inputs), output in `x`'s dtype."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    w = weight.reshape(weight.shape[0], -1).to(acc)
+    window = torch.cat([tail.to(acc), x.to(acc)], dim=1)  # inputs t-W+1 .. t: [B, W, C]
+    z = (window * w.t()[None]).sum(1, keepdim=True)
+    y = F.silu(z) if activation else z
+    if head_dim:
+        y = F.normalize(y.unflatten(-1, (-1, head_dim)), dim=-1, eps=eps).flatten(-2)
+    tail.copy_(window[:, 1:])
+    return y.to(x.dtype)
+
+
+def short_conv_step(x: Tensor, weight: Tensor, tail: Tensor, *, activation: bool = True, head_dim: int = 0,
+                    eps: float = 1e-6, backend: str = "auto") -> Tensor:
+    """The decoding step of `short_conv`: one token `x` `[B, 1, C]` continuing `tail`
+    `[B, W-1, C]` (shifted in place, so a captured CUDA graph replays it on the same
+    buffer); equal to `short_conv(x, weight, tail=tail, ...)` and the new tail. No
+    autograd. On CUDA one Triton launch (`triton/decode.py`)."""
+    if x.dim() != 3 or x.shape[1] != 1:
+        raise ValueError(f"short_conv_step: x must be [B, 1, C] (one token), got {tuple(x.shape)}")
+    B, _, C = x.shape
+    if weight.shape[0] != C or weight.numel() % C:
+        raise ValueError(f"short_conv_step: weight must be [C, W] with C = {C}, got {tuple(weight.shape)}")
+    W = weight.numel() // C
+    if tuple(tail.shape) != (B, W - 1, C) or not tail.is_contiguous():
+        raise ValueError(f"short_conv_step: tail must be a contiguous [{B}, {W - 1}, {C}] tensor, got {tuple(tail.shape)}")
+    if head_dim and C % head_dim:
+        raise ValueError(f"short_conv_step: head_dim {head_dim} must divide the {C} channels")
+    with torch.no_grad():
+        if resolve_fused_backend(backend, x.device) == "triton":
+            from .triton.decode import short_conv_step_triton
+
+            return short_conv_step_triton(x, weight.reshape(C, W), tail, activation=activation, head=head_dim, eps=eps)
+        return short_conv_step_ref(x, weight, tail, activation=activation, head_dim=head_dim, eps=eps)

@@ -21,6 +21,11 @@ Flags (`tl.constexpr`, one specialization each, named as `kinds.py` names them):
 
 Layout: the token tensors as `kernels.decode_step` takes them (`[B, n_h, H, ...]`,
 contiguous); `state` `[B, H, K, V]` and `d` `[B, H, K]` contiguous, updated in place.
+
+Beside it, the short convolution's decoding step (`kernels.short_conv.short_conv_step`):
+a program owns a block of channels of one row (one head with the L2 norm), reads the
+`W-1` carried inputs and the token, forms the conv, SiLU and norm, writes the output and
+shifts the tail in place: one launch per stream instead of a dozen small ones.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import triton.language as tl
 
 from ..kinds import Gate, Mode
 from .kinds import CHANNEL_GATE, DIAGONAL, HOUSEHOLDER, SCALAR_GATE
-from .launch import DECODE_LAUNCH, DecodeLaunch, pow2
+from .launch import DECODE_LAUNCH, SHORT_CONV_LAUNCH, DecodeLaunch, ShortConvLaunch, pow2
 
 Tensor = torch.Tensor
 
@@ -156,3 +161,55 @@ def decode_step_triton(
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return o
+
+
+@triton.jit
+def short_conv_step_kernel(
+    x, w, tail, y, C, eps,
+    W: tl.constexpr, BC: tl.constexpr, HEAD: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
+):
+    i_c, b = tl.program_id(0), tl.program_id(1)
+    if NORM:
+        cc = i_c * HEAD + tl.arange(0, BC)
+        ok = tl.arange(0, BC) < HEAD
+    else:
+        cc = i_c * BC + tl.arange(0, BC)
+        ok = cc < C
+    row = b.to(tl.int64)
+    xt = tl.load(x + row * C + cc, mask=ok, other=0.0).to(ACC)
+    z = xt * tl.load(w + cc * W + (W - 1), mask=ok, other=0.0).to(ACC)
+    # tap j reads input t-(W-1)+j, the tail's row j; then the tail moves one input along
+    for j in tl.static_range(W - 1):
+        tj = tl.load(tail + (row * (W - 1) + j) * C + cc, mask=ok, other=0.0).to(ACC)
+        z += tj * tl.load(w + cc * W + j, mask=ok, other=0.0).to(ACC)
+        if j > 0:
+            tl.store(tail + (row * (W - 1) + j - 1) * C + cc, tj.to(tail.dtype.element_ty), mask=ok)
+    if W > 1:
+        tl.store(tail + (row * (W - 1) + W - 2) * C + cc, xt.to(tail.dtype.element_ty), mask=ok)
+    if ACT:
+        z = z * tl.sigmoid(z)
+    if NORM:
+        z = z / tl.maximum(tl.sqrt(tl.sum(z * z, 0)), eps)
+    tl.store(y + row * C + cc, z.to(y.dtype.element_ty), mask=ok)
+
+
+def short_conv_step_triton(x: Tensor, w: Tensor, tail: Tensor, *, activation: bool, head: int, eps: float,
+                           launch: ShortConvLaunch = SHORT_CONV_LAUNCH) -> Tensor:
+    """`x` `[B, 1, C]`, `w` `[C, W]`, `tail` `[B, W-1, C]` contiguous (shifted in place);
+    `head` > 0 normalises each group of `head` channels. Checked by the caller."""
+    B, _, C = x.shape
+    W = w.shape[1]
+    x = x.contiguous()
+    w = w.contiguous()
+    y = torch.empty_like(x)
+    if B == 0:
+        return y
+    if head:
+        grid, block_c = (C // head, B), pow2(head)
+    else:
+        block_c = min(launch.block_c, pow2(C))
+        grid = (triton.cdiv(C, block_c), B)
+    acc = tl.float64 if x.dtype == torch.float64 else tl.float32
+    short_conv_step_kernel[grid](x, w, tail, y, C, float(eps), W=W, BC=block_c, HEAD=max(head, 1), ACT=activation,
+                                 NORM=head > 0, ACC=acc, num_warps=launch.num_warps)
+    return y

@@ -255,3 +255,29 @@ def test_bad_step_arguments_are_named():
         decode_step(q, k, v, state, n_h=2, beta=torch.ones(2, 2, 3), d=torch.ones(2, 3, 4), eta=float("nan"))
     with pytest.raises(ValueError, match="gate='channel' does not match g of shape \\(2, 1, 3\\)"):
         decode_step(q, k, v, state, n_h=2, g=torch.zeros(2, 1, 3), gate="channel")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("W,head_dim,activation", [(4, 8, True), (4, 0, True), (2, 0, False), (1, 8, True), (3, 16, False)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_short_conv_step_continues_the_conv(backend, W, head_dim, activation, dtype):
+    """The conv's decoding step against the training path on a one-token piece: the
+    output of `short_conv` with the carried tail, and the tail `conv_tails` carries on."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    from archspec.kernels import conv_tails, short_conv
+    from archspec.kernels.short_conv import short_conv_step
+
+    device = "cuda" if CUDA and backend == "triton" else "cpu"
+    gen = torch.Generator().manual_seed(W + head_dim)
+    B, C = 3, 32
+    x = torch.randn(B, 1, C, generator=gen, dtype=torch.float64).to(device, dtype)
+    weight = torch.randn(C, 1, W, generator=gen, dtype=torch.float64).to(device, dtype)
+    tail = torch.randn(B, W - 1, C, generator=gen, dtype=torch.float64).to(device, dtype)
+    want = short_conv(x, weight, tail=tail if W > 1 else None, activation=activation, head_dim=head_dim, backend="torch")
+    want_tail = conv_tails(x, tail, None, W)
+    got_tail = tail.clone()
+    got = short_conv_step(x, weight, got_tail, activation=activation, head_dim=head_dim, backend=backend)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got_tail, want_tail, rtol=0, atol=0)

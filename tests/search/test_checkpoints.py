@@ -130,24 +130,26 @@ def test_resume_continues_exactly_like_the_run_that_never_stopped(tmp_path, monk
     assert json.loads((parts / "metrics.json").read_text())["status"] == "interrupted"
     assert torch.load(parts / RESUME_FILE, weights_only=True)["step"] == 4
 
-    # The CLI refuses to start over an unfinished run without --resume.
-    code = main(["train", DELTANET, "--task", "s3", "--out", str(parts), "--quiet", "--no-throughput"])
-    assert code == 2
-
-    resumed = trainer.train(DELTANET, tiny_s3(), out_dir=parts, resume=True, **RUN)
-    assert resumed.status == "ok" and resumed.steps_done == 8
-    assert resumed.record["checkpoint"]["resumed_from_step"] == 4
+    # The CLI refuses to start over an unfinished run without --resume, and continues it with.
+    flags = ["train", DELTANET, "--task", "s3", "--task-option", "train_len=8", "--task-option", "eval_size=16",
+             "--out", str(parts), "--quiet", "--no-throughput", "--steps", "8", "--seed", "3", "--eval-every", "4",
+             "--batch-size", "8", "--lr", "0.03", *(f"--set={o}" for o in TINY)]
+    assert main(flags) == 2
+    assert main([*flags, "--resume"]) == 0
+    resumed = json.loads((parts / "metrics.json").read_text())
+    assert resumed["status"] == "ok" and resumed["train"]["steps_done"] == 8
+    assert resumed["checkpoint"]["resumed_from_step"] == 4
     # Every step's loss and learning rate (the optimizer's state, the schedule and the data
     # position), the weights and the scores are those of the run that never stopped.
-    assert resumed.record["history"] == whole.record["history"]
-    assert resumed.record["evals"] == whole.record["evals"]
-    assert resumed.metrics == whole.metrics
+    assert resumed["history"] == whole.record["history"]
+    assert resumed["evals"] == whole.record["evals"]
+    assert resumed["metrics"] == whole.metrics
     assert not (parts / RESUME_FILE).exists()
     from safetensors.torch import load_file
 
     a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(parts / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert [h["step"] for h in resumed.record["history"]] == list(range(1, 9))
+    assert [h["step"] for h in resumed["history"]] == list(range(1, 9))
 
 
 def test_resume_with_other_settings_or_nothing_to_resume_is_refused(tmp_path, monkeypatch):

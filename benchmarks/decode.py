@@ -22,10 +22,13 @@ prefill and the first token) and once with all of them, in alternating rounds. T
 decoding time is the fastest all-token call less the fastest one-token call (the fastest,
 because interference from other work only ever adds time, and a difference of two noisy
 numbers amplifies it), so `tokens/s` = batch x (new tokens - 1) / decoding time and
-`ms/token` = decoding time / (new tokens - 1); `prefill ms` is the fastest one-token call. The floor of a decoding step at batch B is the bytes it must move,
-the weights read once (less the embedding table, of which B rows are read), the
-recurrent state read and written (`blocks.cost.state_bytes`), over the device's copy
-bandwidth measured here; `ours / floor` is the measured step over it.
+`ms/token` = decoding time / (new tokens - 1); `prefill ms` is the fastest one-token call.
+
+The floor of a decoding step at batch B is the bytes it must move, the weights read once
+(less the embedding table, of which B rows are read), the recurrent state read and
+written and an attention layer's KV cache at the prompt's length read
+(`blocks.cost.layer_state_bytes`), over the device's copy bandwidth measured here;
+`ours / floor` is the measured step over it. Hybrid stacks run ours alone.
 
 Results: `DIR/decode.json` (machine, versions, commit, every row) and `DIR/decode.md`,
 written after every design (`--budget-s` keeps what finished; `--merge` keeps an earlier
@@ -95,15 +98,20 @@ def copy_bandwidth(device: str) -> float:
     return 2 * n / statistics.median(times)
 
 
-def step_bytes(model: torch.nn.Module, plan, batch: int) -> int:
+def step_bytes(model: torch.nn.Module, plan, batch: int, context: int) -> int:
     """Bytes one decoding step must move: every weight read once except the embedding
-    table (B rows of it), and the recurrent state read and written."""
-    from archspec.blocks.cost import state_bytes
+    table (B rows of it), and the decoding state read and written (an attention layer's
+    KV cache after `context` tokens, read; written: one token's key and value, neglected)."""
+    from archspec.blocks.cost import layer_state_bytes
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.embed.weight
     weights -= embed.numel() * embed.element_size() - batch * embed.shape[1] * embed.element_size()
-    return weights + 2 * batch * state_bytes(plan, activation_bytes=embed.element_size())
+    state = 0
+    for layer in plan.layer_plans:
+        size = layer_state_bytes(layer, context, activation_bytes=embed.element_size())
+        state += size if getattr(layer, "kind", "recurrent") == "attention" else 2 * size
+    return weights + batch * state
 
 
 @dataclass
@@ -215,10 +223,12 @@ def time_side_by_side(gens: list[Contender], prompt: torch.Tensor, run: Decode, 
 def run_design(spec: Path, run: Decode, *, with_fla: bool, rounds: int, bandwidth: float,
                log: Callable[[str], None]) -> list[Row]:
     plan = load_plan(spec, run.size)
-    design = fla_design(plan)
+    design = None if plan.hybrid else fla_design(plan)
     gens = [ours(plan, run)]
     refusal = None
-    if with_fla and design is not None:
+    if with_fla and plan.hybrid:
+        refusal = "a hybrid stack: no fla model is mapped to it"
+    elif with_fla and design is not None:
         try:
             gens.append(theirs(plan, run, gens[0].params))
         except Exception as exc:
@@ -235,7 +245,7 @@ def run_design(spec: Path, run: Decode, *, with_fla: bool, rounds: int, bandwidt
     for batch in run.batches:
         prompt = torch.randint(run.size.vocab, (batch, run.prompt), generator=torch.Generator().manual_seed(batch))
         prompt = prompt.to(run.size.device)
-        floor_ms = 1e3 * step_bytes(gens[0].model, plan, batch) / bandwidth
+        floor_ms = 1e3 * step_bytes(gens[0].model, plan, batch, run.prompt) / bandwidth
         by_impl = {g.name: Row(design or spec.stem, spec.stem, g.name, batch, run.prompt, run.new_tokens, g.params,
                                floor_ms=floor_ms) for g in gens}
         time_side_by_side(gens, prompt, run, rounds, by_impl)

@@ -24,6 +24,14 @@ Decoding state (`AttentionState`): the rotated keys and the values of the tokens
 query can still see (all of them; the last `window - 1` with a window) and the number of
 tokens seen, from which RoPE's positions continue. Calling the layer on a sequence in one
 piece or in several, carrying the state, gives the same output.
+
+Generation (`step`) keeps a `KVCache` instead: keys and values in fixed buffers of
+`capacity` tokens per row, each token at its absolute position, and a count of tokens
+seen per row, so rows may have prompts of different lengths and a CUDA graph can replay
+the step on the same buffers. One token per row is written at its row's position and
+attends, through a mask, to the positions that row has filled (within the window). With
+a window the slots before the window stay unused: the buffer is indexed by position, not
+a ring.
 """
 
 from __future__ import annotations
@@ -53,6 +61,50 @@ class AttentionState:
     @property
     def cached(self) -> int:
         return self.k.shape[2]
+
+
+@dataclass
+class KVCache:
+    """One attention layer's state for generation (`Attention.step`), updated in place."""
+
+    k: Tensor  # [B, kv_heads, capacity, head_dim]: token t's key (RoPE applied) at slot t
+    v: Tensor  # [B, kv_heads, capacity, head_dim]
+    length: Tensor  # [B] int64: tokens seen by each row, the slot its next token takes
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @classmethod
+    def of(cls, state: AttentionState, capacity: int) -> KVCache:
+        """The buffers of `capacity` tokens holding what `state` caches, at its positions."""
+        B, Hkv, cached, D = state.k.shape
+        if capacity < state.position:
+            raise ValueError(f"a KV cache of {capacity} tokens cannot hold a state that has seen {state.position}")
+        k = state.k.new_zeros(B, Hkv, capacity, D)
+        v = state.v.new_zeros(B, Hkv, capacity, D)
+        k[:, :, state.position - cached : state.position] = state.k
+        v[:, :, state.position - cached : state.position] = state.v
+        return cls(k, v, torch.full((B,), state.position, dtype=torch.long, device=k.device))
+
+    def reserve(self, tokens: int) -> None:
+        """Grow the buffers (doubling) so that every row can take `tokens` more; a host
+        sync, for callers that do not know the length ahead (not inside a CUDA graph)."""
+        need = int(self.length.max()) + tokens if self.length.numel() else tokens
+        if need <= self.capacity:
+            return
+        grown = max(need, 2 * self.capacity)
+        pad = (0, 0, 0, grown - self.capacity)
+        self.k = F.pad(self.k, pad)
+        self.v = F.pad(self.v, pad)
+
+    def rows(self, index: Tensor) -> KVCache:
+        return KVCache(self.k[index].contiguous(), self.v[index].contiguous(), self.length[index].contiguous())
+
+    @staticmethod
+    def cat(caches: list[KVCache]) -> KVCache:
+        return KVCache(torch.cat([c.k for c in caches]), torch.cat([c.v for c in caches]),
+                       torch.cat([c.length for c in caches]))
 
 
 def check_plan(plan: AttentionPlan) -> None:
@@ -215,6 +267,44 @@ class Attention(nn.Module):
         positions = torch.arange(start, start + T, device=q.device)
         mask = visible(positions, torch.arange(start - cached, start + T, device=q.device), window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+
+    def decode_state(self, state: AttentionState | KVCache, capacity: int | None) -> KVCache:
+        """A `KVCache` of `capacity` tokens per row holding `state` (a copy that `step`
+        updates in place)."""
+        if isinstance(state, KVCache):
+            return KVCache(state.k.clone(), state.v.clone(), state.length.clone())
+        if capacity is None:
+            raise ValueError("an attention layer decodes from a KV cache of a fixed size: give its capacity "
+                             "(the prompt's tokens and the new ones)")
+        return KVCache.of(state, capacity)
+
+    def step(self, x: Tensor, cache: KVCache) -> Tensor:
+        """One token `x` `[B, 1, d_model]` -> `[B, 1, d_model]` for every row, at the row's
+        own position, its key and value written into `cache` (which must have room: see
+        `KVCache.reserve`): what `forward` gives for a one-token piece."""
+        plan = self.plan
+        B = x.shape[0]
+        position = cache.length
+        q = self._heads(self.q_proj, x, plan.heads, self.q_norm)
+        k = self._heads(self.k_proj, x, plan.kv_heads, self.k_norm)
+        v = self._heads(self.v_proj, x, plan.kv_heads, None)
+        if plan.rope_theta is not None:
+            cos, sin = rope_angles(position, plan.head_dim, plan.rope_theta, q.dtype)
+            cos, sin = cos[:, None, None], sin[:, None, None]  # per row: [B, 1, 1, D/2]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        slot = position.view(B, 1, 1, 1).expand(B, plan.kv_heads, 1, plan.head_dim)
+        cache.k.scatter_(2, slot, k.to(cache.k.dtype))
+        cache.v.scatter_(2, slot, v.to(cache.v.dtype))
+        keys = torch.arange(cache.capacity, device=x.device)
+        mask = visible(position, keys, plan.window)[:, None, None, :]  # [B, 1, 1, capacity]
+        o = F.scaled_dot_product_attention(q, cache.k.to(v.dtype), cache.v.to(v.dtype), attn_mask=mask,
+                                           scale=self.scale, enable_gqa=plan.kv_heads != plan.heads)
+        cache.length.add_(1)
+        o = o.transpose(1, 2).reshape(B, 1, plan.heads * plan.head_dim)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
 
     def _attend_packed(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, document: Tensor) -> Tensor:
         """Attention within each packed document: SDPA with the block-diagonal causal mask

@@ -5,9 +5,13 @@
 1. Prefill: the prompts run through `LanguageModel.hidden_states` with the state returned
    (the chunk kernel); prompts of different lengths are packed in one row (`cu_seqlens`),
    so each starts from zeros and none sees another, and the state has one row per prompt.
-   The head reads each prompt's last token only.
+   A stack with attention layers runs the prompts of each length together instead
+   (attention keeps no state for packed documents) and their attention states become
+   `KVCache`s of one capacity, rows of different lengths side by side. The head reads
+   each prompt's last token only.
 2. Decode: `LanguageModel.step` advances every row by one token in place on the state
-   (`Mixer.step`: the projections, the conv tails shifted, one `kernels.decode_step`).
+   (`Mixer.step`: the projections, the conv tails shifted, one `kernels.decode_step`;
+   `Attention.step`: the token's key and value written at the row's position).
    On CUDA the whole step is captured once in a CUDA graph and replayed per token: a
    step is a few dozen small launches, and launching them one by one from Python would
    cost more than running them.
@@ -33,8 +37,12 @@ Tensor = torch.Tensor
 # Steps run on a scratch state before capture: the kernels compile and the allocator
 # settles outside the graph.
 WARMUP_STEPS = 2
-# Captured decode steps kept per model (one per batch size and device), oldest dropped.
+# Captured decode steps kept per model (one per batch size, device and KV-cache size),
+# oldest dropped.
 MAX_CAPTURED = 4
+# KV caches hold a multiple of this many tokens, so that a graph captured for one call
+# serves the next calls of similar lengths.
+CAPACITY_STEP = 256
 
 
 @dataclass(frozen=True)
@@ -98,19 +106,81 @@ def _prompts(input_ids: Tensor | Sequence, vocab_size: int, device: torch.device
     return prompts, as_tensor
 
 
-def prefill(model, prompts: list[Tensor]) -> tuple[Tensor, list]:
-    """Run the prompts through the chunk kernel: the logits after each one's last token
-    `[N, vocab]` and the state (one row per prompt)."""
+def has_attention(model) -> bool:
+    from .attention import Attention
+
+    return any(isinstance(m, Attention) for m in model.sequence_mixers())
+
+
+def kv_capacity(tokens: int) -> int:
+    """The KV-cache size for `tokens` tokens per row: the next multiple of `CAPACITY_STEP`."""
+    return -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
+
+
+def prefill(model, prompts: list[Tensor], capacity: int | None = None) -> tuple[list[Tensor], list]:
+    """Run the prompts through the chunk kernel: each prompt's rows before the head
+    (`[L_i, d_model]`) and the decoding state, one row per prompt in order (attention
+    layers' as `KVCache`s of `capacity` tokens)."""
     lengths = [p.numel() for p in prompts]
-    if len(set(lengths)) == 1:
-        hidden, state = model.hidden_states(torch.stack(prompts), return_state=True)
-        last = hidden[:, -1]
-    else:
-        device = prompts[0].device
-        offsets = torch.tensor([0, *lengths], device=device).cumsum(0)
+    if not has_attention(model):
+        if len(set(lengths)) == 1:
+            hidden, state = model.hidden_states(torch.stack(prompts), return_state=True)
+            return list(hidden), model.decode_state(state)
+        offsets = torch.tensor([0, *lengths], device=prompts[0].device).cumsum(0)
         hidden, state = model.hidden_states(torch.cat(prompts)[None], return_state=True, cu_seqlens=offsets)
-        last = hidden[0, offsets[1:] - 1]
-    return model.head(last), state
+        return list(hidden[0].split(lengths)), model.decode_state(state)
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(n, []).append(i)
+    rows: list[Tensor] = [prompts[0]] * len(prompts)
+    parts, order = [], []
+    for members in groups.values():
+        hidden, state = model.hidden_states(torch.stack([prompts[i] for i in members]), return_state=True)
+        parts.append(model.decode_state(state, capacity))
+        for j, i in enumerate(members):
+            rows[i] = hidden[j]
+        order += members
+    state = concat_rows(parts)
+    if order != sorted(order):
+        state = select_rows(state, torch.tensor(order, device=prompts[0].device).argsort())
+    return rows, state
+
+
+def map_layer(layer, fn):
+    """A decoding state of one layer with `fn` applied to each of its tensors."""
+    from .attention import KVCache
+    from .mixer import MixerState
+
+    if isinstance(layer, KVCache):
+        return KVCache(fn(layer.k), fn(layer.v), fn(layer.length))
+    return MixerState(fn(layer.recurrent), {n: fn(t) for n, t in layer.conv.items()},
+                      None if layer.d is None else fn(layer.d))
+
+
+def layer_tensors(layer) -> list[Tensor]:
+    """A layer's decoding-state tensors, in the order `map_layer` visits them."""
+    from .attention import KVCache
+
+    if isinstance(layer, KVCache):
+        return [layer.k, layer.v, layer.length]
+    return [layer.recurrent, *layer.conv.values(), *([] if layer.d is None else [layer.d])]
+
+
+def select_rows(state: list, index: Tensor) -> list:
+    """The decoding state of the rows `index` (contiguous copies)."""
+    return [map_layer(layer, lambda t: t[index].contiguous()) for layer in state]
+
+
+def concat_rows(parts: list[list]) -> list:
+    """The decoding states of several batches as one, rows one after another."""
+    if len(parts) == 1:
+        return parts[0]
+    merged = []
+    for layers in zip(*parts):
+        pieces = [layer_tensors(layer) for layer in layers]
+        joined = iter([torch.cat(ts) for ts in zip(*pieces)])
+        merged.append(map_layer(layers[0], lambda t: next(joined)))
+    return merged
 
 
 class CapturedStep:
@@ -120,8 +190,8 @@ class CapturedStep:
 
     def __init__(self, model, state: list):
         self.state = state
-        batch = state[0].recurrent.shape[0]
-        device = state[0].recurrent.device
+        first = layer_tensors(state[0])[0]
+        batch, device = first.shape[0], first.device
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
         scratch = model.decode_state(state)
         stream = torch.cuda.Stream(device)
@@ -136,11 +206,8 @@ class CapturedStep:
 
     def load(self, state: list) -> None:
         for mine, theirs in zip(self.state, state):
-            mine.recurrent.copy_(theirs.recurrent)
-            for name, tail in mine.conv.items():
-                tail.copy_(theirs.conv[name])
-            if mine.d is not None:
-                mine.d.copy_(theirs.d)
+            for buffer, value in zip(layer_tensors(mine), layer_tensors(theirs)):
+                buffer.copy_(value)
 
     def __call__(self, tokens: Tensor) -> Tensor:
         self.tokens.copy_(tokens)
@@ -151,9 +218,9 @@ class CapturedStep:
 def _captured_step(model, state: list) -> CapturedStep:
     """The model's captured step for this batch, made on first use and kept: the key holds
     the parameters' storage, so a model moved or cast since is captured afresh."""
-    recurrent = state[0].recurrent
-    key = (recurrent.shape[0], str(recurrent.device), tuple(p.data_ptr() for p in model.parameters()),
-           tuple((layer.recurrent.dtype, tuple((n, t.dtype) for n, t in layer.conv.items())) for layer in state))
+    buffers = [t for layer in state for t in layer_tensors(layer)]
+    key = (str(buffers[0].device), tuple(p.data_ptr() for p in model.parameters()),
+           tuple((tuple(t.shape), t.dtype) for t in buffers))
     cache: dict = model.__dict__.setdefault("_captured_steps", {})
     if key not in cache:
         while len(cache) >= MAX_CAPTURED:
@@ -210,7 +277,9 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        logits, state = prefill(model, prompts)
+        capacity = kv_capacity(max(p.numel() for p in prompts) + max_new_tokens)
+        hidden, state = prefill(model, prompts, capacity)
+        logits = model.head(torch.stack([h[-1] for h in hidden]))
         rows = len(prompts)
         new = torch.empty(rows, max_new_tokens, dtype=torch.long, device=device)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -226,7 +295,7 @@ def generate(
             if i + 1 == max_new_tokens or (eos_ids is not None and bool(finished.all())):
                 break
             if step is None:  # after the first token: a prompt of one sampled token needs no step
-                step = _captured_step(model, state) if cuda_graph else _eager_step(model, model.decode_state(state))
+                step = _captured_step(model, state) if cuda_graph else _eager_step(model, state)
             logits = step(token)
     finally:
         model.train(was_training)

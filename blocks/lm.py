@@ -9,7 +9,8 @@ token-by-token generation are the same call.
 
 Generation: `generate(...)` (`generate.py`) prefills through `forward` and then decodes
 with `step`, one token for every row in place on the state (`Mixer.step`: one decoding
-launch per recurrent layer), captured in a CUDA graph on CUDA.
+launch per recurrent layer; `Attention.step`: a fixed-size `KVCache`), captured in a CUDA
+graph on CUDA.
 
 Training: `forward(ids, labels=labels)` returns the mean next-token loss without making
 the logits (`loss.py`); `cu_seqlens` packs documents in one row (B = 1) so that none sees
@@ -29,7 +30,7 @@ import math
 import torch
 import torch.nn as nn
 
-from .attention import Attention, AttentionState
+from .attention import Attention, AttentionState, KVCache
 from .loss import next_token_loss
 from .mixer import Mixer, MixerState, decode_state
 from .mlp import MLP
@@ -38,6 +39,7 @@ from .plan import AttentionPlan, LayerPlan, ModelPlan
 
 Tensor = torch.Tensor
 LayerState = MixerState | AttentionState
+DecodeState = MixerState | KVCache  # what `step` advances in place, per layer
 
 INIT_STD = 0.02
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
@@ -68,7 +70,7 @@ class Block(nn.Module):
             x = x + self.mlp(self.mlp_norm(x))
         return x, state
 
-    def step(self, x: Tensor, state: MixerState) -> Tensor:
+    def step(self, x: Tensor, state: DecodeState) -> Tensor:
         """One token `[B, 1, d_model]`, the layer's state updated in place."""
         x = x + self.mixer.step(self.mixer_norm(x), state)
         if self.mlp is not None:
@@ -145,9 +147,9 @@ class LanguageModel(nn.Module):
         return (out, new_state) if return_state else out
 
     def hidden_states(
-        self, input_ids: Tensor, state: list[MixerState] | None = None, return_state: bool = False, *,
+        self, input_ids: Tensor, state: list[LayerState] | None = None, return_state: bool = False, *,
         cu_seqlens: Tensor | None = None,
-    ) -> tuple[Tensor, list[MixerState]]:
+    ) -> tuple[Tensor, list[LayerState]]:
         """`forward` up to the final norm: the rows the head reads `[B, T, d_model]`, and the
         per-layer states (None each unless `return_state`). Generation reads the head at a
         prompt's last token only."""
@@ -160,12 +162,15 @@ class LanguageModel(nn.Module):
             new_state.append(layer_state)
         return self.norm(x), new_state
 
-    def decode_state(self, state: list[MixerState]) -> list[MixerState]:
-        """A copy of `state` that `step` updates in place (tensors of its own, contiguous)."""
-        return [decode_state(layer) for layer in state]
+    def decode_state(self, state: list, capacity: int | None = None) -> list[DecodeState]:
+        """A copy of `state` that `step` updates in place (tensors of its own, contiguous):
+        a recurrent layer's `MixerState` as it is, an attention layer's as a `KVCache` of
+        `capacity` tokens per row (needed when the stack has attention layers)."""
+        return [mixer.decode_state(layer, capacity) if isinstance(mixer, Attention) else decode_state(layer)
+                for mixer, layer in zip(self.sequence_mixers(), state)]
 
     @torch.no_grad()
-    def step(self, tokens: Tensor, state: list[MixerState]) -> Tensor:
+    def step(self, tokens: Tensor, state: list[DecodeState]) -> Tensor:
         """Decode one token for every row: `tokens` `[B]` -> next-token logits `[B, vocab]`,
         `state` (from `decode_state`) advanced in place. Equal to `forward` of the one-token
         piece; on fixed buffers, so that a CUDA graph can capture it."""

@@ -49,6 +49,15 @@ class ArchspecConfig(PretrainedConfig):
 
     @property
     def layer_types(self) -> list[str]:
-        """Per layer, the kind transformers knows it by (recurrent layers are its
-        `linear_attention`: a fixed-size state, no keys and values per token)."""
-        return ["linear_attention"] * self.num_hidden_layers
+        """Per layer, the kind transformers knows it by: recurrent layers are its
+        `linear_attention` (a fixed-size state, no keys and values per token), attention
+        layers `full_attention` or, with a window, `sliding_attention`."""
+        if self.spec is None:
+            return ["linear_attention"] * self.num_hidden_layers
+        kinds = []
+        for layer in self.plan().layer_plans:
+            if getattr(layer, "kind", "recurrent") != "attention":
+                kinds.append("linear_attention")
+            else:
+                kinds.append("full_attention" if layer.window is None else "sliding_attention")
+        return kinds

@@ -7,11 +7,14 @@ labels, logits_to_keep)` that returns `CausalLMOutputWithPast`, `generate()` thr
 `config.json`).
 
 - Prefill (no state yet): the chunk kernel over the prompt. A left- or right-padded batch
-  (`attention_mask` with zeros) is packed without its padding (`cu_seqlens`), so each
-  row's state is that of its own tokens only, as a recurrent model needs; the padded
-  positions' logits are those of zero rows and mean nothing.
+  (`attention_mask` with zeros) runs without its padding, so each row's state is that of
+  its own tokens only, as a recurrent model needs (packed with `cu_seqlens`; a stack with
+  attention layers whose state is kept runs the rows of each length together); the
+  padded positions' logits are those of zero rows and mean nothing.
 - Decoding (a state in `cache`): one token through `LanguageModel.step` (the decoding
-  step, in place on the cache's state); several through the chunk kernel from the state.
+  step, in place on the cache's state; attention layers' KV caches grow as needed);
+  several through the chunk kernel from the state, or token by token with attention
+  layers.
 - `labels` (aligned with `input_ids`, -100 unscored): the mean next-token cross-entropy,
   shifted inside as transformers' causal LMs do.
 """
@@ -28,6 +31,8 @@ from .config import ArchspecConfig
 
 Tensor = torch.Tensor
 IGNORE_INDEX = -100
+# KV caches made by a prefill hold this many tokens beyond the prompt before they grow
+KV_HEADROOM = 256
 
 
 class ArchspecForCausalLM(PreTrainedModel, GenerationMixin):
@@ -43,6 +48,12 @@ class ArchspecForCausalLM(PreTrainedModel, GenerationMixin):
 
         self.model = build_model(config.plan())
         self.post_init()
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        from archspec.blocks.attention import Attention
+
+        return ["attention" if isinstance(m, Attention) else "recurrent" for m in self.model.sequence_mixers()]
 
     @classmethod
     def from_archspec(cls, model, spec) -> ArchspecForCausalLM:
@@ -95,22 +106,29 @@ class ArchspecForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"ArchspecForCausalLM keeps its state in an ArchspecCache, got {type(cache).__name__}")
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
+        kinds = self.layer_kinds
         if use_cache and cache is None:
-            cache = ArchspecCache(self.config.num_hidden_layers)
+            cache = ArchspecCache(kinds)
         state = None if cache is None else cache.states()
         B, T = input_ids.shape
         mask = None if attention_mask is None else attention_mask[:, -T:].bool()
         padded = mask is not None and not bool(mask.all())
+        attention = "attention" in kinds
 
         if state is not None and padded:
             raise ValueError("a continuation's new tokens must all be real (attention_mask 1): padding belongs to the prompt")
-        if state is not None and T == 1:
-            logits = self.model.step(input_ids[:, 0], state)[:, None]
-            cache.advance(1)
+        if state is not None and (T == 1 or attention):
+            cache.reserve(T)
+            logits = torch.stack([self.model.step(input_ids[:, t], state) for t in range(T)], dim=1)
+            cache.advance(T)
+        elif use_cache and padded and attention:
+            hidden, new_state = self._prefill_rows(input_ids, mask, T + KV_HEADROOM)
+            cache.store(new_state, T)
+            logits = self.model.head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         else:
             hidden, new_state = self._hidden(input_ids, mask if padded else None, state, use_cache)
             if use_cache:
-                cache.store(self.model.decode_state(new_state), T)
+                cache.store(self.model.decode_state(new_state, capacity=T + KV_HEADROOM), T)
             if logits_to_keep:
                 hidden = hidden[:, -logits_to_keep:]
             logits = self.model.head(hidden)
@@ -122,6 +140,18 @@ class ArchspecForCausalLM(PreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
         output = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
         return output if return_dict is not False else output.to_tuple()
+
+    def _prefill_rows(self, input_ids: Tensor, mask: Tensor, capacity: int) -> tuple[Tensor, list]:
+        """A padded batch through `blocks.generate.prefill`: each row's real tokens as a
+        prompt of its own, the rows before the head scattered back to their positions."""
+        from archspec.blocks.generate import prefill
+
+        if not bool(mask.any(1).all()):
+            raise ValueError("attention_mask: every row needs at least one real token")
+        rows, state = prefill(self.model, [ids[keep] for ids, keep in zip(input_ids, mask)], capacity)
+        hidden = rows[0].new_zeros(*input_ids.shape, rows[0].shape[-1])
+        hidden[mask] = torch.cat(rows)
+        return hidden, state
 
     def _hidden(self, input_ids: Tensor, mask: Tensor | None, state, use_cache: bool) -> tuple[Tensor, list]:
         """The rows before the head `[B, T, d]` and the state after each row's last real token."""

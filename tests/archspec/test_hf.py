@@ -31,6 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 GDN = str(ROOT / "specs" / "models" / "gated-deltanet.yaml")
 OSDN = str(ROOT / "specs" / "models" / "osdn.yaml")
 SMALL = [("model.d_model", 32), ("mixer.heads", 2), ("mixer.head_dim", 8), ("model.layers", 2), ("model.vocab_size", 256)]
+# Qwen3-Next-style: Gated DeltaNet layers and a gated GQA attention layer (RoPE, q/k norm)
+HYBRID = (str(ROOT / "specs" / "models" / "qwen3-next-hybrid.yaml"),
+          [("model.layers", 4), ("attention.heads", 2), ("attention.head_dim", 8)])
 
 
 def _compiled(path: str = GDN, extra=(), seed: int = 0):
@@ -48,9 +51,13 @@ def _ids(shape, seed=1):
     return torch.randint(1, 256, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def test_forward_and_cached_continuation_equal_the_compiled_model():
-    model, spec = _compiled(OSDN)
+@pytest.mark.parametrize("path,extra", [(OSDN, []), HYBRID], ids=["osdn", "hybrid"])
+def test_forward_and_cached_continuation_equal_the_compiled_model(path, extra):
+    model, spec = _compiled(path, extra)
     wrapped = hf.ArchspecForCausalLM.from_archspec(model, spec).eval()
+    assert ("attention" in wrapped.layer_kinds) == (path != OSDN)
+    assert wrapped.config.layer_types == ["linear_attention"] * 2 if path == OSDN else \
+        ["linear_attention"] * 3 + ["full_attention"]
     ids = _ids((2, 9))
     with torch.no_grad():
         want = model(ids)
@@ -65,7 +72,7 @@ def test_forward_and_cached_continuation_equal_the_compiled_model():
         for t in (7, 8):  # one token: the decoding step
             pieces.append(wrapped(ids[:, t : t + 1], cache=piece.cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(pieces, dim=1), want, rtol=1e-5, atol=1e-5)
-    assert piece.cache.get_seq_length() == 9 and all(piece.cache.is_linear)
+    assert piece.cache.get_seq_length() == 9 and all(piece.cache.is_linear) == (path == OSDN)
     # labels: the next-token cross-entropy, shifted inside
     labels = ids.clone()
     labels[0, :3] = -100
@@ -75,8 +82,9 @@ def test_forward_and_cached_continuation_equal_the_compiled_model():
     torch.testing.assert_close(loss.double(), -logp[keep].mean(), rtol=1e-5, atol=1e-6)
 
 
-def test_generate_through_generation_mixin_with_left_padding():
-    model, spec = _compiled()
+@pytest.mark.parametrize("path,extra", [(GDN, []), HYBRID], ids=["gdn", "hybrid"])
+def test_generate_through_generation_mixin_with_left_padding(path, extra):
+    model, spec = _compiled(path, extra)
     wrapped = hf.ArchspecForCausalLM.from_archspec(model, spec).eval()
     prompts = [_ids((6,), 2), _ids((2,), 3), _ids((4,), 4)]
     batch = torch.zeros(3, 6, dtype=torch.long)
@@ -93,8 +101,9 @@ def test_generate_through_generation_mixin_with_left_padding():
         wrapped(batch[:, :2], attention_mask=torch.zeros(3, 8, dtype=torch.long), cache=first.cache)
 
 
-def test_beam_search_and_sampling_reorder_and_repeat_the_state():
-    model, spec = _compiled(GDN, [("mixer.transition.n_h", 2)])
+@pytest.mark.parametrize("path,extra", [(GDN, [("mixer.transition.n_h", 2)]), HYBRID], ids=["gdn-nh2", "hybrid"])
+def test_beam_search_and_sampling_reorder_and_repeat_the_state(path, extra):
+    model, spec = _compiled(path, extra)
     wrapped = hf.ArchspecForCausalLM.from_archspec(model, spec).eval()
     prompt = _ids((2, 5), 5)
     out = wrapped.generate(prompt, max_new_tokens=5, num_beams=3, do_sample=False, length_penalty=0.0,

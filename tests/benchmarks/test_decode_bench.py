@@ -45,16 +45,30 @@ def test_smoke_run_writes_every_batch(bench, tmp_path):
 
 
 def test_the_floor_counts_weights_once_and_the_state_twice(bench):
-    from archspec.blocks.cost import count_params, state_bytes
+    """float32 on the CPU: every weight but the embedding table, B of its rows, the
+    recurrent state (S, conv tails, OSDN's d) read and written, a KV cache read."""
+    from archspec.blocks.cost import count_params
 
     run = bench.SMOKE
     plan = bench.load_plan(bench.SPECS / "osdn-apf.yaml", run.size)
     model = bench.ours(plan, run).model
     d, vocab, B = plan.d_model, plan.vocab_size, 3
-    # float32 on the CPU: every weight but the embedding table, B of its rows, and the
-    # state (S, conv tails, d) read and written
-    expected = 4 * (count_params(plan) - vocab * d + B * d) + 2 * B * state_bytes(plan, activation_bytes=4)
-    assert bench.step_bytes(model, plan, B) == expected
+    m = plan.mixer
+    per_layer = 4 * (m.heads * m.head_dim * m.value_dim + m.heads * m.head_dim)  # S and d, float32
+    per_layer += 4 * (m.short_conv - 1) * m.heads * (2 * m.head_dim + m.value_dim)  # q, k, v tails
+    expected = 4 * (count_params(plan) - vocab * d + B * d) + 2 * B * plan.layers * per_layer
+    assert bench.step_bytes(model, plan, B, context=16) == expected
+
+    import dataclasses
+
+    run = dataclasses.replace(run, size=dataclasses.replace(run.size, layers=4))  # 3:1, so layer 3 is attention
+    hybrid = bench.load_plan(bench.SPECS / "qwen3-next-hybrid.yaml", run.size)
+    attention = [p for p in hybrid.layer_plans if getattr(p, "kind", "") == "attention"]
+    assert attention
+    recurrent_only = bench.step_bytes(bench.ours(hybrid, run).model, hybrid, B, context=0)
+    # each attention layer adds its keys and values of 16 tokens, read once
+    kv = sum(2 * a.kv_heads * a.head_dim * 16 * 4 for a in attention)
+    assert bench.step_bytes(bench.ours(hybrid, run).model, hybrid, B, context=16) == recurrent_only + B * kv
 
 
 def test_a_refusing_peer_is_recorded_and_ours_still_timed(bench):

@@ -11,18 +11,40 @@ import pytest
 import torch
 
 from archspec.blocks import build_model
+from archspec.blocks.attention import KVCache
 from archspec.blocks.generate import Sampling, sample
+from archspec.blocks.plan import AttentionPlan, ModelPlan
 
-from .plans import COMBINATIONS, model_plan
+from .plans import COMBINATIONS, _osdn, mixer_plan, model_plan
 
 CUDA = torch.cuda.is_available()
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 VOCAB = 13
 
 
+# Hybrid stacks: attention with RoPE and a window shorter than the prompts, GQA with an
+# output gate, qk-norm, NoPE with one key/value head, beside recurrent layers (OSDN too).
+HYBRIDS = {
+    "hybrid-window": (mixer_plan("gdn", "scalar", n_h=2, beta_scale=2.0),
+                      AttentionPlan(heads=4, kv_heads=2, head_dim=4, window=3, output_gate=True),
+                      mixer_plan("kda", "channel"), AttentionPlan(heads=2, kv_heads=2, head_dim=4, qk_norm=True)),
+    "hybrid-nope-osdn": (AttentionPlan(heads=4, kv_heads=1, head_dim=6, rope_theta=None),
+                         mixer_plan("deltanet", "none", n_h=2, osdn=_osdn(apf=True))),
+}
+
+
+def _plan(name: str) -> ModelPlan:
+    if name in HYBRIDS:
+        stack = HYBRIDS[name]
+        recurrent = next(p for p in stack if not isinstance(p, AttentionPlan))
+        return ModelPlan(name=name, mixer=recurrent, d_model=16, layers=len(stack), mlp="swiglu", vocab_size=VOCAB,
+                         stack=stack)
+    return model_plan(COMBINATIONS[name], layers=2, vocab_size=VOCAB)
+
+
 def _model(name: str, dtype: torch.dtype = torch.float64, backend: str = "torch", device: str = "cpu"):
     torch.manual_seed(0)
-    model = build_model(model_plan(COMBINATIONS[name], layers=2, vocab_size=VOCAB)).to(device, dtype)
+    model = build_model(_plan(name)).to(device, dtype)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "d0_delta" in pname or "retain_proj.bias" in pname:  # move the trivial initial values
@@ -39,7 +61,7 @@ def _prefill_then_steps(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
     with torch.no_grad():
         hidden, state = model.hidden_states(ids[:, :prefill], return_state=True)
         logits = [model.head(hidden)]
-        state = model.decode_state(state)
+        state = model.decode_state(state, capacity=ids.shape[1])
         for t in range(prefill, ids.shape[1]):
             logits.append(model.step(ids[:, t], state)[:, None])
     return torch.cat(logits, dim=1)
@@ -52,7 +74,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("name", list(COMBINATIONS))
+@pytest.mark.parametrize("name", [*COMBINATIONS, *HYBRIDS])
 def test_prefill_and_steps_equal_the_forward(name, dtype):
     model = _model(name, dtype)
     ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(1))
@@ -83,8 +105,9 @@ def test_greedy_generation_is_the_argmax_of_the_forward(name):
     assert model.training is False
 
 
-def test_prompts_of_different_lengths_continue_as_if_alone():
-    model = _model("oskda-betafree-nh2")
+@pytest.mark.parametrize("name", ["oskda-betafree-nh2", *HYBRIDS])
+def test_prompts_of_different_lengths_continue_as_if_alone(name):
+    model = _model(name)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (3, 7, 1, 5)]
     together = model.generate(prompts, 5, temperature=0)
@@ -168,7 +191,7 @@ def test_bad_generation_arguments_are_named():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(COMBINATIONS))
+@pytest.mark.parametrize("name", [*COMBINATIONS, *HYBRIDS])
 def test_prefill_and_triton_steps_equal_the_forward_on_cuda(name):
     model = _model(name, torch.float32, backend="auto", device="cuda")
     ids = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1)).cuda()
@@ -178,7 +201,7 @@ def test_prefill_and_triton_steps_equal_the_forward_on_cuda(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["gdn-scalar", "oskda-betafree-nh2", "rwkv7-nh2-b2-channel"])
+@pytest.mark.parametrize("name", ["gdn-scalar", "oskda-betafree-nh2", "rwkv7-nh2-b2-channel", *HYBRIDS])
 def test_the_cuda_graph_replays_the_eager_step(name):
     model = _model(name, torch.float32, backend="auto", device="cuda")
     gen = torch.Generator().manual_seed(9)
@@ -207,3 +230,26 @@ def test_a_bfloat16_model_decodes_like_its_forward_on_cuda(name):
     assert (got - want).abs().max().item() <= 5e-2 * want.abs().max().item()  # OSDN: bf16 write keys in the forward
     out = model.generate(ids[:, :8], 16, temperature=0)
     assert out.shape == (4, 24) and model.init_state(1)[0].recurrent.dtype == torch.float32
+
+
+def test_a_kv_cache_grows_and_keeps_its_rows():
+    """`reserve` doubles the buffers when a row would run past them; the steps after it
+    still give the forward's logits (the HuggingFace path, which does not know the length
+    ahead, relies on it)."""
+    model = _model("hybrid-window")
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model(ids)
+        hidden, state = model.hidden_states(ids[:, :5], return_state=True)
+        state = model.decode_state(state, capacity=6)
+        caches = [layer for layer in state if isinstance(layer, KVCache)]
+        assert [c.capacity for c in caches] == [6, 6] and caches[0].length.tolist() == [5, 5]
+        logits = [model.head(hidden)]
+        for t in range(5, 12):
+            for cache in caches:
+                cache.reserve(1)
+            logits.append(model.step(ids[:, t], state)[:, None])
+    assert [c.capacity for c in caches] == [12, 12]
+    _close(torch.cat(logits, dim=1), want, torch.float64)
+    with pytest.raises(ValueError, match="give its capacity"):
+        model.decode_state(model.hidden_states(ids[:, :2], return_state=True)[1])

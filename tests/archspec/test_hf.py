@@ -177,6 +177,18 @@ def test_archspec_export_and_loading_without_archspec_hf(tmp_path):
     torch.testing.assert_close(torch.tensor(eval(logits)), want, rtol=0, atol=0)
 
 
+def test_without_transformers_import_and_export_say_what_to_install(tmp_path, capsys, monkeypatch):
+    """Where the extra is not installed: `import archspec.hf` names it, and `archspec
+    export` refuses with it instead of a traceback (transformers hidden here)."""
+    for name in [m for m in sys.modules if m == "archspec.hf" or m.startswith(("archspec.hf.", "transformers"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"pip install 'archspec-lrnn\[hf\]'"):
+        import archspec.hf  # noqa: F401
+    assert main(["export", str(tmp_path), "--hf", str(tmp_path / "out")]) == 2
+    assert "archspec export needs transformers: pip install 'archspec-lrnn[hf]'" in capsys.readouterr().err
+
+
 def test_export_refuses_a_search_directory_and_a_missing_run(tmp_path, capsys):
     (tmp_path / "trials").mkdir()
     (tmp_path / "search.yaml").write_text("name: x\n")

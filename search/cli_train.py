@@ -1,7 +1,8 @@
 """`archspec train SPEC --task NAME`: train one spec on one task and write its scores.
 
-Writes `DIR/metrics.json` (atomically), `DIR/accuracy.png` and, with `--diagnostics`,
-`DIR/diagnostics.png`; prints the metrics. Exit status 0 when the run finished, 1 when it
+Writes `DIR/metrics.json` (atomically), `DIR/accuracy.png`, `DIR/training.png` (loss and
+validation metrics by step) and, with `--diagnostics`, `DIR/diagnostics.png`; shows a
+progress bar on a terminal and plain progress lines otherwise; prints the metrics. Exit status 0 when the run finished, 1 when it
 diverged or failed (the reason is in metrics.json and printed), 2 for bad input.
 """
 
@@ -20,8 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
         help="train a spec on a quality task; write metrics.json and plots",
-        description="Train SPEC on a task (see docs/tasks.md) and write DIR/metrics.json, DIR/accuracy.png "
-        "and, with --diagnostics, DIR/diagnostics.png.",
+        description="Train SPEC on a task (see docs/tasks.md) and write DIR/metrics.json, DIR/accuracy.png, "
+        "DIR/training.png and, with --diagnostics, DIR/diagnostics.png. On a terminal a progress bar shows "
+        "the run; in a log (tee, nohup, CI) one plain line per validation does.",
     )
     p.add_argument("spec", metavar="SPEC", help="model spec YAML file")
     p.add_argument("--task", required=True, metavar="NAME", help=f"one of: {', '.join(task_names())}")
@@ -97,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from .formatting import number
     from .tasks import get_task
     from .trainer import train
 
@@ -130,7 +133,10 @@ def run(args: argparse.Namespace) -> int:
         table.add_column("metric")
         table.add_column("value", justify="right")
         for name, value in result.metrics.items():
-            table.add_row(name, f"{value:.6g}")
+            table.add_row(name, number(value))
+        for name, why in result.record.get("not_measured", {}).items():
+            table.add_row(name, "not measured")
+            table.caption = f"{name}: {why}"
         console.print(table)
         for layer, note in result.record.get("diagnostics", {}).get("notes", {}).items():
             console.print(f"layer {layer}: {note}")

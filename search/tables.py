@@ -10,20 +10,10 @@ from typing import Any
 
 from rich.table import Table
 
+from archspec.search.formatting import number
 from archspec.search.pareto import Comparison, RunSummary
 from archspec.search.rundir import TrialRecord, status_counts, trained_count
 from archspec.search.space import Objective
-
-
-def number(value: Any) -> str:
-    """Compact and exact enough to rank by: 4 significant digits, no exponent below 1e6."""
-    if value is None:
-        return "-"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, int) or float(value).is_integer() and abs(value) < 1e15:
-        return f"{int(value):,}" if abs(value) < 1e6 else f"{value:.3g}"
-    return f"{value:.4g}"
 
 
 def short_fields(names: Sequence[str]) -> dict[str, str]:

@@ -2,8 +2,10 @@
 
 The training step is `archspec.training`'s (the one `archspec bench` times): AdamW (fused
 on CUDA) with linear warm-up and cosine decay, gradient clipping, bfloat16 autocast over
-float32 weights on CUDA, the loss straight from the hidden rows (no logits), early stop once the task's validation metric reaches its target, a rich progress
-bar (or silence for search trials). Deterministic under `seed` on the CPU: the weights
+float32 weights on CUDA, the loss straight from the hidden rows (no logits), early stop
+once the task's validation metric reaches its target, a rich progress bar on a
+terminal, plain progress lines in a log (`search/progress.py`), silence for search
+trials. Deterministic under `seed` on the CPU: the weights
 come from `torch.manual_seed(seed)`, the data from a generator seeded with `seed`, the
 evaluation data from the task's own fixed seed.
 
@@ -13,7 +15,8 @@ step in `reason`; an error while training (out of memory, a kernel failure) give
 `ArchspecError` before anything runs.
 
 With `out_dir`, writes `metrics.json` atomically (`{"status", "reason", "metrics": {name:
-float}, "spec", "task", "train", "curves", "history", ...}`), `accuracy.png`, and with
+float}, "spec", "task", "train", "curves", "history", ...}`), `accuracy.png`,
+`training.png` (loss and validation metrics by step), and with
 `diagnostics=True` `diagnostics.png` (see `search/diagnostics.py`).
 """
 
@@ -26,7 +29,6 @@ import os
 import time
 import traceback
 from collections.abc import Iterable, Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ from archspec.throughput import measure_training_throughput
 from archspec.training import autocast_for, make_optimizer as make_adamw, training_loss
 
 from .metrics import concat_outcomes, outcome_from_logits
+from .progress import training_progress
 from .tasks import Task, get_task
 from .tasks.base import Batch, Curve, TrainPreset
 
@@ -177,22 +180,6 @@ class _Diverged(Exception):
         self.reason, self.step = reason, step
 
 
-def _progress(quiet: bool, description: str):
-    if quiet:
-        return None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[note]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-
-
 def json_safe(value: Any) -> Any:
     """NaN and infinities become null: metrics.json stays strict JSON."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -241,6 +228,7 @@ def train(
     measure_throughput: bool = True,
     time_limit_s: float | None = None,
     spec_label: str | None = None,
+    progress_label: str | None = None,
 ) -> TrainResult:
     """Train `spec` on `task` (a `Task` or a name for `get_task(name, preset, **task_options)`).
 
@@ -248,6 +236,8 @@ def train(
     `target` overrides the early-stop threshold (0 disables early stopping); `backend`
     forces a kernel backend (`torch`, `naive`, `triton`). `time_limit_s` ends the
     optimisation early (then evaluates as usual; `train.time_limited` in metrics.json).
+    `progress_label` names the progress bar (or the plain progress lines when the output
+    is not a terminal); by default `<spec name> on <task>`.
     Returns a `TrainResult`; never raises for a diverging or failing run (see the module
     docstring).
     """
@@ -291,8 +281,11 @@ def train(
             metrics["tokens_per_s"] = report.tokens_per_s
             if report.peak_mem_bytes is not None:
                 metrics["peak_mem_bytes"] = float(report.peak_mem_bytes)
+            else:
+                record["not_measured"] = {"peak_mem_bytes": report.peak_mem_note}
         deadline = None if time_limit_s is None else started + time_limit_s
-        steps_done, stop = _loop(model, task, config, seed, device, quiet, history, evals, deadline)
+        label = progress_label or f"{built.spec_record.get('name', 'model')} on {task.name}"
+        steps_done, stop = _loop(model, task, config, seed, device, quiet, history, evals, deadline, label)
         record["train"]["early_stopped"] = stop == "target"
         record["train"]["time_limited"] = stop == "time"
         quality, curves = evaluate(model, task, task.eval_sets(), device, config.eval_batch_size, with_curves=True)
@@ -388,6 +381,7 @@ def _loop(
     history: list[dict[str, float]],
     evals: list[dict[str, Any]],
     deadline: float | None = None,
+    label: str = "",
 ) -> tuple[int, str | None]:
     """The optimisation loop; returns (steps done, why it stopped early: "target", "time"
     or None). Raises `_Diverged`."""
@@ -395,11 +389,10 @@ def _loop(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     generator = torch.Generator().manual_seed(seed)
     record_every = max(1, config.steps // MAX_HISTORY)
-    progress = _progress(quiet, f"{task.name}")
-    bar = progress.add_task(task.name, total=config.steps, loss="-", note="") if progress else None
+    watched = config.early_stop[0] if config.early_stop is not None else None
     model.train()
     step = 0
-    with progress if progress is not None else nullcontext():
+    with training_progress(label or task.name, config.steps, quiet=quiet) as progress:
         for step in range(1, config.steps + 1):
             inputs, targets, mask = (t.to(device) for t in task.train_batch(config.batch_size, generator))
             loss = training_loss(model, inputs, masked_labels(targets, mask), device=device)
@@ -415,16 +408,14 @@ def _loop(
 
             if step % record_every == 0 or step == 1:
                 history.append({"step": step, "loss": loss.item(), "lr": optimizer.param_groups[0]["lr"]})
-            if progress is not None:
-                progress.update(bar, advance=1, loss=f"{loss.item():.4f}")
+            progress.stepped(step, loss.item())
             if step % config.eval_every == 0 or step == config.steps:
                 val, _ = evaluate(model, task, task.validation_sets(), device, config.eval_batch_size, with_curves=False)
                 evals.append({"step": step, **val})
+                progress.validated(step, loss.item(), val, watched)
                 if config.early_stop is not None:
                     name, threshold = config.early_stop
                     value = val.get(name, float("nan"))
-                    if progress is not None:
-                        progress.update(bar, note=f"{name} {value:.3f}")
                     if value >= threshold:
                         return step, "target"
             if deadline is not None and time.perf_counter() > deadline:
@@ -449,6 +440,11 @@ def _write_outputs(out: Path, record: dict[str, Any], curves: dict[str, list[Cur
             png = plots.plot_accuracy(curves, task.plot_train_len, out / "accuracy.png", title=title)
             if png is not None:
                 files["accuracy_plot"] = png.name
+        early_stop = record["train"].get("early_stop")
+        png = plots.plot_training(record.get("history", []), record.get("evals", []), out / "training.png",
+                                  title=title, watched=early_stop[0] if early_stop else None)
+        if png is not None:
+            files["training_plot"] = png.name
         if diagnostics and "diagnostics" in record:
             diag = record["diagnostics"]
             report = DiagnosticsReport(record["metrics"], diag["erank"], diag["residual_ratio"], diag.get("layers"),

@@ -38,12 +38,15 @@ def _positive(text: str) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     search = subparsers.add_parser("search", help="search a space of specs (Ray Tune + Optuna)", description=HELP_SEARCH)
     search.add_argument("search", nargs="?", metavar="SEARCH", help="the search spec (YAML); optional with --resume")
-    search.add_argument("--out", required=True, metavar="DIR", help="the run directory")
+    search.add_argument("--out", metavar="DIR", help="the run directory (needed unless --dry-run)")
     search.add_argument("--trials", type=_positive, metavar="N", help="trials to train (overrides budget.trials)")
     search.add_argument("--resume", action="store_true", help="continue the search in DIR")
     search.add_argument("--address", metavar="HOST:PORT", help="join this Ray cluster instead of starting a local Ray")
     add_overrides_option(search, "budget.steps=50", what="a search-spec field")
     search.add_argument("--no-live", dest="live", action="store_false", help="no live view (one line per finished trial)")
+    search.add_argument("--dry-run", action="store_true",
+                        help="check the search spec and print its space (points, values a constraint rules out), "
+                        "tasks, the metrics the trials report against the objectives, budget; start nothing")
     search.set_defaults(func=run_search_command)
 
     pareto = subparsers.add_parser("pareto", help="Pareto fronts of search runs; hypervolume and IGD+ between them",
@@ -62,6 +65,15 @@ def run_search_command(args: argparse.Namespace) -> int:
     from archspec.search.tables import run_front_table
 
     console = Console()
+    if args.dry_run:
+        if args.search is None or args.resume:
+            raise ArchspecError("--dry-run checks a search spec: give SEARCH (and no --resume)")
+        from archspec.search.dry_run import print_dry_run
+
+        print_dry_run(load_search_spec(args.search, args.overrides), console)
+        return 0
+    if args.out is None:
+        raise ArchspecError("archspec search: give the run directory, --out DIR (or --dry-run to only check the spec)")
     if args.search is None and not args.resume:
         raise ArchspecError("archspec search: give the search spec (SEARCH), or --resume --out DIR to continue a run")
     if args.search is None and args.overrides:

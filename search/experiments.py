@@ -35,12 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from archspec.atomic import write_text_atomic
 from archspec.errors import ArchspecError
-from archspec.spec.yaml_source import (
-    Override,
-    error_from_problems,
-    load_validated,
-    locate_problems,
-)
+from archspec.spec.yaml_source import LocatedDocument, Override, load_validated
 
 from .tasks import get_task
 from .trainer import METRICS_FILE, json_safe, train
@@ -48,7 +43,7 @@ from .trainer import METRICS_FILE, json_safe, train
 RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"
 # Keyword options an experiment may not pass to train(): the runner sets them.
-RUNNER_SETS: tuple[str, ...] = ("seed", "out_dir", "quiet", "device", "task_options", "preset", "overrides", "diagnostics", "spec_label")
+RUNNER_SETS: tuple[str, ...] = ("seed", "out_dir", "quiet", "device", "task_options", "preset", "overrides", "diagnostics", "spec_label", "progress_label")
 # What an experiment's `train:` may set: train()'s keyword options less the runner's own.
 TRAIN_OPTIONS = [n for n in inspect.signature(train).parameters if n not in ("spec", "task", *RUNNER_SETS)]
 
@@ -69,7 +64,7 @@ class RunRef(BaseModel):
 
 
 class Experiment(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", title="archspec experiment")
     name: str = Field(min_length=1)
     description: str = ""
     task: TaskRef
@@ -81,36 +76,85 @@ class Experiment(BaseModel):
     diagnostics: bool = False
 
 
+def experiment_json_schema() -> dict[str, Any]:
+    """The JSON Schema of experiment files, for editors (yaml-language-server)."""
+    from archspec.spec.schema import JSON_SCHEMA_DIALECT
+
+    return {"$schema": JSON_SCHEMA_DIALECT, **Experiment.model_json_schema()}
+
+
 def slug(name: str) -> str:
     """A folder name for a run: `n_h=2, beta in [0,2]` -> `n_h-2-beta-in-0-2`."""
     return re.sub(r"[^A-Za-z0-9_.]+", "-", name).strip("-").lower() or "run"
 
 
 def load_experiment(path: str | os.PathLike[str], overrides: Iterable[Override] = ()) -> tuple[Experiment, Path]:
-    """Read and validate an experiment file; errors name file:line:column and the field."""
-    exp, doc = load_validated(path, Experiment, what="experiment", overrides=overrides)
-    title = f"invalid experiment {doc.source}"
+    """Read and validate an experiment file; every problem at once, each naming
+    file:line:column and the field: the runs' specs with their overrides are validated
+    and the report's metrics checked against what the runs report, before anything trains."""
     base = Path(path).resolve().parent
-    problems: list[tuple[tuple[str | int, ...], str]] = []
-    names = [r.name for r in exp.runs]
-    for i, run in enumerate(exp.runs):
-        if not (base / run.spec).is_file():
-            problems.append((("runs", i, "spec"), f"no such model spec {run.spec!r} (relative to the experiment file)"))
-        if names.count(run.name) > 1 or [slug(n) for n in names].count(slug(run.name)) > 1:
-            problems.append((("runs", i, "name"), f"run name {run.name!r} is not unique"))
-    for where, options in [(("train",), exp.train)] + [(("runs", i, "train"), r.train) for i, r in enumerate(exp.runs)]:
-        for key in options:
-            if key in RUNNER_SETS:
-                problems.append((where + (key,), f"{key!r} is set by the experiment runner"))
-            elif key not in TRAIN_OPTIONS:
-                problems.append((where + (key,), f"the trainer has no option {key!r}; it takes {', '.join(TRAIN_OPTIONS)}"))
-    try:
-        get_task(exp.task.name, exp.task.preset, **exp.task.options)
-    except ArchspecError as exc:
-        problems.append((("task",), str(exc)))
-    if problems:
-        raise error_from_problems(title, locate_problems(doc, problems))
+
+    def semantic(exp: Experiment, doc: LocatedDocument) -> list[tuple[tuple[str | int, ...], str]]:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        try:
+            task = get_task(exp.task.name, exp.task.preset, **exp.task.options)
+        except ArchspecError as exc:
+            task = None
+            problems.append((("task",), str(exc)))
+        names = [r.name for r in exp.runs]
+        for i, run in enumerate(exp.runs):
+            if not (base / run.spec).is_file():
+                problems.append((("runs", i, "spec"), f"no such model spec {run.spec!r} (relative to the experiment file)"))
+            elif task is not None:
+                problems += _run_spec_problems(base / run.spec, [*exp.set, *run.set], task, ("runs", i))
+            if names.count(run.name) > 1 or [slug(n) for n in names].count(slug(run.name)) > 1:
+                problems.append((("runs", i, "name"), f"run name {run.name!r} is not unique"))
+        for where, options in [(("train",), exp.train)] + [(("runs", i, "train"), r.train) for i, r in enumerate(exp.runs)]:
+            for key in options:
+                if key in RUNNER_SETS:
+                    problems.append((where + (key,), f"{key!r} is set by the experiment runner"))
+                elif key not in TRAIN_OPTIONS:
+                    problems.append((where + (key,), f"the trainer has no option {key!r}; it takes {', '.join(TRAIN_OPTIONS)}"))
+        if task is not None:
+            problems += _report_problems(exp, task)
+        return problems
+
+    exp, _ = load_validated(path, Experiment, what="experiment", overrides=overrides, semantic=semantic,
+                            placeholders=_PLACEHOLDERS)
     return exp, base
+
+
+# A broken required section is replaced by these while the others are checked (its own
+# problem is reported either way); see `yaml_source.salvage`.
+_PLACEHOLDERS = {"name": "-", "report": []}
+
+
+def _run_spec_problems(spec: Path, sets: list[str], task: Any, where: tuple[str | int, ...]) -> list[tuple[tuple[str | int, ...], str]]:
+    """A run's model spec with the experiment's and the run's overrides, as it will train."""
+    from archspec import load_spec
+
+    try:
+        load_spec(spec, [*sets, ("model.vocab_size", task.vocab_size)])
+    except ArchspecError as exc:
+        found = [f"{loc}: {field + ': ' if field else ''}{message}" for loc, field, message in exc.problems] or [str(exc)]
+        return [(where, f"the run's spec does not validate: {problem}") for problem in found]
+    return []
+
+
+def _report_problems(exp: Experiment, task: Any) -> list[tuple[tuple[str | int, ...], str]]:
+    """Report metrics no run reports (a misspelt name would leave its column empty)."""
+    from .trial import trainer_metrics
+
+    options = {**exp.train}
+    reported = trainer_metrics(task, throughput=options.get("measure_throughput", True) is not False,
+                               cuda=True, diagnostics=exp.diagnostics)
+    problems = []
+    for index, metric in enumerate(exp.report):
+        if metric not in reported:
+            close = reported.closest(metric)
+            hint = f" (did you mean {close}?)" if close else ""
+            problems.append((("report", index), f"no run reports {metric!r}{hint}; the runs report: {reported.listing()}"))
+    return problems
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -195,6 +239,7 @@ def run_experiment(
             quiet=quiet,
             preset=exp.task.preset,
             spec_label=run.spec,
+            progress_label=f"{run.name}, seed {seed} ({exp.task.name})",
             **{**exp.train, **run.train},
         )
         results[run.name][str(seed)] = _summary(result.record)

@@ -56,7 +56,7 @@ def dry_run_report(loaded: LoadedSearch) -> Group:
     parts.append(space)
 
     dead = [d for d in dead_values(spec, loaded.base, tasks) if d.kind == "constrained"]
-    constraints = ", ".join(str(c) for c in spec.constraints) or "none"
+    constraints = ", ".join(c.shown() for c in spec.constraints) or "none"
     if dead:
         ruled_out = Table(title=f"values every point of which breaks a constraint ({constraints})", title_justify="left")
         for column in ("field", "value", "for example"):
@@ -69,8 +69,8 @@ def dry_run_report(loaded: LoadedSearch) -> Group:
                           "within them at some point of the space"))
 
     reported = reported_metrics(spec, tasks)
-    objectives = Table(title="objectives against the metrics the trials report", title_justify="left")
-    for column in ("objective", "direction", "reported"):
+    objectives = Table(title="objectives", title_justify="left")
+    for column in ("objective", "direction", "reported by the trials"):
         objectives.add_column(column)
     for objective in spec.objectives:
         source = "cost model" if objective.metric in COST_METRICS else "trainer"

@@ -272,7 +272,14 @@ class Constraint(_Section):
         return {"<=": value <= self.bound, ">=": value >= self.bound, "<": value < self.bound, ">": value > self.bound}[self.op]
 
     def __str__(self) -> str:
+        """The form written in (and read back from) a search spec."""
         return f"{self.metric} {self.op} {self.bound:g}"
+
+    def shown(self) -> str:
+        """For people: the bound as the tables write numbers (`params <= 2,000,000`)."""
+        from archspec.search.formatting import number
+
+        return f"{self.metric} {self.op} {number(self.bound)}"
 
 
 class Budget(_Section):

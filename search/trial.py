@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from archspec.errors import ArchspecError
+from archspec.search.formatting import number
 from archspec.search.rundir import DIVERGED, FAILED, INVALID, OK, SKIPPED, TRIAL_SPEC_FILE, RunDir, TrialRecord, write_yaml_atomic
 from archspec.search.space import SearchSpec, TaskRef
 
@@ -158,7 +159,7 @@ def check_proposal(base: Any, overrides: Mapping[str, Any], constraints: list[An
             return Verdict(INVALID, _one_line(exc))
         cost = cost_metrics(spec, gpu=setup.search.resources.gpu > 0)
         first_cost = first_cost or cost
-        broken = [f"{c.metric} = {cost[c.metric]:.4g} violates {c}" for c in constraints if not c.holds(cost[c.metric])]
+        broken = [f"{c.metric} = {number(cost[c.metric])} violates {c.shown()}" for c in constraints if not c.holds(cost[c.metric])]
         if broken:
             suffix = f" (task {task.name})" if len(tasks) > 1 else ""
             return Verdict(SKIPPED, "; ".join(broken) + suffix, cost)

@@ -92,7 +92,7 @@ def test_search_end_to_end_with_constraint_failure_and_divergence(tmp_path):
     by = lambda **o: records[json.dumps({f"mixer.{k}": v for k, v in o.items()}, sort_keys=True)]  # noqa: E731
 
     skipped = by(**{"transition.n_h": 3})
-    assert skipped.status == "skipped" and f"violates params <= {limit:g}" in skipped.reason
+    assert skipped.status == "skipped" and f"violates params <= {limit:,.0f}" in skipped.reason
     assert skipped.metrics["params"] > limit
     assert not run.trial_dir(skipped.number).joinpath("s3").exists()  # never trained
 

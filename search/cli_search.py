@@ -13,8 +13,9 @@ from archspec.cli import add_overrides_option
 HELP_SEARCH = """\
 Search a space of model specs with Ray Tune and Optuna for the Pareto front of the
 objectives (docs/search.md). Everything goes to the run directory --out: the resolved
-search spec, every trial's spec, metrics and status, the Optuna study (study.db, open it
-with optuna-dashboard). --resume continues a search that crashed, was interrupted or
+search spec, every trial's spec, metrics and status, the Optuna study (study.db, named
+after the search; open it with optuna-dashboard, the optional extra `[dashboard]`).
+--dry-run checks the spec and prints what it would search, starting nothing. --resume continues a search that crashed, was interrupted or
 was killed, without redoing finished trials.
 """
 
@@ -83,7 +84,7 @@ def run_search_command(args: argparse.Namespace) -> int:
     run = read_run(outcome.run.path)
     console.print(run_front_table(run))
     console.print(f"run directory: {outcome.run.path}", markup=False, highlight=False)
-    console.print(f"the study: optuna-dashboard {outcome.run.study_url}", markup=False, highlight=False, soft_wrap=True)
+    console.print(dashboard_hint(outcome.run.study_url), markup=False, highlight=False, soft_wrap=True)
     if outcome.exhausted:
         print(f"note: {outcome.stopped_because}", file=sys.stderr)
         return 0
@@ -95,6 +96,17 @@ def run_search_command(args: argparse.Namespace) -> int:
               f"`archspec search --resume --out {args.out}`", file=sys.stderr)
         return 130
     return 0
+
+
+def dashboard_hint(study_url: str) -> str:
+    """How to open the study in optuna-dashboard, an optional extra: the command when it
+    is installed, how to install it when not."""
+    import importlib.util
+
+    if importlib.util.find_spec("optuna_dashboard") is not None:
+        return f"the study: optuna-dashboard {study_url}"
+    return (f"the study: {study_url}; to browse it, install the optional dashboard "
+            f"(pip install -e \".[dashboard]\" in the repository) and run optuna-dashboard {study_url}")
 
 
 def run_pareto_command(args: argparse.Namespace) -> int:

@@ -66,14 +66,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_experiment_command(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.markdown import Markdown
 
-    from .experiments import RESULTS_MD, run_experiment
+    from .experiments import load_experiment, results_renderable, run_experiment
 
     results = run_experiment(
         args.experiment, args.out, device=args.device, overrides=args.overrides, only=args.only, fresh=args.fresh, quiet=args.quiet
     )
-    Console().print(Markdown((Path(args.out) / RESULTS_MD).read_text()))
+    Console().print(results_renderable(load_experiment(args.experiment, args.overrides)[0], results))
     # A diverging configuration is a finding; a failed run (an error) is not.
     failed = [name for name, seeds in results.items() for r in seeds.values() if r["status"] == "failed"]
     return 1 if failed else 0

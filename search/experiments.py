@@ -162,16 +162,21 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(finite) / len(finite) if finite else None
 
 
-def results_table(exp: Experiment, results: dict[str, dict[str, Any]]) -> str:
-    """Markdown: one row per run, the report metrics as mean over finished seeds (and
-    each seed's value when there are several), status, steps and seconds."""
+def _heading(exp: Experiment) -> list[str]:
     lines = [f"# {exp.name}", ""]
     if exp.description:
         lines += [exp.description.strip(), ""]
     opts = ", ".join(f"{k}={v}" for k, v in exp.task.options.items())
     lines += [f"Task `{exp.task.name}` (preset {exp.task.preset}{', ' + opts if opts else ''}); seeds {exp.seeds}.", ""]
+    return lines
+
+
+def results_rows(exp: Experiment, results: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The results table's header and rows: one row per run, the report metrics as mean
+    over finished seeds (and each seed's value when there are several), status, steps
+    and seconds."""
     header = ["run", *exp.report, "status", "steps", "seconds"]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for run in exp.runs:
         per_seed = results.get(run.name, {})
         cells = [run.name]
@@ -186,8 +191,35 @@ def results_table(exp: Experiment, results: dict[str, dict[str, Any]]) -> str:
         cells.append(", ".join(sorted({d["status"] for d in done})) or "not run")
         cells.append(", ".join(str(d["steps_done"]) for d in done) or "-")
         cells.append(", ".join(f"{d['seconds']:.0f}" for d in done) or "-")
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    return header, rows
+
+
+def results_table(exp: Experiment, results: dict[str, dict[str, Any]]) -> str:
+    """Markdown: the heading and the results table (`results_rows`)."""
+    header, rows = results_rows(exp, results)
+    lines = _heading(exp)
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
     return "\n".join(lines) + "\n"
+
+
+def results_renderable(exp: Experiment, results: dict[str, dict[str, Any]]) -> Any:
+    """The same table for a terminal, one column per run and one row per metric: metric
+    names are never cut short (`write_gai…`), and values wrap between seeds."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    header, rows = results_rows(exp, results)
+    table = Table(show_lines=True)
+    table.add_column("", no_wrap=True, min_width=max(len(name) for name in header[1:]))
+    for cells in rows:
+        table.add_column(cells[0], justify="right", overflow="fold")
+    for index, name in enumerate(header[1:], start=1):
+        table.add_row(name, *(cells[index] for cells in rows))
+    heading = [line for line in _heading(exp) if line]
+    return Group(Text(heading[0].lstrip("# "), style="bold"), *(Text(line.replace("`", "")) for line in heading[1:]), table)
 
 
 def run_experiment(

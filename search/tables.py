@@ -10,24 +10,10 @@ from typing import Any
 
 from rich.table import Table
 
-from archspec.search.formatting import number
+from archspec.search.formatting import number, override_value, short_fields
 from archspec.search.pareto import Comparison, RunSummary
 from archspec.search.rundir import TrialRecord, status_counts, trained_count
 from archspec.search.space import Objective
-
-
-def short_fields(names: Sequence[str]) -> dict[str, str]:
-    """Each dotted name's shortest tail that no other name shares: `mixer.transition.n_h` ->
-    `n_h`, but `preconditioner.type` and `transition.type` stay apart."""
-    short = {}
-    for name in names:
-        parts = name.split(".")
-        for size in range(1, len(parts) + 1):
-            tail = ".".join(parts[-size:])
-            if not any(other != name and (other == tail or other.endswith("." + tail)) for other in names):
-                break
-        short[name] = tail
-    return short
 
 
 def front_table(records: Sequence[TrialRecord], objectives: Sequence[Objective], title: str | None = None) -> Table:
@@ -44,21 +30,18 @@ def front_table(records: Sequence[TrialRecord], objectives: Sequence[Objective],
         table.add_column(f"{objective.metric} {'↑' if objective.maximise else '↓'}", justify="right")
     for record in records:
         row = [str(record.number)]
-        row += [_value(record.overrides[f]) if f in record.overrides else "" for f in fields]
+        row += [override_value(record.overrides[f]) if f in record.overrides else "" for f in fields]
         row += [number(record.metrics.get(o.metric)) for o in objectives]
         table.add_row(*row)
     return table
 
 
-def _value(value: Any) -> str:
-    if value is None:  # an override of None un-sets the field (its default applies)
-        return "unset"
-    return number(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
-
-
-def counts_line(records: Sequence[TrialRecord]) -> str:
-    """`12 trained (10 ok, 1 failed, 1 diverged); 3 skipped; 1 running`."""
+def counts_line(records: Sequence[TrialRecord], running: int | None = None) -> str:
+    """`12 trained (10 ok, 1 failed, 1 diverged); 3 skipped; 1 running`. `running`
+    replaces the count of trials without a result (the live view knows it from Ray)."""
     counts = status_counts(records)
+    if running is not None:
+        counts["running"] = running
     trained = trained_count(records)
     parts = [f"{trained} trained ({counts['ok']} ok, {counts['failed']} failed, {counts['diverged']} diverged)"]
     for status in ("skipped", "invalid", "interrupted", "running"):

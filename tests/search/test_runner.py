@@ -505,9 +505,14 @@ def test_live_view_shows_running_trials_and_the_front(tmp_path):
     terminal = Console(record=True, width=150, force_terminal=True)
     view = LiveView(run, spec, target=6, console=terminal)
     view.started(7, {"mixer.transition.n_h": 4, "model.d_model": 32})
+    view.started(8, {"mixer.transition.n_h": 1, "mixer.transition.beta_range": None})
+    run.write_trial_start(TrialRecord(number=8, status=None, started_at=0.0))  # trial 7 has not written its file yet
     terminal.print(view.render())
     text = terminal.export_text()
     assert "2/6 trained" in text and "n_h=4, d_model=32" in text
+    # The header counts what the running table lists (Ray's events), not the trial files;
+    # an unset field shows as `-`, not as "unset".
+    assert "; 2 running" in text and "running (2)" in text and "n_h=1, beta_range=-" in text
     assert "current front (1 trials)" in text and "0.9" in text and "0.5" not in text
 
     log = Console(record=True, width=150, force_terminal=False)  # CI logs: a line per finished trial

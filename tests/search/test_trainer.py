@@ -258,6 +258,10 @@ def test_experiment_runs_every_run_and_seed_then_resumes(tmp_path, capsys):
     seeds = [json.loads((out / "dp2" / f"s{s}" / "metrics.json").read_text())["metrics"]["token_acc@8"] for s in (0, 1)]
     row = next(line for line in (out / "results.md").read_text().splitlines() if line.startswith("| dp2 |"))
     assert f"{sum(seeds) / 2:.3f} ({seeds[0]:.3f}, {seeds[1]:.3f})" in row
+    printed = capsys.readouterr().out
+    for metric in ("token_acc@4", "token_acc@8", "status", "steps", "seconds"):
+        assert f"│ {metric} " in printed  # a row of its own, the name whole
+    assert "…" not in printed
     stamp = (out / "dn" / "s0" / "metrics.json").stat().st_mtime_ns
     assert main(["experiment", str(path), "--out", str(out), "--quiet", "--only", "dp2", "--fresh"]) == 0
     assert (out / "dn" / "s0" / "metrics.json").stat().st_mtime_ns == stamp  # not retrained

@@ -55,20 +55,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "DIR/results.md and DIR/results.json; runs already finished in DIR are skipped.",
     )
     e.add_argument("experiment", metavar="FILE", help="experiment YAML file")
-    e.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    e.add_argument("--out", metavar="DIR", help="output directory (needed unless --costs-of)")
     add_overrides_option(e, "train.steps=100", what="a field of the experiment file")
     e.add_argument("--only", action="append", default=[], metavar="RUN", help="run only this run (repeatable)")
     e.add_argument("--fresh", action="store_true", help="retrain the selected runs even if DIR has them")
     e.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
+    e.add_argument("--costs-of", nargs="+", metavar="RESULTS.json",
+                   help="train nothing: recompute the cost columns (params, flops_per_token, state_bytes) of these "
+                   "results files of FILE from the current code (after a change to the cost model)")
     e.set_defaults(func=run_experiment_command)
 
 
 def run_experiment_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .experiments import load_experiment, results_renderable, run_experiment
+    from .experiments import load_experiment, refresh_costs, results_renderable, run_experiment
 
+    if args.costs_of:
+        for results_file in args.costs_of:
+            changes = refresh_costs(results_file, args.experiment)
+            print(f"{results_file}: {len(changes)} cost value(s) changed" + "".join(f"\n  {c}" for c in changes))
+        return 0
+    if args.out is None:
+        raise ArchspecError("archspec experiment: give the output directory, --out DIR")
     results = run_experiment(
         args.experiment, args.out, device=args.device, overrides=args.overrides, only=args.only, fresh=args.fresh, quiet=args.quiet
     )

@@ -310,3 +310,48 @@ def _write_results(out: Path, exp: Experiment, results: dict[str, dict[str, Any]
     payload = {"experiment": exp.model_dump(mode="json"), "results": results}
     write_text_atomic(out / RESULTS_JSON, json.dumps(json_safe(payload), indent=2, allow_nan=False) + "\n")
     write_text_atomic(out / RESULTS_MD, results_table(exp, results))
+
+
+# --------------------------------------------------------------------------- cost columns
+
+# The metrics the cost model gives (analytic functions of the spec, not measurements):
+# what `refresh_costs` recomputes when the cost model changes.
+COST_COLUMNS = ("params", "flops_per_token", "state_bytes")
+
+
+def run_costs(exp: Experiment, experiment_dir: Path, run: RunRef) -> dict[str, float]:
+    """A run's cost metrics as the trainer computes them now: its spec with the
+    experiment's and the run's overrides and the task's vocabulary, lowered and costed."""
+    import archspec
+
+    from .trainer import cost_metrics
+
+    task = get_task(exp.task.name, exp.task.preset, **exp.task.options)
+    spec = archspec.load_spec(experiment_dir / run.spec, [*exp.set, *run.set, ("model.vocab_size", task.vocab_size)])
+    costs = cost_metrics(archspec.lower(spec))
+    return {name: costs[name] for name in COST_COLUMNS}
+
+
+def refresh_costs(results_file: str | os.PathLike[str], experiment_file: str | os.PathLike[str]) -> list[str]:
+    """Recompute the cost columns of a results file (an experiment's `results.json`, or a
+    committed copy) from the current code, leaving every measured number as it is, and
+    rewrite it and the Markdown table beside it (same name, `.md`). The runs and their
+    overrides are those recorded in the file; their spec paths are relative to
+    `experiment_file`. Returns what changed, one line per run, seed and metric."""
+    path = Path(results_file)
+    payload = json.loads(path.read_text())
+    exp = Experiment.model_validate(payload["experiment"])
+    experiment_dir = Path(experiment_file).resolve().parent
+    changes = []
+    for run in exp.runs:
+        costs = run_costs(exp, experiment_dir, run)
+        for seed, summary in payload["results"].get(run.name, {}).items():
+            for name, value in costs.items():
+                if summary["metrics"].get(name) != value:
+                    changes.append(f"{run.name}, seed {seed}: {name} {summary['metrics'].get(name)} -> {value}")
+                    summary["metrics"][name] = value
+    write_text_atomic(path, json.dumps(json_safe(payload), indent=2, allow_nan=False) + "\n")
+    markdown = path.with_suffix(".md")
+    if markdown.exists():
+        write_text_atomic(markdown, results_table(exp, payload["results"]))
+    return changes

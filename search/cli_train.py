@@ -143,12 +143,14 @@ def run(args: argparse.Namespace) -> int:
         table.add_column("value", justify="right")
         for name, value in result.metrics.items():
             table.add_row(name, number(value))
-        for name, why in result.record.get("not_measured", {}).items():
+        not_measured = result.record.get("not_measured", {})
+        for name in not_measured:
             table.add_row(name, "not measured")
-            table.caption = f"{name}: {why}"
         console.print(table)
         for layer, note in result.record.get("diagnostics", {}).get("notes", {}).items():
             console.print(f"layer {layer}: {note}")
+        for name, why in not_measured.items():
+            console.print(f"{name}: {why}", markup=False, highlight=False, soft_wrap=True)
     if result.status != "ok":
         console.print(f"[bold red]{result.status}[/]: {result.reason}")
     console.print(f"wrote {out / 'metrics.json'}")

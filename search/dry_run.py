@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from archspec.search.formatting import number
-from archspec.search.space import COST_METRICS, LoadedSearch, Param, dead_values, space_size
+from archspec.search.space import COST_METRICS, MAX_PROBES_PER_VALUE, LoadedSearch, Param, dead_values, space_size
 from archspec.search.trial import make_task, reported_metrics
 
 
@@ -65,8 +65,8 @@ def dry_run_report(loaded: LoadedSearch) -> Group:
             ruled_out.add_row(d.field, json.dumps(d.value), d.reason)
         parts.append(ruled_out)
     else:
-        parts.append(Text(f"constraints: {constraints}; every value of every field composes into a valid spec "
-                          "within them at some point of the space"))
+        parts.append(Text(f"constraints: {constraints}; every value of every field makes a valid spec within them at "
+                          f"some point of the space (up to {MAX_PROBES_PER_VALUE} points tried per value)"))
 
     reported = reported_metrics(spec, tasks)
     objectives = Table(title="objectives", title_justify="left")

@@ -89,7 +89,9 @@ class RunPlan:
     note: str | None  # why search.yaml is (re)written, or None when it stays as it is
 
 
-def resolve_run(out: str | os.PathLike[str], loaded: LoadedSearch | None, *, resume: bool, trials: int | None) -> RunPlan:
+def resolve_run(
+    out: str | os.PathLike[str], loaded: LoadedSearch | None, *, resume: bool, trials: int | None, check_objectives: bool = True
+) -> RunPlan:
     """Check the run directory and decide the search to run; writes nothing.
 
     The stored `search.yaml` (with `base: base.yaml`) is what a resumed search runs: the
@@ -106,7 +108,7 @@ def resolve_run(out: str | os.PathLike[str], loaded: LoadedSearch | None, *, res
                 f"{run.path} already holds a search",
                 [(Location(origin=f"--out {out}"), None, "use --resume to continue it, or choose another --out")],
             )
-        stored = load_search_spec(run.search_file)
+        stored = load_search_spec(run.search_file, check_objectives=check_objectives)
         if loaded is not None:
             _check_same_search(stored, loaded, run)
         check_resumable(run, stored.spec)  # everything a resume touches, before it touches anything
@@ -408,7 +410,9 @@ def _run_locked(
     # A killed search's Ray processes could still write trial files: stop them before
     # the files are read (on a cluster, `reconcile` stops such workers by their records).
     remove_stale_ray_dirs()
-    plan = resolve_run(out, loaded, resume=resume, trials=trials)
+    # A training function of one's own reports metrics of its own: objectives are then
+    # checked on its first trial (searcher.py), not against the stock trainer's.
+    plan = resolve_run(out, loaded, resume=resume, trials=trials, check_objectives=train_fn is None)
     run, spec = plan.run, plan.loaded.spec
     base_values = plan.loaded.base_values
     setup = TrialSetup(run_dir=str(run.path), search=spec, train_fn=train_fn)

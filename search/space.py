@@ -401,12 +401,16 @@ _PLACEHOLDERS = {"name": "-", "budget": {"trials": 1, "steps": 1}}
 Problems = list[tuple[tuple[str | int, ...], str]]
 
 
-def load_search_spec(path: str | os.PathLike[str], overrides: Iterable[Override] = ()) -> LoadedSearch:
+def load_search_spec(
+    path: str | os.PathLike[str], overrides: Iterable[Override] = (), *, check_objectives: bool = True
+) -> LoadedSearch:
     """Read, override (`--set budget.trials=4`) and validate a search spec file.
 
     Every problem, structural or semantic, is raised at once as one `ArchspecError`, each
     located at file:line:column (or the `--set`) and the dotted field: a value out of
-    range does not hide a misspelt objective or a choice no spec can take.
+    range does not hide a misspelt objective or a choice no spec can take. The objectives
+    are checked against what the stock trainer reports; `check_objectives=False` for a
+    search that trains with a function of its own (`run_search(..., train_fn=...)`).
     """
     loaded: list[LoadedSearch] = []
 
@@ -415,7 +419,7 @@ def load_search_spec(path: str | os.PathLike[str], overrides: Iterable[Override]
         base, problems = _load_base(base_file)
         if base is not None:
             loaded.append(LoadedSearch(spec=spec, base=base, base_file=base_file, source=doc.source))
-        return problems + semantic_problems(spec, base)
+        return problems + semantic_problems(spec, base, check_objectives=check_objectives)
 
     load_validated(path, SearchSpec, what="search spec", overrides=overrides, semantic=semantic, placeholders=_PLACEHOLDERS)
     return loaded[0]
@@ -437,12 +441,13 @@ def _load_base(base_file: Path) -> tuple[Any, Problems]:
         return None, [(("base",), f"the base spec does not validate: {problem}") for problem in found]
 
 
-def semantic_problems(spec: SearchSpec, base: Any | None) -> Problems:
+def semantic_problems(spec: SearchSpec, base: Any | None, *, check_objectives: bool = True) -> Problems:
     """What pydantic cannot see: fields that exist, conditions that can hold, choices that
     make a valid spec, tasks that exist, objectives the trials report, a discrete grid.
     Without a base spec (it did not load) the checks that need it are left out."""
     tasks, problems = _task_problems(spec)
-    problems += _objective_problems(spec, tasks)
+    if check_objectives:
+        problems += _objective_problems(spec, tasks)
     problems += _trainer_problems(spec)
     if base is None:
         return problems

@@ -307,3 +307,10 @@ def test_schemas_match_the_committed_copies_and_accept_the_shipped_files(kind, f
     data = yaml.safe_load(files[0].read_text())
     data["budget" if kind == "search" else "seeds"] = "many"
     assert list(validator.iter_errors(data))
+
+
+def test_objectives_of_a_training_function_of_ones_own_are_not_checked_at_load(tmp_path):
+    path = write(tmp_path, HEAD + "space:\n  mixer.heads: {choices: [2, 4]}\n" + TAIL.replace("token_acc@16", "my_score"))
+    (_, field, _), = problems(path)
+    assert field == "objectives[0]"
+    assert load_search_spec(path, check_objectives=False).spec.metric_names == ["my_score", "params"]

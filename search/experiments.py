@@ -319,33 +319,35 @@ def _write_results(out: Path, exp: Experiment, results: dict[str, dict[str, Any]
 COST_COLUMNS = ("params", "flops_per_token", "state_bytes")
 
 
-def run_costs(exp: Experiment, experiment_dir: Path, run: RunRef) -> dict[str, float]:
-    """A run's cost metrics as the trainer computes them now: its spec with the
-    experiment's and the run's overrides and the task's vocabulary, lowered and costed."""
+def run_costs(exp: Experiment, experiment_dir: Path, run: RunRef, device: str = "cpu") -> dict[str, float]:
+    """A run's cost metrics as the trainer computes them now on `device` (the FLOPs are
+    those of the recurrence's path there): its spec with the experiment's and the run's
+    overrides and the task's vocabulary, lowered and costed."""
     import archspec
 
     from .trainer import cost_metrics
 
     task = get_task(exp.task.name, exp.task.preset, **exp.task.options)
     spec = archspec.load_spec(experiment_dir / run.spec, [*exp.set, *run.set, ("model.vocab_size", task.vocab_size)])
-    costs = cost_metrics(archspec.lower(spec))
+    costs = cost_metrics(archspec.lower(spec), device)
     return {name: costs[name] for name in COST_COLUMNS}
 
 
 def refresh_costs(results_file: str | os.PathLike[str], experiment_file: str | os.PathLike[str]) -> list[str]:
     """Recompute the cost columns of a results file (an experiment's `results.json`, or a
     committed copy) from the current code, leaving every measured number as it is, and
-    rewrite it and the Markdown table beside it (same name, `.md`). The runs and their
-    overrides are those recorded in the file; their spec paths are relative to
-    `experiment_file`. Returns what changed, one line per run, seed and metric."""
+    rewrite it and the Markdown table beside it (same name, `.md`). The runs, their
+    overrides and the device each ran on are those recorded in the file; their spec paths
+    are relative to `experiment_file`. Returns what changed, one line per run, seed and
+    metric."""
     path = Path(results_file)
     payload = json.loads(path.read_text())
     exp = Experiment.model_validate(payload["experiment"])
     experiment_dir = Path(experiment_file).resolve().parent
     changes = []
     for run in exp.runs:
-        costs = run_costs(exp, experiment_dir, run)
         for seed, summary in payload["results"].get(run.name, {}).items():
+            costs = run_costs(exp, experiment_dir, run, summary.get("device") or "cpu")
             for name, value in costs.items():
                 if summary["metrics"].get(name) != value:
                     changes.append(f"{run.name}, seed {seed}: {name} {summary['metrics'].get(name)} -> {value}")

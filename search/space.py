@@ -820,7 +820,8 @@ def dead_values(spec: SearchSpec, base: Any, tasks: list[Any], *, constraints: b
                     break
                 label = json.dumps({k: choice_label(v) for k, v in point.items()}, sort_keys=True)
                 if label not in verdicts:
-                    verdicts[label] = check_proposal(base, point, spec.constraints if constraints else [], tasks)
+                    verdicts[label] = check_proposal(base, point, spec.constraints if constraints else [], tasks,
+                                                     gpu=spec.resources.gpu > 0)
                 verdict = verdicts[label]
                 if verdict.status == OK_STATUS:
                     usable = True

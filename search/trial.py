@@ -148,16 +148,16 @@ def cost_metrics(spec: Any, gpu: bool) -> dict[str, float]:
     return estimate(spec, device="cuda" if gpu else "cpu").metrics()
 
 
-def check_proposal(base: Any, overrides: Mapping[str, Any], constraints: list[Any], tasks: list[Any]) -> Verdict:
+def check_proposal(base: Any, overrides: Mapping[str, Any], constraints: list[Any], tasks: list[Any], *, gpu: bool) -> Verdict:
     """Whether base + overrides is a valid spec (for every task's vocabulary) within the
-    constraints, from the cost model: nothing is built."""
+    constraints, from the cost model (of the path the trial runs: `gpu`): nothing is built."""
     first_cost: dict[str, float] = {}
     for task in tasks:
         try:
             spec = compose_spec(base, overrides, task=task)
         except ArchspecError as exc:
             return Verdict(INVALID, _one_line(exc))
-        cost = cost_metrics(spec, gpu=setup.search.resources.gpu > 0)
+        cost = cost_metrics(spec, gpu=gpu)
         first_cost = first_cost or cost
         broken = [f"{c.metric} = {number(cost[c.metric])} violates {c.shown()}" for c in constraints if not c.holds(cost[c.metric])]
         if broken:
@@ -169,7 +169,7 @@ def check_proposal(base: Any, overrides: Mapping[str, Any], constraints: list[An
 def precheck(setup: TrialSetup, overrides: Mapping[str, Any], tasks: list[Any] | None = None) -> Verdict:
     """Validate the trial's spec and check the constraints from the cost model, per task."""
     tasks = tasks if tasks is not None else [make_task(ref) for ref in setup.search.tasks]
-    return check_proposal(setup.run, overrides, setup.search.constraints, tasks)
+    return check_proposal(setup.run, overrides, setup.search.constraints, tasks, gpu=setup.search.resources.gpu > 0)
 
 
 def _one_line(exc: ArchspecError) -> str:

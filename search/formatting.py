@@ -62,6 +62,7 @@ def override_value(value: Any) -> str:
 
 def overrides_label(overrides: Mapping[str, Any], names: Sequence[str] | None = None) -> str:
     """`type=householder n_h=2 beta_range=[0, 2]`: a trial's overrides by the tables'
-    short field names (`names`: the fields to tell apart, default its own)."""
+    short field names (`names`: the fields to tell apart, default its own); fields left
+    unset are left out."""
     short = short_fields(list(names if names is not None else overrides))
-    return " ".join(f"{short[k]}={override_value(v)}" for k, v in overrides.items() if k in short)
+    return " ".join(f"{short[k]}={override_value(v)}" for k, v in overrides.items() if k in short and v is not None)

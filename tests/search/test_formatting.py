@@ -24,3 +24,14 @@ from archspec.search.formatting import number
 )
 def test_number(value, text):
     assert number(value) == text
+
+
+def test_short_names_and_labels():
+    from archspec.search.formatting import overrides_label, short_fields
+
+    names = ["mixer.transition.type", "mixer.preconditioner.type", "mixer.transition.n_h"]
+    assert short_fields(names) == {"mixer.transition.type": "transition.type",
+                                   "mixer.preconditioner.type": "preconditioner.type", "mixer.transition.n_h": "n_h"}
+    overrides = {"mixer.transition.type": "diagonal", "mixer.transition.n_h": 1, "mixer.transition.beta_range": None}
+    assert overrides_label(overrides) == "type=diagonal n_h=1"
+    assert overrides_label({"mixer.transition.beta_range": [0, 2]}) == "beta_range=[0, 2]"

@@ -21,17 +21,20 @@ def front_table(records: Sequence[TrialRecord], objectives: Sequence[Objective],
     fields: list[str] = []
     for record in records:
         fields += [k for k in record.overrides if k not in fields]
-    table = Table(title=title, title_justify="left")
-    table.add_column("trial", justify="right")
-    short = short_fields(fields)
-    for field in fields:
-        table.add_column(short[field])
-    for objective in objectives:
-        table.add_column(f"{objective.metric} {'↑' if objective.maximise else '↓'}", justify="right")
+    rows = []
     for record in records:
         row = [str(record.number)]
         row += [override_value(record.overrides[f]) if f in record.overrides else "" for f in fields]
         row += [number(record.metrics.get(o.metric)) for o in objectives]
+        rows.append(row)
+    short = short_fields(fields)
+    headers = ["trial", *(short[f] for f in fields), *(f"{o.metric} {'↑' if o.maximise else '↓'}" for o in objectives)]
+    table = Table(title=title, title_justify="left")
+    for index, header in enumerate(headers):
+        # On a narrow console a header and its values fold onto more lines rather than
+        # being cut short (`write_gai…`) or cut off at the console's edge.
+        table.add_column(header, justify="left" if 0 < index <= len(fields) else "right", overflow="fold")
+    for row in rows:
         table.add_row(*row)
     return table
 

@@ -6,7 +6,6 @@ Shared by `archspec pareto`, the live view and the summary `archspec search` pri
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from rich.table import Table
 

@@ -415,7 +415,7 @@ def load_search_spec(
     loaded: list[LoadedSearch] = []
 
     def semantic(spec: SearchSpec, doc: LocatedDocument) -> Problems:
-        base_file = (Path(doc.source).resolve().parent / spec.base) if doc.source else Path(spec.base).resolve()
+        base_file = ((Path(doc.source).resolve().parent / spec.base) if doc.source else Path(spec.base)).resolve()
         base, problems = _load_base(base_file)
         if base is not None:
             loaded.append(LoadedSearch(spec=spec, base=base, base_file=base_file, source=doc.source))

@@ -68,7 +68,7 @@ def recognise_file(path: str | os.PathLike[str]) -> FileKind:
     """Read the file's top level (located errors for unreadable YAML) and recognise it."""
     from archspec.spec.yaml_source import load_yaml_with_locations
 
-    return recognise(load_yaml_with_locations(path, what="YAML file").data)
+    return recognise(load_yaml_with_locations(path, what="spec").data)
 
 
 def _check_model_spec(path: str, overrides: Iterable[str]) -> str:

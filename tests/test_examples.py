@@ -223,6 +223,11 @@ PLANS: dict[str, Plan] = {
              replace=(("runs/experiments/deltaproduct-s3", "runs/experiments/deltaproduct-s3 --only n_h-2-beta-in-0-2 "
                        + REDUCED_EXPERIMENT),)),
     "bash specs/experiments/run-gpu.sh": Plan(skip="needs a CUDA GPU"),
+    # The README's kernel performance section: timings on an H200 (tests/benchmarks/ runs the
+    # scripts' CPU paths).
+    "python benchmarks/kernel_times.py --budget-s 420": Plan(skip="needs a CUDA GPU"),
+    "python benchmarks/kernel_times.py --against DIR --fla none": Plan(skip="needs a CUDA GPU"),
+    "python benchmarks/gpu_check.py --budget-s 300": Plan(skip="needs a CUDA GPU"),
     "archspec experiment specs/experiments/osdn-mqar-twice.yaml --out runs/experiments/osdn-mqar-twice":
         Plan(experiment_table("runs/experiments/osdn-mqar-twice", "OSDN"),
              replace=(("runs/experiments/osdn-mqar-twice", "runs/experiments/osdn-mqar-twice --only OSDN " + REDUCED_EXPERIMENT),)),

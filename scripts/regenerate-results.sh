@@ -7,7 +7,7 @@
 #                                           runs/experiments/<name>/ and copy their tables,
 #                                           records and quoted plots here; then --costs
 #   scripts/regenerate-results.sh --costs   only the cost columns (params, flops_per_token,
-#                                           state_bytes) of every results file, recomputed
+#                                           state_bytes, also @32768) of every results file, recomputed
 #                                           from the code: seconds, no training. What a
 #                                           change to the cost model needs
 #                                           (tests/search/test_committed_results.py fails

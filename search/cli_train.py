@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.add_argument("--costs-of", nargs="+", metavar="RESULTS.json",
-                   help="train nothing: recompute the cost columns (params, flops_per_token, state_bytes) of these "
+                   help="train nothing: recompute the cost columns (params, flops_per_token, state_bytes, also at the long context) of these "
                    "results files of FILE from the current code (after a change to the cost model)")
     e.set_defaults(func=run_experiment_command)
 

@@ -37,6 +37,7 @@ from archspec.atomic import write_text_atomic
 from archspec.errors import ArchspecError
 from archspec.spec.yaml_source import LocatedDocument, Override, load_validated
 
+from .space import COST_METRICS
 from .tasks import get_task
 from .trainer import METRICS_FILE, json_safe, train
 
@@ -316,7 +317,7 @@ def _write_results(out: Path, exp: Experiment, results: dict[str, dict[str, Any]
 
 # The metrics the cost model gives (analytic functions of the spec, not measurements):
 # what `refresh_costs` recomputes when the cost model changes.
-COST_COLUMNS = ("params", "flops_per_token", "state_bytes")
+COST_COLUMNS = COST_METRICS
 
 
 def run_costs(exp: Experiment, experiment_dir: Path, run: RunRef, device: str = "cpu") -> dict[str, float]:

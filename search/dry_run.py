@@ -23,7 +23,7 @@ from archspec.search.trial import make_task, reported_metrics
 
 def _values(param: Param) -> str:
     if param.choices is not None:
-        return ", ".join(json.dumps(c) if isinstance(c, list) else str(c) for c in param.choices)
+        return ", ".join(json.dumps(c) if isinstance(c, list) or c is None else str(c) for c in param.choices)
     low, high = param.int_range if param.int_range is not None else param.float_range  # type: ignore[misc]
     kind = "int" if param.int_range is not None else "float"
     extra = "".join([", log scale" if param.log else "", f", step {param.step:g}" if param.step is not None else ""])

@@ -1,5 +1,8 @@
 """The language commands: `archspec validate`, `archspec compile`, `archspec schema`.
 
+`validate` and `schema` handle every kind of file registered in `archspec.spec.kinds`
+(model specs here; search specs and experiments register from `archspec.search`).
+
 `search/cli.py` is the entry point and calls `register`. Errors the user can fix are
 `ArchspecError`s: printed as located messages, exit status 2, never a traceback.
 """
@@ -25,8 +28,14 @@ def add_overrides_option(parser: argparse.ArgumentParser, example: str = "mixer.
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    validate = subparsers.add_parser("validate", help="check spec files; one line per file")
-    validate.add_argument("specs", nargs="+", metavar="SPEC", help="model spec YAML files")
+    validate = subparsers.add_parser(
+        "validate", help="check model specs, search specs and experiment files; one line per file",
+        description="Check each FILE: a model spec, a search spec or an experiment file, recognised by its "
+        "top-level keys (or as --kind says). Every problem of a file is reported at once, with its file, "
+        "line, column and dotted field. Exit status 2 when any file has a problem.",
+    )
+    validate.add_argument("specs", nargs="+", metavar="FILE", help="YAML files: model specs, search specs, experiments")
+    validate.add_argument("--kind", metavar="KIND", help="read every FILE as this kind: model, search or experiment")
     add_overrides_option(validate)
     validate.set_defaults(func=run_validate)
 
@@ -41,38 +50,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     compile_.set_defaults(func=run_compile)
 
-    schema = subparsers.add_parser("schema", help="write the JSON Schema of model specs (for editors)")
+    schema = subparsers.add_parser(
+        "schema", help="write the JSON Schema of model specs, search specs or experiments (for editors)",
+        description="Write the JSON Schema of one kind of file. The committed copies under specs/ "
+        "(spec.schema.json, search.schema.json, experiment.schema.json) are what the shipped files' "
+        "yaml-language-server modelines point at.",
+    )
+    schema.add_argument("--kind", default="model", metavar="KIND", help="model (default), search or experiment")
     schema.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
     schema.set_defaults(func=run_schema)
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from archspec.spec.loader import load_spec
+    from archspec.spec.kinds import kind_named, recognise_file
 
+    forced = kind_named(args.kind) if args.kind else None
     failed = 0
     for path in args.specs:
         try:
-            spec = load_spec(path, args.overrides)
+            kind = forced or recognise_file(path)
+            summary = kind.check(path, args.overrides)
         except ArchspecError as exc:
             failed += 1
             print(f"error: {exc}", file=sys.stderr)
             continue
-        m = spec.mixer
-        extra = ", osdn" + (" apf" if m.preconditioner.setting("apf") else "") if m.preconditioner.enabled else ""
-        print(f"ok  {path}  ({spec.name}: {m.backbone}, {m.transition.type} n_h={m.transition.n_h}, gate {m.resolved_gate}{extra}{_layout_note(spec)})")
+        print(f"ok  {path}  ({summary})")
     return 2 if failed else 0
-
-
-def _layout_note(spec) -> str:
-    """`; 6 recurrent + 2 attention layers` for a stack with attention or overrides."""
-    from archspec.spec.layout import layer_kinds
-
-    kinds = layer_kinds(spec.layout, spec.model.layers)
-    attention = kinds.count("attention")
-    if not attention and not spec.layout.overrides:
-        return ""
-    overridden = f", {len(spec.layout.overrides)} override(s)" if spec.layout.overrides else ""
-    return f"; {len(kinds) - attention} recurrent + {attention} attention layers{overridden}"
 
 
 def run_compile(args: argparse.Namespace) -> int:
@@ -106,9 +109,11 @@ def run_compile(args: argparse.Namespace) -> int:
 
 
 def run_schema(args: argparse.Namespace) -> int:
-    from archspec.spec.schema import spec_json_schema_text
+    import json
 
-    text = spec_json_schema_text()
+    from archspec.spec.kinds import kind_named
+
+    text = json.dumps(kind_named(args.kind).schema(), indent=2) + "\n"
     if args.output:
         try:
             write_text_atomic(args.output, text)

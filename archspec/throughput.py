@@ -11,11 +11,13 @@ own and the median step gives `tokens_per_s`, so that one step slowed by another
 on a shared machine does not move the figure.
 
 Peak memory: on CUDA, `torch.cuda.max_memory_allocated` over the measured steps
-(weights, gradients, AdamW's two moments, activations). On the CPU there is no allocator counter, so it is
-the rise of the process's peak resident memory (Linux `VmHWM`, reset through
-`/proc/self/clear_refs`) during warm-up and the timed steps, plus the bytes of the
-module's parameters and buffers that were resident before; None where `/proc` is
-missing. Freed memory the C allocator keeps can make the CPU figure an underestimate.
+(weights, gradients, AdamW's two moments, activations). On the CPU it is not measured
+(`peak_mem_bytes` None, `peak_mem_note` says why): PyTorch keeps that counter only for
+CUDA, and the process's resident memory (what an earlier version reported) mixes in
+whatever the C allocator kept from earlier work and the interpreter's own memory, so it
+read, for example, half a megabyte for training a model whose weights alone take more.
+A figure that cannot be trusted is worse than none in a table of measurements (the
+estimate before building, `blocks/memory.py`, is labelled as one).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -35,44 +36,28 @@ from archspec.training import autocast_for, make_optimizer, training_loss
 
 __all__ = ["ThroughputReport", "autocast_for", "measure_training_throughput", "register"]
 
-_PROC_STATUS = Path("/proc/self/status")
-_PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+CPU_PEAK_NOTE = (
+    "not measured on the CPU: PyTorch counts peak memory only on CUDA (torch.cuda.max_memory_allocated), "
+    "and the process's resident memory mixes in the C allocator's cache and earlier work"
+)
 
 
 @dataclass(frozen=True)
 class ThroughputReport:
     tokens_per_s: float  # forward + loss + backward, after warm-up: batch * seq_len / median step time
-    peak_mem_bytes: int | None  # the whole training step, optimizer state included
+    peak_mem_bytes: int | None  # the whole training step, optimizer state included; None off CUDA
     batch: int
     seq_len: int
     device: str
     steps: int
     step_seconds: tuple[float, ...]  # wall time of each timed forward + loss + backward
     optimizer_seconds: tuple[float, ...] = ()  # wall time of each timed optimizer step
+    peak_mem_note: str | None = None  # why peak_mem_bytes is None
 
     @property
     def optimizer_s(self) -> float:
         """Median optimizer step (AdamW over every parameter), seconds."""
         return statistics.median(self.optimizer_seconds) if self.optimizer_seconds else float("nan")
-
-
-def _proc_kib(field: str) -> int | None:
-    try:
-        for line in _PROC_STATUS.read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _reset_cpu_peak() -> bool:
-    """Reset the process's peak RSS to its current RSS (Linux >= 4.0)."""
-    try:
-        _PROC_CLEAR_REFS.write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def _vocab_size(model: nn.Module) -> int:
@@ -129,10 +114,8 @@ def measure_training_throughput(
         optimizer.step()
         model.zero_grad(set_to_none=True)
 
-    resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    rss_before = _proc_kib("VmRSS") if device.type == "cpu" and _reset_cpu_peak() else None
     for _ in range(warmup):
         forward_backward()
         optimizer_step()
@@ -148,13 +131,12 @@ def measure_training_throughput(
         step_seconds.append(middle - start)
         optimizer_seconds.append(time.perf_counter() - middle)
 
-    peak: int | None
+    peak: int | None = None
+    note: str | None = None
     if device.type == "cuda":
         peak = int(torch.cuda.max_memory_allocated(device))
-    elif rss_before is not None and (hwm := _proc_kib("VmHWM")) is not None:
-        peak = (hwm - rss_before) * 1024 + resident
     else:
-        peak = None
+        note = CPU_PEAK_NOTE if device.type == "cpu" else f"not measured on {device.type}: no peak-memory counter there"
     del optimizer
     model.load_state_dict(saved)
     model.zero_grad(set_to_none=True)
@@ -168,6 +150,7 @@ def measure_training_throughput(
         steps=steps,
         step_seconds=tuple(step_seconds),
         optimizer_seconds=tuple(optimizer_seconds),
+        peak_mem_note=note,
     )
 
 
@@ -229,9 +212,12 @@ def run_bench(args: argparse.Namespace) -> int:
     table.add_column("device")
     table.add_column("params", justify="right")
     params = sum(p.numel() for p in model.parameters())
-    mem = "n/a" if report.peak_mem_bytes is None else f"{report.peak_mem_bytes / 2**20:,.1f} MiB"
+    mem = "not measured" if report.peak_mem_bytes is None else f"{report.peak_mem_bytes / 2**20:,.1f} MiB"
     table.add_row(f"{report.tokens_per_s:,.0f}", f"{report.optimizer_s * 1e3:,.1f} ms", mem, f"{report.batch} x {report.seq_len}", report.device, f"{params:,}")
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if report.peak_mem_note:
+        console.print(f"peak memory: {report.peak_mem_note}", markup=False, highlight=False, soft_wrap=True)
     if args.json:
         record = {"spec": str(args.spec), "params": params, **asdict(report), "optimizer_s": report.optimizer_s}
         write_text_atomic(args.json, json.dumps(record, indent=2) + "\n")

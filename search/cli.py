@@ -26,6 +26,8 @@ COMMAND_MODULES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Search specs and experiment files become kinds `archspec validate` and `schema` know.
+    importlib.import_module("archspec.search.file_kinds")
     parser = argparse.ArgumentParser(
         prog="archspec",
         description="Declarative architecture search for linear-RNN sequence mixers.",

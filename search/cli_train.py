@@ -1,8 +1,10 @@
 """`archspec train SPEC --task NAME`: train one spec on one task and write its scores.
 
-Writes `DIR/metrics.json` (atomically), `DIR/accuracy.png`, with `--diagnostics`
-`DIR/diagnostics.png`, and the trained model (`DIR/model.safetensors` with `DIR/spec.yaml`:
-`archspec.load(DIR)`); prints the metrics. `--resume` continues an unfinished run in DIR. Exit status 0 when the run finished, 1 when it
+Writes `DIR/metrics.json` (atomically), `DIR/accuracy.png`, `DIR/training.png` (loss and
+validation metrics by step), with `--diagnostics` `DIR/diagnostics.png`, and the trained
+model (`DIR/model.safetensors` with `DIR/spec.yaml`: `archspec.load(DIR)`); shows a progress
+bar on a terminal and plain progress lines otherwise; prints the metrics. `--resume`
+continues an unfinished run in DIR. Exit status 0 when the run finished, 1 when it
 diverged or failed (the reason is in metrics.json and printed), 2 for bad input.
 """
 
@@ -21,8 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
         help="train a spec on a quality task; write metrics.json and plots",
-        description="Train SPEC on a task (see docs/tasks.md) and write DIR/metrics.json, DIR/accuracy.png "
-        "and, with --diagnostics, DIR/diagnostics.png.",
+        description="Train SPEC on a task (see docs/tasks.md) and write DIR/metrics.json, DIR/accuracy.png, "
+        "DIR/training.png and, with --diagnostics, DIR/diagnostics.png. On a terminal a progress bar shows "
+        "the run; in a log (tee, nohup, CI) one plain line per validation does.",
     )
     p.add_argument("spec", metavar="SPEC", help="model spec YAML file")
     p.add_argument("--task", required=True, metavar="NAME", help=f"one of: {', '.join(task_names())}")
@@ -56,25 +59,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "DIR/results.md and DIR/results.json; runs already finished in DIR are skipped.",
     )
     e.add_argument("experiment", metavar="FILE", help="experiment YAML file")
-    e.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    e.add_argument("--out", metavar="DIR", help="output directory (needed unless --costs-of)")
     add_overrides_option(e, "train.steps=100", what="a field of the experiment file")
     e.add_argument("--only", action="append", default=[], metavar="RUN", help="run only this run (repeatable)")
     e.add_argument("--fresh", action="store_true", help="retrain the selected runs even if DIR has them")
     e.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
+    e.add_argument("--costs-of", nargs="+", metavar="RESULTS.json",
+                   help="train nothing: recompute the cost columns (params, flops_per_token, state_bytes, also at the long context) of these "
+                   "results files of FILE from the current code (after a change to the cost model)")
     e.set_defaults(func=run_experiment_command)
 
 
 def run_experiment_command(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.markdown import Markdown
 
-    from .experiments import RESULTS_MD, run_experiment
+    from .experiments import load_experiment, refresh_costs, results_renderable, run_experiment
 
+    if args.costs_of:
+        for results_file in args.costs_of:
+            changes = refresh_costs(results_file, args.experiment)
+            print(f"{results_file}: {len(changes)} cost value(s) changed" + "".join(f"\n  {c}" for c in changes))
+        return 0
+    if args.out is None:
+        raise ArchspecError("archspec experiment: give the output directory, --out DIR")
     results = run_experiment(
         args.experiment, args.out, device=args.device, overrides=args.overrides, only=args.only, fresh=args.fresh, quiet=args.quiet
     )
-    Console().print(Markdown((Path(args.out) / RESULTS_MD).read_text()))
+    Console().print(results_renderable(load_experiment(args.experiment, args.overrides)[0], results))
     # A diverging configuration is a finding; a failed run (an error) is not.
     failed = [name for name, seeds in results.items() for r in seeds.values() if r["status"] == "failed"]
     return 1 if failed else 0
@@ -101,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .checkpoints import RESUME_FILE, unfinished_step
+    from .formatting import number
     from .tasks import get_task
     from .trainer import train
 
@@ -139,10 +152,15 @@ def run(args: argparse.Namespace) -> int:
         table.add_column("metric")
         table.add_column("value", justify="right")
         for name, value in result.metrics.items():
-            table.add_row(name, f"{value:.6g}")
+            table.add_row(name, number(value))
+        not_measured = result.record.get("not_measured", {})
+        for name in not_measured:
+            table.add_row(name, "not measured")
         console.print(table)
         for layer, note in result.record.get("diagnostics", {}).get("notes", {}).items():
             console.print(f"layer {layer}: {note}")
+        for name, why in not_measured.items():
+            console.print(f"{name}: {why}", markup=False, highlight=False, soft_wrap=True)
     if result.status != "ok":
         console.print(f"[bold red]{result.status}[/]: {result.reason}")
     console.print(f"wrote {out / 'metrics.json'}")

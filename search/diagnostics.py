@@ -32,6 +32,8 @@ replayed): they get no metric, and the report says so per layer (`notes`).
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +44,18 @@ from archspec.kernels.naive import apply_gate, recurrence_step
 from .metrics import geometric_mean
 
 Tensor = torch.Tensor
+
+# The names `summarize` reports, spelled as patterns (layers and heads depend on the
+# model): a search checks its objectives against them before anything trains.
+METRIC_PATTERNS: dict[str, re.Pattern[str]] = {
+    "erank@<layer>.<head>": re.compile(r"erank@\d+\.\d+"),
+    "q_geo@<layer>": re.compile(r"q_geo@\d+"),
+    "q_geo@<layer>.<head>": re.compile(r"q_geo@\d+\.\d+"),
+    "max_factor_norm@<layer>": re.compile(r"max_factor_norm@\d+"),
+    "write_gain@<layer>": re.compile(r"write_gain@\d+"),
+    "q_geo": re.compile(r"q_geo"),
+    "max_factor_norm": re.compile(r"max_factor_norm"),
+}
 
 # A residual below this (squared norm, float64) is zero: its ratio is 0/0 and skipped.
 ZERO_RESIDUAL = 1e-24

@@ -28,7 +28,8 @@ from archspec.search.pareto import front_of
 from archspec.search.rundir import FAILED, RunDir, TrialRecord, trained_count
 from archspec.search.space import SearchSpec
 from archspec.search.trial import record_from_result
-from archspec.search.tables import counts_line, front_table, short_fields
+from archspec.search.formatting import number, override_value, short_fields
+from archspec.search.tables import counts_line, front_table
 
 MAX_FRONT_ROWS = 12
 
@@ -146,7 +147,7 @@ class LiveView:
             if record.status is None or record.number in self._announced:
                 continue
             self._announced.add(record.number)
-            values = ", ".join(f"{m}={record.metrics.get(m):.4g}" for m in self.spec.metric_names
+            values = ", ".join(f"{m}={number(record.metrics.get(m))}" for m in self.spec.metric_names
                                if isinstance(record.metrics.get(m), (int, float)))
             why = f" ({record.reason})" if record.reason else ""
             self.console.print(f"trial {record.number}: {record.status}{why} {values}  [{trained}/{self.target} trained]",
@@ -155,18 +156,21 @@ class LiveView:
     def render(self) -> Group:
         records = self.run.read_trials()
         trained = trained_count(records)
-        header = Text(f"search {self.spec.name}: {trained}/{self.target} trained — {counts_line(records)}", style="bold")
-        running = Table(title="running", title_justify="left")
+        with self.lock:
+            items = sorted(self.running.items())
+        # The running count is the table's below (Ray's events), not the trial files: a
+        # trial Ray has started may not have written its trial.json yet.
+        header = Text(f"search {self.spec.name}: {trained}/{self.target} trained — {counts_line(records, running=len(items))}",
+                      style="bold")
+        running = Table(title=f"running ({len(items)})", title_justify="left")
         running.add_column("trial", justify="right")
         running.add_column("overrides")
         running.add_column("time", justify="right")
-        with self.lock:
-            items = sorted(self.running.items())
         now = time.time()
-        for number, (overrides, started) in items:
+        for trial_number, (overrides, started) in items:
             short = short_fields(list(overrides))
-            shown = ", ".join(f"{short[k]}={v}" for k, v in overrides.items())
-            running.add_row(str(number), shown, f"{now - started:.0f} s")
+            shown = ", ".join(f"{short[k]}={override_value(v)}" for k, v in overrides.items())
+            running.add_row(str(trial_number), shown, f"{now - started:.0f} s")
         front = front_of(records, self.spec.objectives)
         parts: list[Any] = [header, running]
         if front:

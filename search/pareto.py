@@ -246,16 +246,27 @@ def _finite_or_none(value: float) -> float | None:
 # --------------------------------------------------------------------------- plot
 
 
+# Runs are told apart by colour and by marker; a later run's front points are drawn
+# larger and hollow around the earlier ones, so that identical fronts stay visible.
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+_FRONT_SIZE = 36.0
+_FRONT_SIZE_STEP = 40.0
+
+
 def plot_fronts(runs: Sequence[RunSummary], path: str | Path) -> Path:
     """Overlay the runs' trials and fronts: one panel for 2 objectives, every pair for more.
 
     Every `ok` trial is a faint dot, the front is drawn solid; in 2-D the front is joined
-    as the staircase it dominates.
+    as the staircase it dominates. Each front point is labelled with its trial number and
+    its overrides by the tables' short field names (`#3 type=householder n_h=2`), once
+    where runs share it; a run whose front equals an earlier run's says so in the legend.
     """
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed, safe in workers and CI
     import matplotlib.pyplot as plt
+
+    from archspec.search.formatting import overrides_label
 
     objectives = aligned_objectives(runs)
     pairs = [(i, j) for i in range(len(objectives)) for j in range(i + 1, len(objectives))]
@@ -263,26 +274,40 @@ def plot_fronts(runs: Sequence[RunSummary], path: str | Path) -> Path:
         pairs = [(0, -1)]
     columns = min(3, len(pairs))
     rows = math.ceil(len(pairs) / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 4.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 5.0 * rows), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fields = sorted({k for run in runs for r in run.front for k in r.overrides})
+    same_as = _identical_fronts(runs, objectives)
     for panel, (i, j) in enumerate(pairs):
         ax = axes[panel // columns][panel % columns]
+        labelled: set[tuple[float, float]] = set()
         for index, run in enumerate(runs):
             color = colors[index % len(colors)]
+            marker = _MARKERS[index % len(_MARKERS)]
+            size = _FRONT_SIZE + _FRONT_SIZE_STEP * index
+            style = dict(s=size, marker=marker, zorder=3 + index, edgecolors=color, linewidths=1.4,
+                         facecolors=color if index == 0 else "none")
+            legend = f"{run.name} ({len(run.front)})" + (f", the same front as {same_as[index]}" if index in same_as else "")
             every = [r for r in run.records if r.status == OK and objective_values(r, objectives) is not None]
             allv = np.array([objective_values(r, objectives) for r in every], dtype=float).reshape(-1, len(objectives))
             front = np.array([objective_values(r, objectives) for r in run.front], dtype=float).reshape(-1, len(objectives))
+            xs = np.array([r.number for r in run.front], dtype=float) if j == -1 else front[:, j]
             if j == -1:
-                ax.scatter([r.number for r in every], allv[:, i], s=14, alpha=0.3, color=color)
-                ax.scatter([r.number for r in run.front], front[:, i], s=36, color=color, label=run.name)
+                ax.scatter([r.number for r in every], allv[:, i], s=14, alpha=0.3, color=color, marker=marker)
                 ax.set_xlabel("trial")
-                continue
-            ax.scatter(allv[:, j], allv[:, i], s=14, alpha=0.25, color=color)
-            ax.scatter(front[:, j], front[:, i], s=36, color=color, label=f"{run.name} ({len(run.front)})", zorder=3)
-            if len(objectives) == 2 and len(front):
-                xs, ys = _staircase(front[:, j], front[:, i], objectives[1].maximise, objectives[0].maximise)
-                ax.plot(xs, ys, color=color, linewidth=1.2, zorder=2)
-            ax.set_xlabel(_axis_label(objectives[j]))
+            else:
+                ax.scatter(allv[:, j], allv[:, i], s=14, alpha=0.25, color=color, marker=marker)
+                if len(objectives) == 2 and len(front):
+                    sx, sy = _staircase(front[:, j], front[:, i], objectives[1].maximise, objectives[0].maximise)
+                    ax.plot(sx, sy, color=color, linewidth=1.2, zorder=2, linestyle=("-", "--", ":", "-.")[index % 4])
+                ax.set_xlabel(_axis_label(objectives[j]))
+            ax.scatter(xs, front[:, i], label=legend, **style)
+            for record, x, y in zip(run.front, xs, front[:, i]):
+                if (float(x), float(y)) in labelled:
+                    continue
+                labelled.add((float(x), float(y)))
+                ax.annotate(f"#{record.number} {overrides_label(record.overrides, fields)}".strip(), (x, y),
+                            xytext=(5, 4), textcoords="offset points", fontsize=7, color=color)
         ax.set_ylabel(_axis_label(objectives[i]))
         if j != -1:
             _log_if_wide(ax, "x", [r for run in runs for r in run.records], objectives[j])
@@ -304,6 +329,19 @@ def plot_fronts(runs: Sequence[RunSummary], path: str | Path) -> Path:
     finally:
         plt.close(fig)
     return path
+
+
+def _identical_fronts(runs: Sequence[RunSummary], objectives: Sequence[Objective]) -> dict[int, str]:
+    """Run index -> the name of the first earlier run with the same front values."""
+    seen: dict[tuple, str] = {}
+    same: dict[int, str] = {}
+    for index, run in enumerate(runs):
+        key = tuple(sorted(tuple(objective_values(r, objectives) or ()) for r in run.front))
+        if key and key in seen:
+            same[index] = seen[key]
+        else:
+            seen.setdefault(key, run.name)
+    return same
 
 
 def check_plot_path(path: str | Path) -> None:

@@ -2,6 +2,8 @@
 
 - `accuracy.png`: each per-position curve of each evaluation split against the
   position, with the training length marked (the DeltaProduct paper's Fig. 5 layout).
+- `training.png`: the training loss against the step (log scale) and each validation
+  metric against the step, the curves that show whether and when a run learned.
 - `diagnostics.png`: per layer, the effective rank of each head's state along the
   sequence, and the residual ratio `q_t` (log scale) with `q_geo` in the legend.
 
@@ -71,6 +73,43 @@ def plot_accuracy(
             ax.set_ylim(min([-0.02, *(v for _, c in entries for v in _finite(c.values) if not math.isnan(v))]), 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return _save(fig, path)
+
+
+def plot_training(
+    history: list[dict[str, float]], evals: list[dict[str, float]], path: str | os.PathLike[str], title: str = "",
+    watched: str | None = None,
+) -> Path | None:
+    """Left: training loss by step; right: validation metrics by step (the early-stop
+    metric `watched` drawn bold). None when no step was recorded."""
+    if not history:
+        return None
+    fig, (ax_loss, ax_val) = plt.subplots(1, 2, figsize=(12, 4.2))
+    steps = [h["step"] for h in history]
+    losses = [h["loss"] for h in history]
+    ax_loss.plot(steps, losses, label="training loss")
+    if all(v is not None and v > 0 for v in losses):
+        ax_loss.set_yscale("log")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("cross-entropy (nats)")
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend(fontsize=8)
+    names = [k for k in (evals[0] if evals else {}) if k != "step"]
+    for name in names:
+        points = [(e["step"], e[name]) for e in evals if isinstance(e.get(name), (int, float))]
+        if points:
+            bold = name == watched
+            ax_val.plot(*zip(*points), marker="o", markersize=3, linewidth=2.2 if bold else 1.0,
+                        label=f"{name} (early stop)" if bold else name)
+    ax_val.set_xlabel("step")
+    ax_val.set_ylabel("validation metric")
+    ax_val.grid(alpha=0.3)
+    if names:
+        ax_val.legend(fontsize=8)
+    else:
+        ax_val.text(0.5, 0.5, "no validation ran", ha="center", va="center", transform=ax_val.transAxes)
     if title:
         fig.suptitle(title)
     return _save(fig, path)

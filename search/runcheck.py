@@ -7,8 +7,8 @@ first and refuses with every problem found, naming each file:
 
 - every trial record parses and is a record of its folder's trial (`RunDir.read_trials`);
 - `study.db` is a regular file, an intact SQLite database (`PRAGMA quick_check`, opened
-  read-only), an Optuna storage holding the study `archspec` with the search's
-  objectives, and it knows every trial the files record, each with the same point;
+  read-only), an Optuna storage holding the search's study (named after it, or
+  `archspec` in runs made before) with its objectives, and it knows every trial the files record, each with the same point;
 - `trials/` and `ray/` are directories where they exist.
 
 `search.yaml` and `base.yaml` are checked by loading them (`space.load_search_spec`).
@@ -21,7 +21,7 @@ import sqlite3
 from typing import Any
 
 from archspec.errors import ArchspecError
-from archspec.search.rundir import STUDY_NAME, RunDir, TrialRecord
+from archspec.search.rundir import RunDir, TrialRecord, study_name_for
 from archspec.search.space import SearchSpec
 from archspec.spec.yaml_source import unreadable_reason
 
@@ -59,11 +59,11 @@ def study_problems(run: RunDir, spec: SearchSpec, records: list[TrialRecord]) ->
     if reason:
         return [(None, None, f"{file}: {reason}")]
     try:
-        trials, directions = _study_contents(run)
+        trials, directions = _study_contents(run, spec.name)
     except Exception as exc:  # noqa: BLE001 (Optuna and SQLAlchemy raise many types for a database they cannot use)
         return [(None, None, f"{file}: Optuna cannot read it ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")]
     if trials is None:
-        return [(None, None, f"{file}: holds no study named {STUDY_NAME!r}; it is not this search's study")]
+        return [(None, None, f"{file}: holds no study named {spec.name!r}; it is not this search's study")]
     problems: list[Problem] = []
     wanted = ["maximize" if o.maximise else "minimize" for o in spec.objectives]
     if directions != wanted:
@@ -101,16 +101,17 @@ def _sqlite_problem(file: Any) -> str | None:
     return None
 
 
-def _study_contents(run: RunDir) -> tuple[dict[int, dict[str, Any] | None] | None, list[str]]:
+def _study_contents(run: RunDir, search_name: str) -> tuple[dict[int, dict[str, Any] | None] | None, list[str]]:
     """{trial number: its overrides (None if unrecorded)} and the directions, or (None, [])
     without a study of this search's name. Reads only."""
     import optuna
 
     storage = optuna.storages.RDBStorage(run.study_url, skip_table_creation=True)
     try:
-        if STUDY_NAME not in [s.study_name for s in storage.get_all_studies()]:
+        name = study_name_for([s.study_name for s in storage.get_all_studies()], search_name)
+        if name not in [s.study_name for s in storage.get_all_studies()]:
             return None, []
-        study = optuna.load_study(study_name=STUDY_NAME, storage=storage)
+        study = optuna.load_study(study_name=name, storage=storage)
         trials = {t.number: t.user_attrs.get("overrides") for t in study.get_trials(deepcopy=False)}
         return trials, [d.name.lower() for d in study.directions]
     finally:

@@ -43,7 +43,9 @@ from archspec.errors import ArchspecError
 SEARCH_FILE = "search.yaml"
 BASE_FILE = "base.yaml"
 STUDY_FILE = "study.db"
-STUDY_NAME = "archspec"
+# The study in study.db is named after the search; runs made before it was carry the one
+# study named this, and keep it.
+LEGACY_STUDY_NAME = "archspec"
 TRIALS_DIR = "trials"
 RAY_DIR = "ray"
 TRIAL_START_FILE = "trial.json"
@@ -418,3 +420,11 @@ class RunLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def study_name_for(existing: list[str], search_name: str) -> str:
+    """The name of a run's study among the names study.db holds: the search's own, or in a
+    run made before studies were named after their search, `LEGACY_STUDY_NAME`."""
+    if search_name not in existing and existing == [LEGACY_STUDY_NAME]:
+        return LEGACY_STUDY_NAME
+    return search_name

@@ -9,7 +9,7 @@ One session of a search:
 3. The Optuna study (SQLite in the run directory) is opened and reconciled with the trial
    files: trials that finished but were never told to the study are told now; trials a
    crash cut off are marked `interrupted` and their point is queued to run again.
-4. A `Tuner` runs the remaining trials with `ArchspecOptunaSearch`, each trial reserving
+4. A `Tuner` runs the remaining trials with `ArchspecSearcher`, each trial reserving
    `resources` (GPU trials land on GPU nodes), while the live view shows what runs and
    the current front.
 
@@ -29,6 +29,7 @@ import socket
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,16 +42,16 @@ from archspec.search.rundir import (
     INTERRUPTED,
     LOCK_FILE,
     OK,
-    STUDY_NAME,
     TRAINED_STATUSES,
     RunDir,
     RunLock,
     TrialRecord,
+    study_name_for,
     trained_count,
     write_yaml_atomic,
 )
 from archspec.search.runcheck import check_resumable
-from archspec.search.searcher import DUPLICATE, ArchspecOptunaSearch, Rejection
+from archspec.search.searcher import DUPLICATE, ArchspecSearcher, Rejection
 from archspec.search.space import LoadedSearch, SearchSpec, grid_points, load_search_spec, optuna_params, suggest_overrides
 from archspec.search.trial import TrainFn, TrialSetup, make_task, precheck
 
@@ -88,7 +89,9 @@ class RunPlan:
     note: str | None  # why search.yaml is (re)written, or None when it stays as it is
 
 
-def resolve_run(out: str | os.PathLike[str], loaded: LoadedSearch | None, *, resume: bool, trials: int | None) -> RunPlan:
+def resolve_run(
+    out: str | os.PathLike[str], loaded: LoadedSearch | None, *, resume: bool, trials: int | None, check_objectives: bool = True
+) -> RunPlan:
     """Check the run directory and decide the search to run; writes nothing.
 
     The stored `search.yaml` (with `base: base.yaml`) is what a resumed search runs: the
@@ -105,7 +108,7 @@ def resolve_run(out: str | os.PathLike[str], loaded: LoadedSearch | None, *, res
                 f"{run.path} already holds a search",
                 [(Location(origin=f"--out {out}"), None, "use --resume to continue it, or choose another --out")],
             )
-        stored = load_search_spec(run.search_file)
+        stored = load_search_spec(run.search_file, check_objectives=check_objectives)
         if loaded is not None:
             _check_same_search(stored, loaded, run)
         check_resumable(run, stored.spec)  # everything a resume touches, before it touches anything
@@ -166,18 +169,35 @@ def _check_same_search(stored: LoadedSearch, given: LoadedSearch, run: RunDir) -
 # --------------------------------------------------------------------------- study
 
 
-def open_study(run: RunDir, spec: SearchSpec, sampler: Any) -> Any:
+@dataclass(frozen=True)
+class OpenStudy:
+    """The search's Optuna study and the storage it lives in (SQLite in the run directory)."""
+
+    study: Any  # optuna.Study
+    storage: Any  # optuna.storages.BaseStorage
+
+
+def open_study(run: RunDir, spec: SearchSpec, sampler: Any) -> OpenStudy:
+    """The study of the run, created on the first session: named after the search, with
+    the objectives' names (`set_metric_names`, for optuna-dashboard and Optuna's plots).
+    A run started before the study took the search's name keeps the one study it has."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = optuna.storages.RDBStorage(run.study_url)
-    return optuna.create_study(
-        storage=storage, study_name=STUDY_NAME, sampler=sampler, load_if_exists=True,
+    name = study_name_for(optuna.get_all_study_names(storage), spec.name)
+    study = optuna.create_study(
+        storage=storage, study_name=name, sampler=sampler, load_if_exists=True,
         directions=["maximize" if o.maximise else "minimize" for o in spec.objectives],
     )
+    if study.metric_names != spec.metric_names:
+        with warnings.catch_warnings():  # marked experimental since Optuna 3.2; stable in use
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names(spec.metric_names)
+    return OpenStudy(study, storage)
 
 
-def reconcile(run: RunDir, study: Any, metric_names: list[str]) -> int:
+def reconcile(run: RunDir, opened: OpenStudy, metric_names: list[str]) -> int:
     """Bring the study in line with the trial files after a crash; returns trials requeued.
 
     A RUNNING study trial whose `result.json` exists finished unheard: tell it. One
@@ -185,6 +205,7 @@ def reconcile(run: RunDir, study: Any, metric_names: list[str]) -> int:
     """
     from optuna.trial import TrialState
 
+    study = opened.study
     requeued = 0
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         record = run.read_trial(trial.number)
@@ -192,7 +213,7 @@ def reconcile(run: RunDir, study: Any, metric_names: list[str]) -> int:
             record = run.read_trial(trial.number)  # it may have finished before it stopped
         if record is not None and record.status is not None:
             # The same annotation the searcher writes when it tells a trial itself.
-            _annotate(study, trial, "status", record.status)
+            _annotate(opened, trial, "status", record.status)
             values = [record.metrics.get(m) for m in metric_names] if record.status == OK else None
             if values is not None and all(isinstance(v, (int, float)) for v in values):
                 study.tell(trial.number, values, state=TrialState.COMPLETE)
@@ -205,7 +226,7 @@ def reconcile(run: RunDir, study: Any, metric_names: list[str]) -> int:
             number=trial.number, status=INTERRUPTED, overrides=overrides, started_at=started, finished_at=time.time(),
             reason="the search stopped (crash, kill or Ctrl-C) before this trial finished; its point was queued again",
         ))
-        _annotate(study, trial, "status", INTERRUPTED)
+        _annotate(opened, trial, "status", INTERRUPTED)
         study.tell(trial.number, state=TrialState.FAIL)
         study.enqueue_trial(dict(trial.params), user_attrs={"requeued_from": trial.number})
         requeued += 1
@@ -240,12 +261,12 @@ def stop_orphan(record: TrialRecord, grace_s: float = 10.0) -> bool:
     return True
 
 
-def _annotate(study: Any, trial: Any, key: str, value: Any) -> None:
+def _annotate(opened: OpenStudy, trial: Any, key: str, value: Any) -> None:
     """A user attribute on a running trial known only as a `FrozenTrial` (after a crash,
-    no `optuna.Trial` object is left); Optuna has no public call for that."""
-    import optuna
-
-    optuna.Trial(study, trial._trial_id).set_user_attr(key, value)
+    no `optuna.Trial` object is left), through the storage's public interface."""
+    storage = opened.storage
+    study_id = storage.get_study_id_from_name(opened.study.study_name)
+    storage.set_trial_user_attr(storage.get_trial_id_from_study_id_trial_number(study_id, trial.number), key, value)
 
 
 # --------------------------------------------------------------------------- ray
@@ -389,7 +410,9 @@ def _run_locked(
     # A killed search's Ray processes could still write trial files: stop them before
     # the files are read (on a cluster, `reconcile` stops such workers by their records).
     remove_stale_ray_dirs()
-    plan = resolve_run(out, loaded, resume=resume, trials=trials)
+    # A training function of one's own reports metrics of its own: objectives are then
+    # checked on its first trial (searcher.py), not against the stock trainer's.
+    plan = resolve_run(out, loaded, resume=resume, trials=trials, check_objectives=train_fn is None)
     run, spec = plan.run, plan.loaded.spec
     base_values = plan.loaded.base_values
     setup = TrialSetup(run_dir=str(run.path), search=spec, train_fn=train_fn)
@@ -430,13 +453,13 @@ def _run_locked(
         write_run(plan)
         outcome.target = target()
         sampler = make_sampler(spec)
-        study = open_study(run, spec, sampler)
-        reconcile(run, study, spec.metric_names)
-        if points and not study.trials:
-            _queue_grid(study, points, setup, tasks, base_values)
+        opened = open_study(run, spec, sampler)
+        reconcile(run, opened, spec.metric_names)
+        if points and not opened.study.trials:
+            _queue_grid(opened.study, points, setup, tasks, base_values)
         remaining = outcome.target - trained_count(run.read_trials())
         if remaining > 0:
-            outcome.stopped_because, outcome.exhausted = _fit(setup, spec, run, sampler, define_by_run, reject, remaining, outcome.target, live)
+            outcome.stopped_because, outcome.exhausted = _fit(setup, spec, run, opened, define_by_run, reject, remaining, outcome.target, live)
     outcome.trained = trained_count(run.read_trials())
     return outcome
 
@@ -504,7 +527,7 @@ def _fit(
     setup: TrialSetup,
     spec: SearchSpec,
     run: RunDir,
-    sampler: Any,
+    opened: OpenStudy,
     define_by_run: Callable[[Any], dict[str, Any]],
     reject: Callable[[int, dict[str, Any]], Rejection | None],
     remaining: int,
@@ -512,16 +535,14 @@ def _fit(
     live: bool,
 ) -> tuple[str | None, bool]:
     """Run `remaining` trials with Ray Tune; returns why the searcher stopped early, if it did."""
-    import optuna
     from ray import tune
 
     from archspec.search.live import LiveView, RecordingCallback
     from archspec.search.trial import trainable
 
-    searcher = ArchspecOptunaSearch(
-        define_by_run=define_by_run, reject=reject, metric=spec.metric_names,
-        mode=[o.direction for o in spec.objectives], sampler=sampler,
-        storage=optuna.storages.RDBStorage(run.study_url), study_name=STUDY_NAME, seed=spec.seed,
+    searcher = ArchspecSearcher(
+        study=opened.study, storage=opened.storage, define_by_run=define_by_run, reject=reject,
+        metric=spec.metric_names, mode=[o.direction for o in spec.objectives], seed=spec.seed,
     )
     run.ray_dir.mkdir(parents=True, exist_ok=True)
     session = f"session-{sum(1 for _ in run.ray_dir.iterdir()):03d}"

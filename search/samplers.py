@@ -15,6 +15,12 @@ import optuna
 from archspec.search.space import SearchSpec
 
 
+def runs_concurrently(spec: SearchSpec) -> bool:
+    """Whether trials may train at once: unless `resources.concurrent` is 1, as many run
+    as the machine or cluster can place."""
+    return spec.resources.concurrent is None or spec.resources.concurrent > 1
+
+
 def make_sampler(spec: SearchSpec) -> optuna.samplers.BaseSampler:
     trials = spec.budget.trials
     if spec.sampler == "tpe":
@@ -27,6 +33,11 @@ def make_sampler(spec: SearchSpec) -> optuna.samplers.BaseSampler:
                 multivariate=True,
                 group=True,
                 n_startup_trials=max(2, min(10, trials // 4)),
+                # Trials that train at once: each proposal treats the ones still running as
+                # if they had scored badly, so that concurrent proposals spread out instead
+                # of landing on the same promising point (Optuna's default changed across
+                # versions; say it here).
+                constant_liar=runs_concurrently(spec),
             )
     if spec.sampler == "nsga2":
         # A generation as large as Optuna's default (50) would leave a small budget with

@@ -1,21 +1,31 @@
-"""Ray Tune's `OptunaSearch`, made to reject proposals before training and to record failures.
+"""The search's Ray Tune `Searcher`: Optuna's ask-and-tell, with proposals checked before
+they train and failures recorded.
 
-Two things the stock searcher does not do, and a search of architectures needs:
+Ray Tune asks a `Searcher` for a configuration per trial (`suggest`) and tells it how the
+trial ended (`on_trial_complete`); Optuna's `Study.ask` gives a trial to sample a
+proposal into (define-by-run) and `Study.tell` records its values or its failure. This
+class joins the two through their public interfaces only, and adds what a search of
+architectures needs:
 
 - **Reject before training.** Each proposal is checked in the driver (spec valid, cost
   constraints hold, not a repeat of a trial trained or training). A rejected proposal
   is told to the study (failed; a repeat as pruned), a refused one is recorded in the
   run directory, and the searcher asks for another, so a rejected spec costs neither
   a Ray worker nor the trial budget.
-- **A misspelt objective** makes the first trial fail with the metric names it did
-  report; the searcher then stops instead of failing every trial of the budget.
-- **Failed trials.** With several objectives, the stock `on_trial_complete` tells the
-  study a list of `None`s for a trial that reported no values; Optuna refuses that and
-  the trial stays RUNNING forever. Here a trial without finite objective values is told
-  as FAIL, with its status and reason as user attributes (visible in optuna-dashboard).
+- **Repeats.** A model-based sampler that is sure of its best points proposes them again
+  and again (TPE in a small discrete space did so hundreds of times in a row). A repeat
+  is told as PRUNED (samplers leave it out of their model, it never ran) and the next
+  proposal of the same round is asked from a second handle on the same study whose
+  sampler is random, which finds the points not tried yet; when even those draws only
+  repeat, the space is exhausted.
+- **Failed trials.** A trial without finite values for every objective is told as FAIL,
+  with its status and reason as user attributes (visible in optuna-dashboard).
+- **A misspelt objective** is refused when the search spec loads, for the stock trainer;
+  with a training function of one's own, the first trial that reports none of an
+  objective stops the search instead of failing every trial of the budget.
 
-It reaches into `OptunaSearch`'s `_ot_trials`, `_ot_study` and `_completed_trials`
-(Ray 2.60); `tests/search/test_runner.py` breaks if they change.
+The study, and the run directory beside it, are the state: `save` writes nothing and
+`--resume` rebuilds the searcher from them (see `runner.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +38,6 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 from ray.tune.search import Searcher
-from ray.tune.search.optuna import OptunaSearch
 
 from archspec.search.rundir import OK
 from archspec.search.trial import MISSING_OBJECTIVES, record_from_result
@@ -47,35 +56,37 @@ class Rejection:
     reason: str
 
 
-class ArchspecOptunaSearch(OptunaSearch):
-    """`OptunaSearch` in define-by-run, multi-objective mode, with a driver-side precheck.
+class ArchspecSearcher(Searcher):
+    """Ray Tune's `Searcher` over an Optuna study, multi-objective, with a driver-side check.
 
-    `define_by_run(trial) -> {"trial_number": n, "overrides": {...}}` samples a proposal;
-    `reject(number, overrides) -> Rejection | None` decides whether it may train (and
-    records a refused spec or a broken constraint in the run directory).
-
-    Repeats: a model-based sampler that is sure of its best points proposes them again
-    and again (TPE in a small discrete space did so hundreds of times in a row). A repeat
-    is told to the study as PRUNED (samplers leave it out of their model, it never ran)
-    and the next proposal of the same round is drawn at random, which finds the points
-    not tried yet; when even those draws only repeat, the space is exhausted.
+    `study` is the search's study and `storage` the storage it was opened on (a second
+    handle on it explores). `define_by_run(trial) -> {"trial_number": n, "overrides": {...}}` samples a proposal
+    into an `optuna.Trial`; `reject(number, overrides) -> Rejection | None` decides
+    whether it may train (and records a refused spec or a broken constraint in the run
+    directory). `metric` and `mode` (`max`/`min`) name the objectives in the study's order.
     """
 
     def __init__(
         self,
         *,
+        study: optuna.Study,
+        storage: optuna.storages.BaseStorage,
         define_by_run: Callable[[optuna.Trial], dict[str, Any]],
         reject: Callable[[int, dict[str, Any]], Rejection | None],
         metric: list[str],
         mode: list[str],
-        sampler: optuna.samplers.BaseSampler,
-        storage: optuna.storages.BaseStorage,
-        study_name: str,
         seed: int = 0,
     ):
-        super().__init__(space=define_by_run, metric=metric, mode=mode, sampler=sampler, storage=storage, study_name=study_name)
+        super().__init__(metric=metric, mode=mode)
+        self.study = study
+        # The same study (storage and name) seen through a random sampler: where a repeat
+        # sends the next proposal.
+        self.explorer = optuna.load_study(
+            study_name=study.study_name, storage=storage, sampler=optuna.samplers.RandomSampler(seed=seed)
+        )
+        self._define_by_run = define_by_run
         self._reject = reject
-        self._explorer = optuna.samplers.RandomSampler(seed=seed)
+        self._running: dict[str, optuna.Trial] = {}  # Ray's trial id -> the Optuna trial it trains
         self.stopped_because: str | None = None
         self.exhausted = False  # stopped because every proposal repeated a known trial
 
@@ -85,18 +96,18 @@ class ArchspecOptunaSearch(OptunaSearch):
         repeats = 0
         explore = False
         for _ in range(MAX_REJECTIONS_IN_A_ROW):
-            config = self._propose(trial_id, explore)
-            ot_trial = self._ot_trials[trial_id]
-            ot_trial.set_user_attr("overrides", config["overrides"])
+            trial = (self.explorer if explore else self.study).ask()
+            config = self._define_by_run(trial)
+            trial.set_user_attr("overrides", config["overrides"])
             rejection = self._reject(config["trial_number"], config["overrides"])
             if rejection is None:
+                self._running[trial_id] = trial
                 return config
-            ot_trial.set_user_attr("status", rejection.status)
-            ot_trial.set_user_attr("reason", rejection.reason)
+            trial.set_user_attr("status", rejection.status)
+            trial.set_user_attr("reason", rejection.reason)
             explore = rejection.status == DUPLICATE
             repeats += explore
-            self._ot_study.tell(ot_trial, state=TrialState.PRUNED if explore else TrialState.FAIL)
-            del self._ot_trials[trial_id]  # the next round asks the study for a new trial
+            self.study.tell(trial.number, state=TrialState.PRUNED if explore else TrialState.FAIL)
         self.exhausted = repeats == MAX_REJECTIONS_IN_A_ROW
         self.stopped_because = (
             f"the last {MAX_REJECTIONS_IN_A_ROW} proposals (most drawn at random) all repeated trials "
@@ -106,37 +117,26 @@ class ArchspecOptunaSearch(OptunaSearch):
         )
         return Searcher.FINISHED
 
-    def _propose(self, trial_id: str, explore: bool) -> dict:
-        """One proposal from the study's sampler, or (`explore`) from the random one."""
-        if not explore:
-            return super().suggest(trial_id)
-        sampler, self._ot_study.sampler = self._ot_study.sampler, self._explorer
-        try:
-            return super().suggest(trial_id)
-        finally:
-            self._ot_study.sampler = sampler
-
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-        if trial_id in self._completed_trials or trial_id not in self._ot_trials:
+        trial = self._running.pop(trial_id, None)
+        if trial is None:  # not one of ours, or already told
             return
-        ot_trial = self._ot_trials[trial_id]
         values = [result.get(m) for m in self.metric] if result else []
         usable = bool(result) and result.get("status") == OK and all(
-            isinstance(v, (int, float)) and math.isfinite(v) for v in values
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values
         )
         if usable:
-            ot_trial.set_user_attr("status", OK)
-            self._ot_study.tell(ot_trial, values, state=TrialState.COMPLETE)
-        else:
-            record = record_from_result(result)
-            ot_trial.set_user_attr("status", (result or {}).get("status") or "failed")
-            ot_trial.set_user_attr("reason", (record and record.reason) or ("the trial's worker failed" if error else "no result"))
-            self._ot_study.tell(ot_trial, state=TrialState.FAIL)
-            if record and record.reason and record.reason.startswith(MISSING_OBJECTIVES):
-                # Every architecture reports the same metric names on a task: do not spend
-                # the budget on a misspelt objective.
-                self.stopped_because = f"{record.reason}; fix `objectives:` in the search spec"
-        self._completed_trials.add(trial_id)
+            trial.set_user_attr("status", OK)
+            self.study.tell(trial.number, values, state=TrialState.COMPLETE)
+            return
+        record = record_from_result(result)
+        trial.set_user_attr("status", (result or {}).get("status") or "failed")
+        trial.set_user_attr("reason", (record and record.reason) or ("the trial's worker failed" if error else "no result"))
+        self.study.tell(trial.number, state=TrialState.FAIL)
+        if record and record.reason and record.reason.startswith(MISSING_OBJECTIVES):
+            # Every architecture reports the same metric names on a task: do not spend
+            # the budget on an objective the training function never reports.
+            self.stopped_because = f"{record.reason}; fix `objectives:` in the search spec"
 
     def save(self, checkpoint_path: str) -> None:
         """Nothing to save: the study (SQLite) and the run directory are the state, and

@@ -34,7 +34,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -46,9 +46,7 @@ from archspec.spec.numbers import StrictNumbers
 from archspec.spec.yaml_source import (
     LocatedDocument,
     Override,
-    error_from_problems,
     load_validated,
-    locate_problems,
     unreadable_reason,
 )
 
@@ -274,7 +272,14 @@ class Constraint(_Section):
         return {"<=": value <= self.bound, ">=": value >= self.bound, "<": value < self.bound, ">": value > self.bound}[self.op]
 
     def __str__(self) -> str:
+        """The form written in (and read back from) a search spec."""
         return f"{self.metric} {self.op} {self.bound:g}"
+
+    def shown(self) -> str:
+        """For people: the bound as the tables write numbers (`params <= 2,000,000`)."""
+        from archspec.search.formatting import number
+
+        return f"{self.metric} {self.op} {number(self.bound)}"
 
 
 class Budget(_Section):
@@ -341,6 +346,36 @@ class SearchSpec(_Section):
         return [o.maximise for o in self.objectives]
 
 
+def search_spec_json_schema() -> dict[str, Any]:
+    """The JSON Schema of search spec files, for editors (yaml-language-server).
+
+    pydantic describes the models after their `mode="before"` validators; the file is
+    written before them, so the short forms are described here: an objective as
+    `- metric: max`, a constraint as the text `params <= 2e6`, a task as its name or a
+    mapping, `task:` as one task or a list.
+    """
+    from archspec.spec.schema import JSON_SCHEMA_DIALECT
+
+    schema = SearchSpec.model_json_schema()
+    defs = schema["$defs"]
+    defs["Objective"] = {
+        "description": Objective.__doc__,
+        "anyOf": [
+            {"type": "object", "minProperties": 1, "maxProperties": 1,
+             "additionalProperties": {"enum": ["max", "min"]}},
+            defs["Objective"],
+        ],
+    }
+    defs["Constraint"] = {"description": Constraint.__doc__, "type": "string", "pattern": _CONSTRAINT.pattern}
+    task_ref = {"anyOf": [{"type": "string", "minLength": 1}, {"$ref": "#/$defs/TaskRef"}]}
+    tasks = schema["properties"]["task"]
+    schema["properties"]["task"] = {
+        "description": tasks.get("description"),
+        "anyOf": [task_ref, {"type": "array", "items": task_ref, "minItems": 1}],
+    }
+    return {"$schema": JSON_SCHEMA_DIALECT, **schema}
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -359,39 +394,81 @@ class LoadedSearch:
         return flatten(self.base.model_dump(mode="json"))
 
 
-def load_search_spec(path: str | os.PathLike[str], overrides: Iterable[Override] = ()) -> LoadedSearch:
+# A broken required section is replaced by these while the other sections are checked
+# (its own problem is reported either way); see `yaml_source.salvage`.
+_PLACEHOLDERS = {"name": "-", "budget": {"trials": 1, "steps": 1}}
+
+Problems = list[tuple[tuple[str | int, ...], str]]
+
+
+def load_search_spec(
+    path: str | os.PathLike[str], overrides: Iterable[Override] = (), *, check_objectives: bool = True
+) -> LoadedSearch:
     """Read, override (`--set budget.trials=4`) and validate a search spec file.
 
-    Every problem, structural or semantic, is raised as one `ArchspecError` located at
-    file:line:column (or the `--set`) and the dotted field.
+    Every problem, structural or semantic, is raised at once as one `ArchspecError`, each
+    located at file:line:column (or the `--set`) and the dotted field: a value out of
+    range does not hide a misspelt objective or a choice no spec can take. The objectives
+    are checked against what the stock trainer reports; `check_objectives=False` for a
+    search that trains with a function of its own (`run_search(..., train_fn=...)`).
     """
-    spec, doc = load_validated(path, SearchSpec, what="search spec", overrides=overrides)
-    title = f"invalid search spec {doc.source}"
+    loaded: list[LoadedSearch] = []
 
-    from archspec import load_spec  # the model-spec loader: its own errors point into the base file
+    def semantic(spec: SearchSpec, doc: LocatedDocument) -> Problems:
+        base_file = ((Path(doc.source).resolve().parent / spec.base) if doc.source else Path(spec.base)).resolve()
+        base, problems = _load_base(base_file)
+        if base is not None:
+            loaded.append(LoadedSearch(spec=spec, base=base, base_file=base_file, source=doc.source))
+        return problems + semantic_problems(spec, base, check_objectives=check_objectives)
 
-    base_file = (Path(doc.source).resolve().parent / spec.base) if doc.source else Path(spec.base).resolve()
+    load_validated(path, SearchSpec, what="search spec", overrides=overrides, semantic=semantic, placeholders=_PLACEHOLDERS)
+    return loaded[0]
+
+
+def _load_base(base_file: Path) -> tuple[Any, Problems]:
+    """The base model spec, or the problems that keep it from loading (its own, each
+    with its place in the base file)."""
+    from archspec import load_spec
+
     reason = unreadable_reason(base_file, what="model spec")
     if reason:
-        raise error_from_problems(
-            title, locate_problems(doc, [(("base",), f"{'no such model spec' if reason == 'no such file' else reason}: "
-                                                     f"{str(base_file)!r} (`base` is relative to the search spec's directory)")])
-        )
-    base = load_spec(base_file)
-    loaded = LoadedSearch(spec=spec, base=base, base_file=base_file, source=doc.source)
-    problems = semantic_problems(loaded, doc)
-    if problems:
-        raise error_from_problems(title, locate_problems(doc, problems))
-    return loaded
+        return None, [(("base",), f"{'no such model spec' if reason == 'no such file' else reason}: "
+                                  f"{str(base_file)!r} (`base` is relative to the search spec's directory)")]
+    try:
+        return load_spec(base_file), []
+    except ArchspecError as exc:
+        found = [f"{loc}: {field + ': ' if field else ''}{message}" for loc, field, message in exc.problems] or [str(exc)]
+        return None, [(("base",), f"the base spec does not validate: {problem}") for problem in found]
 
 
-def semantic_problems(loaded: LoadedSearch, doc: LocatedDocument) -> list[tuple[tuple[str | int, ...], str]]:
-    """What pydantic cannot see: fields that exist, conditions that can hold, a discrete grid."""
+def semantic_problems(spec: SearchSpec, base: Any | None, *, check_objectives: bool = True) -> Problems:
+    """What pydantic cannot see: fields that exist, conditions that can hold, choices that
+    make a valid spec, tasks that exist, objectives the trials report, a discrete grid.
+    Without a base spec (it did not load) the checks that need it are left out."""
+    tasks, problems = _task_problems(spec)
+    if check_objectives:
+        problems += _objective_problems(spec, tasks)
+    problems += _trainer_problems(spec)
+    if base is None:
+        return problems
+    base_values = flatten(base.model_dump(mode="json"))
+    space_problems = _space_problems(spec, base_values)
+    problems += space_problems
+    if not space_problems and None not in tasks:
+        # Only in a space whose fields all exist: otherwise every value would fail alike.
+        problems += [(dead.where, dead.message) for dead in dead_values(spec, base, tasks, constraints=False)]
+    if spec.sampler == "grid" and not problems:
+        count = len(grid_points(spec.space, base_values, limit=MAX_GRID_POINTS + 1))
+        if count > MAX_GRID_POINTS:
+            problems.append((("sampler",), f"the grid has more than {MAX_GRID_POINTS} points; use tpe, nsga2 or random"))
+    return problems
+
+
+def _space_problems(spec: SearchSpec, base_values: Mapping[str, Any]) -> Problems:
+    """Fields that are not in the model spec, overlapping fields, conditions that cannot hold."""
     from archspec.spec.models import Spec
 
-    spec = loaded.spec
-    base_values = loaded.base_values
-    problems: list[tuple[tuple[str | int, ...], str]] = []
+    problems: Problems = []
     names = list(spec.space)
     for index, (name, param) in enumerate(spec.space.items()):
         where = ("space", name)
@@ -425,12 +502,6 @@ def semantic_problems(loaded: LoadedSearch, doc: LocatedDocument) -> list[tuple[
                 problems.append((cond, f"{field!r} is {base_values[field]!r} in the base spec and not searched, so {name!r} would never be searched"))
         if spec.sampler == "grid" and param.grid_values() is None:
             problems.append((where, "the grid sampler needs discrete values: give `step:` or use `choices:`"))
-    problems += _task_problems(spec)
-    problems += _trainer_problems(spec)
-    if spec.sampler == "grid" and not problems:
-        count = len(grid_points(spec.space, base_values, limit=MAX_GRID_POINTS + 1))
-        if count > MAX_GRID_POINTS:
-            problems.append((("sampler",), f"the grid has more than {MAX_GRID_POINTS} points; use tpe, nsga2 or random"))
     return problems
 
 
@@ -442,35 +513,58 @@ def _fallback(param: Param, field: str, base_values: Mapping[str, Any]) -> tuple
     return (param.otherwise,) if param.has_otherwise else (base_values.get(field),)
 
 
-def _task_problems(spec: SearchSpec) -> list[tuple[tuple[str | int, ...], str]]:
-    """Tasks that cannot be built, and objectives that no task (or the cost model) names."""
+def _task_problems(spec: SearchSpec) -> tuple[list[Any], Problems]:
+    """The tasks (None where one cannot be built) and the problems of those that cannot."""
     from archspec.search.tasks import get_task
 
-    problems: list[tuple[tuple[str | int, ...], str]] = []
+    tasks: list[Any] = []
+    problems: Problems = []
     for index, ref in enumerate(spec.tasks):
         try:
-            get_task(ref.name, preset=ref.preset, **ref.options)
+            tasks.append(get_task(ref.name, preset=ref.preset, **ref.options))
         except ArchspecError as exc:
+            tasks.append(None)
             problems.append((("task", index), str(exc)))
     names = [t.name for t in spec.tasks]
     if len(set(names)) != len(names):
         problems.append((("task",), f"a task is listed twice: {names}"))
-    if len(spec.tasks) > 1:
-        for index, objective in enumerate(spec.objectives):
-            head = objective.metric.split("/", 1)[0]
-            if objective.metric not in COST_METRICS and head not in names:
-                problems.append((("objectives", index),
-                                 f"with several tasks a quality metric names its task, e.g. {names[0]}/{objective.metric}; "
-                                 f"the cost metrics {', '.join(COST_METRICS)} need no task"))
+    return tasks, problems
+
+
+def _objective_problems(spec: SearchSpec, tasks: list[Any]) -> Problems:
+    """Objectives no trial will report: refused before anything trains, with the names
+    the trials do report (a misspelt objective would otherwise fail every trial)."""
+    from archspec.search.trial import reported_metrics
+
+    problems: Problems = []
+    names = [t.name for t in spec.tasks]
+    if None in tasks or len(set(names)) != len(names):
+        return problems  # the task problems are reported; what they would report is unknown
+    reported = reported_metrics(spec, tasks)
+    for index, objective in enumerate(spec.objectives):
+        if objective.metric in reported:
+            continue
+        head = objective.metric.split("/", 1)[0]
+        if len(tasks) > 1 and head not in names:
+            example = f"{names[0]}/{objective.metric}"
+            listing = "" if example in reported else f"; the trials report: {reported.listing()}"
+            problems.append((("objectives", index),
+                             f"with several tasks a quality metric names its task, e.g. {example}; "
+                             f"the cost metrics {', '.join(COST_METRICS)} need no task{listing}"))
+            continue
+        close = reported.closest(objective.metric)
+        hint = f" (did you mean {close}?)" if close else ""
+        problems.append((("objectives", index),
+                         f"no trial reports {objective.metric!r}{hint}; the trials report: {reported.listing()}"))
     return problems
 
 
-def _trainer_problems(spec: SearchSpec) -> list[tuple[tuple[str | int, ...], str]]:
+def _trainer_problems(spec: SearchSpec) -> Problems:
     """`train:` options and a time limit the trainer does not take."""
     from archspec.search.trial import SEARCH_SETS, default_train, unaccepted
 
     train = default_train()
-    problems: list[tuple[tuple[str | int, ...], str]] = []
+    problems: Problems = []
     for key in spec.train:
         if key in SEARCH_SETS:
             problems.append((("train", key), f"{key!r} is set by the search itself (budget, seed, resources), not in `train:`"))
@@ -588,3 +682,155 @@ def optuna_params(space: Mapping[str, Param], overrides: Mapping[str, Any], base
                 params[name] = param.to_optuna(overrides[name])
             values[name] = overrides[name]
     return params
+
+
+# --------------------------------------------------------------------------- what a space holds
+
+# Values of one field that `dead_values` tries (all of a choice list; a range's ends and
+# evenly spaced values between), and points it composes per value before it gives up.
+MAX_PROBE_VALUES = 64
+MAX_PROBES_PER_VALUE = 256
+# Beyond this many points a space is described as "more than" it.
+MAX_COUNTED_POINTS = 10_000_000
+
+
+def probe_values(param: Param) -> list[Any]:
+    """The values of a field that are checked before a search: every choice and every
+    value of a small discrete range; a range's ends (and evenly spaced values between,
+    up to `MAX_PROBE_VALUES`) otherwise."""
+    values = param.grid_values()
+    if values is None:
+        low, high = param.float_range  # type: ignore[misc]
+        return [low] if low == high else [low, high]
+    if len(values) <= MAX_PROBE_VALUES:
+        return values
+    stride = (len(values) - 1) / (MAX_PROBE_VALUES - 1)
+    return [values[round(i * stride)] for i in range(MAX_PROBE_VALUES)]
+
+
+@dataclass(frozen=True)
+class SpaceSize:
+    """How many distinct points a space has, conditions respected."""
+
+    points: int  # distinct discrete points, a continuous range counted as one value
+    capped: bool  # more than MAX_COUNTED_POINTS
+    continuous: tuple[str, ...]  # fields whose values are a continuous range
+
+    def __str__(self) -> str:
+        count = f"more than {MAX_COUNTED_POINTS:,}" if self.capped else f"{self.points:,}"
+        if not self.continuous:
+            return f"{count} point{'s' if self.points != 1 else ''}"
+        return f"{count} discrete combination{'s' if self.points != 1 else ''}, each with a continuous {', '.join(self.continuous)}"
+
+
+def space_size(space: Mapping[str, Param], base_values: Mapping[str, Any]) -> SpaceSize:
+    """Count the distinct points without listing them (a conditional field multiplies only
+    the branches where it is active)."""
+    items = list(space.items())
+    continuous = tuple(name for name, param in items if param.grid_values() is None)
+
+    def count(index: int, values: dict[str, Any]) -> int:
+        if index == len(items):
+            return 1
+        name, param = items[index]
+        if not active(param, values, base_values):
+            return count(index + 1, {**values, name: param.otherwise} if param.has_otherwise else values)
+        choices = param.grid_values()
+        if choices is None:
+            return count(index + 1, values)  # a continuous value decides no condition
+        total = 0
+        for value in choices:
+            total += count(index + 1, {**values, name: value})
+            if total > MAX_COUNTED_POINTS:
+                break
+        return total
+
+    total = count(0, {})
+    return SpaceSize(points=min(total, MAX_COUNTED_POINTS), capped=total > MAX_COUNTED_POINTS, continuous=continuous)
+
+
+def describe_size(loaded: LoadedSearch) -> str:
+    return str(space_size(loaded.spec.space, loaded.base_values))
+
+
+def probe_points(
+    space: Mapping[str, Param], base_values: Mapping[str, Any], fixed: tuple[str, Any] | None = None
+) -> Iterator[dict[str, Any]]:
+    """Points of the space as overrides, in order, each field taking its `probe_values`;
+    with `fixed = (field, value)` only the points where that field is sampled and takes
+    that value. Lazy: a caller that stops early does not pay for the rest."""
+    items = list(space.items())
+
+    def walk(index: int, values: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        if index == len(items):
+            yield values
+            return
+        name, param = items[index]
+        if not active(param, values, base_values):
+            if fixed is not None and fixed[0] == name:
+                return  # the fixed field is not sampled on this branch
+            yield from walk(index + 1, {**values, name: param.otherwise} if param.has_otherwise else values)
+            return
+        choices = [fixed[1]] if fixed is not None and fixed[0] == name else probe_values(param)
+        for value in choices:
+            yield from walk(index + 1, {**values, name: value})
+
+    yield from walk(0, {})
+
+
+@dataclass(frozen=True)
+class DeadValue:
+    """A value of a searched field that no point of the space can use."""
+
+    field: str
+    value: Any
+    kind: Literal["invalid", "constrained"]  # never a valid spec / always breaks a constraint
+    reason: str  # why, for the first point tried
+    where: tuple[str | int, ...]  # its place in the search spec
+
+    @property
+    def message(self) -> str:
+        if self.kind == "invalid":
+            return f"{self.value!r} never makes a valid spec, so every trial with it would be refused: {self.reason}"
+        return f"{self.value!r} breaks a constraint at every point of the space, so it is never trained: {self.reason}"
+
+
+def dead_values(spec: SearchSpec, base: Any, tasks: list[Any], *, constraints: bool = True) -> list[DeadValue]:
+    """Every value of every searched field that cannot compose into a valid spec with
+    any choice of the other fields (and, with `constraints`, every value whose specs all
+    break a constraint), found by composing points as a trial would (base spec, sampled
+    overrides, the task's vocabulary) before anything is proposed. A value is reported
+    only when all its points were tried (at most `MAX_PROBES_PER_VALUE`)."""
+    from archspec.search.rundir import INVALID as INVALID_STATUS
+    from archspec.search.rundir import OK as OK_STATUS
+    from archspec.search.rundir import SKIPPED as SKIPPED_STATUS
+    from archspec.search.trial import check_proposal
+
+    base_values = flatten(base.model_dump(mode="json"))
+    found: list[DeadValue] = []
+    verdicts: dict[str, Any] = {}  # one check per distinct point
+    for name, param in spec.space.items():
+        key = "choices" if param.choices is not None else param.kind
+        for value in probe_values(param):
+            reasons: dict[str, str] = {}  # the first reason of each status seen
+            exhausted, usable = True, False
+            for tried, point in enumerate(probe_points(spec.space, base_values, (name, value))):
+                if tried == MAX_PROBES_PER_VALUE:
+                    exhausted = False
+                    break
+                label = json.dumps({k: choice_label(v) for k, v in point.items()}, sort_keys=True)
+                if label not in verdicts:
+                    verdicts[label] = check_proposal(base, point, spec.constraints if constraints else [], tasks,
+                                                     gpu=spec.resources.gpu > 0)
+                verdict = verdicts[label]
+                if verdict.status == OK_STATUS:
+                    usable = True
+                    break
+                reasons.setdefault(verdict.status, verdict.reason or "")
+            if usable or not exhausted or not reasons:
+                continue
+            # One valid spec that breaks a constraint shows the value composes.
+            kind = "constrained" if SKIPPED_STATUS in reasons else "invalid"
+            reason = reasons[SKIPPED_STATUS if kind == "constrained" else INVALID_STATUS]
+            found.append(DeadValue(name, value, kind, reason, ("space", name, key)))
+    return found

@@ -6,38 +6,13 @@ Shared by `archspec pareto`, the live view and the summary `archspec search` pri
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from rich.table import Table
 
+from archspec.search.formatting import number, override_value, short_fields
 from archspec.search.pareto import Comparison, RunSummary
 from archspec.search.rundir import TrialRecord, status_counts, trained_count
 from archspec.search.space import Objective
-
-
-def number(value: Any) -> str:
-    """Compact and exact enough to rank by: 4 significant digits, no exponent below 1e6."""
-    if value is None:
-        return "-"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, int) or float(value).is_integer() and abs(value) < 1e15:
-        return f"{int(value):,}" if abs(value) < 1e6 else f"{value:.3g}"
-    return f"{value:.4g}"
-
-
-def short_fields(names: Sequence[str]) -> dict[str, str]:
-    """Each dotted name's shortest tail that no other name shares: `mixer.transition.n_h` ->
-    `n_h`, but `preconditioner.type` and `transition.type` stay apart."""
-    short = {}
-    for name in names:
-        parts = name.split(".")
-        for size in range(1, len(parts) + 1):
-            tail = ".".join(parts[-size:])
-            if not any(other != name and (other == tail or other.endswith("." + tail)) for other in names):
-                break
-        short[name] = tail
-    return short
 
 
 def front_table(records: Sequence[TrialRecord], objectives: Sequence[Objective], title: str | None = None) -> Table:
@@ -45,30 +20,30 @@ def front_table(records: Sequence[TrialRecord], objectives: Sequence[Objective],
     fields: list[str] = []
     for record in records:
         fields += [k for k in record.overrides if k not in fields]
-    table = Table(title=title, title_justify="left")
-    table.add_column("trial", justify="right")
-    short = short_fields(fields)
-    for field in fields:
-        table.add_column(short[field])
-    for objective in objectives:
-        table.add_column(f"{objective.metric} {'↑' if objective.maximise else '↓'}", justify="right")
+    rows = []
     for record in records:
         row = [str(record.number)]
-        row += [_value(record.overrides[f]) if f in record.overrides else "" for f in fields]
+        row += [override_value(record.overrides[f]) if f in record.overrides else "" for f in fields]
         row += [number(record.metrics.get(o.metric)) for o in objectives]
+        rows.append(row)
+    short = short_fields(fields)
+    headers = ["trial", *(short[f] for f in fields), *(f"{o.metric} {'↑' if o.maximise else '↓'}" for o in objectives)]
+    table = Table(title=title, title_justify="left")
+    for index, header in enumerate(headers):
+        # On a narrow console a header and its values fold onto more lines rather than
+        # being cut short (`write_gai…`) or cut off at the console's edge.
+        table.add_column(header, justify="left" if 0 < index <= len(fields) else "right", overflow="fold")
+    for row in rows:
         table.add_row(*row)
     return table
 
 
-def _value(value: Any) -> str:
-    if value is None:  # an override of None un-sets the field (its default applies)
-        return "unset"
-    return number(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
-
-
-def counts_line(records: Sequence[TrialRecord]) -> str:
-    """`12 trained (10 ok, 1 failed, 1 diverged); 3 skipped; 1 running`."""
+def counts_line(records: Sequence[TrialRecord], running: int | None = None) -> str:
+    """`12 trained (10 ok, 1 failed, 1 diverged); 3 skipped; 1 running`. `running`
+    replaces the count of trials without a result (the live view knows it from Ray)."""
     counts = status_counts(records)
+    if running is not None:
+        counts["running"] = running
     trained = trained_count(records)
     parts = [f"{trained} trained ({counts['ok']} ok, {counts['failed']} failed, {counts['diverged']} diverged)"]
     for status in ("skipped", "invalid", "interrupted", "running"):

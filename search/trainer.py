@@ -2,8 +2,10 @@
 
 The training step is `archspec.training`'s (the one `archspec bench` times): AdamW (fused
 on CUDA) with linear warm-up and cosine decay, gradient clipping, bfloat16 autocast over
-float32 weights on CUDA, the loss straight from the hidden rows (no logits), early stop once the task's validation metric reaches its target, a rich progress
-bar (or silence for search trials). Deterministic under `seed` on the CPU: the weights
+float32 weights on CUDA, the loss straight from the hidden rows (no logits), early stop
+once the task's validation metric reaches its target, a rich progress bar on a
+terminal, plain progress lines in a log (`search/progress.py`), silence for search
+trials. Deterministic under `seed` on the CPU: the weights
 come from `torch.manual_seed(seed)`, the data from a generator seeded with `seed`, the
 evaluation data from the task's own fixed seed.
 
@@ -14,10 +16,11 @@ step in `reason`; an error while training (out of memory, a kernel failure) give
 
 With `out_dir`, writes `metrics.json` atomically (`{"status", "reason", "metrics": {name:
 float}, "spec", "task", "train", "curves", "history", "checkpoint", ...}`), `accuracy.png`,
-with `diagnostics=True` `diagnostics.png` (see `search/diagnostics.py`), and the trained
-model: `model.safetensors` (the best weights by the task's validation metric) with
-`spec.yaml`, which `archspec.load(out_dir)` rebuilds, and while the run is unfinished
-`resume.pt`, from which `resume=True` continues it exactly (`search/checkpoints.py`).
+`training.png` (loss and validation metrics by step), with `diagnostics=True`
+`diagnostics.png` (see `search/diagnostics.py`), and the trained model:
+`model.safetensors` (the best weights by the task's validation metric) with `spec.yaml`,
+which `archspec.load(out_dir)` rebuilds, and while the run is unfinished `resume.pt`, from
+which `resume=True` continues it exactly (`search/checkpoints.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import os
 import time
 import traceback
 from collections.abc import Iterable, Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ from archspec.training import autocast_for, make_optimizer as make_adamw, traini
 
 from .checkpoints import Checkpoints, TrainingState, fingerprint
 from .metrics import concat_outcomes, outcome_from_logits
+from .progress import training_progress
 from .tasks import Task, get_task
 from .tasks.base import Batch, Curve, TrainPreset
 
@@ -181,22 +184,6 @@ class _Diverged(Exception):
         self.reason, self.step = reason, step
 
 
-def _progress(quiet: bool, description: str):
-    if quiet:
-        return None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[note]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-
-
 def json_safe(value: Any) -> Any:
     """NaN and infinities become null: metrics.json stays strict JSON."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -247,6 +234,7 @@ def train(
     spec_label: str | None = None,
     save_weights: bool = True,
     resume: bool = False,
+    progress_label: str | None = None,
 ) -> TrainResult:
     """Train `spec` on `task` (a `Task` or a name for `get_task(name, preset, **task_options)`).
 
@@ -256,7 +244,9 @@ def train(
     optimisation early (then evaluates as usual; `train.time_limited` in metrics.json).
     With `out_dir`, the weights are saved unless `save_weights=False`; `resume=True`
     continues the unfinished run in `out_dir` from its last validation (the same
-    settings are required: the error names any that differ).
+    settings are required: the error names any that differ). `progress_label` names the
+    progress bar (or the plain progress lines when the output is not a terminal); by
+    default `<spec name> on <task>`.
     Returns a `TrainResult`; never raises for a diverging or failing run (see the module
     docstring).
     """
@@ -308,9 +298,13 @@ def train(
             metrics["tokens_per_s"] = report.tokens_per_s
             if report.peak_mem_bytes is not None:
                 metrics["peak_mem_bytes"] = float(report.peak_mem_bytes)
+            else:
+                record["not_measured"] = {"peak_mem_bytes": report.peak_mem_note}
         deadline = None if time_limit_s is None else started + time_limit_s
         checkpoints.start()
-        steps_done, stop = _loop(model, task, config, seed, device, quiet, history, evals, deadline, checkpoints, resumed)
+        label = progress_label or f"{built.spec_record.get('name', 'model')} on {task.name}"
+        steps_done, stop = _loop(model, task, config, seed, device, quiet, history, evals, deadline, checkpoints, resumed,
+                                 label)
         record["train"]["early_stopped"] = stop == "target"
         record["train"]["time_limited"] = stop == "time"
         checkpoints.restore_best(model)  # the scores below are of the weights that are kept
@@ -413,6 +407,7 @@ def _loop(
     deadline: float | None,
     checkpoints: Checkpoints,
     resumed: dict[str, Any] | None = None,
+    label: str = "",
 ) -> tuple[int, str | None]:
     """The optimisation loop; returns (steps done, why it stopped early: "target", "time"
     or None). Raises `_Diverged`. After each validation `checkpoints` keeps the best
@@ -423,11 +418,10 @@ def _loop(
     state = TrainingState(model, optimizer, scheduler, generator, history, evals)
     done = 0 if resumed is None else checkpoints.restore(resumed, state)
     record_every = max(1, config.steps // MAX_HISTORY)
-    progress = _progress(quiet, f"{task.name}")
-    bar = progress.add_task(task.name, total=config.steps, completed=done, loss="-", note="") if progress else None
+    watched = config.early_stop[0] if config.early_stop is not None else None
     model.train()
     step = done
-    with progress if progress is not None else nullcontext():
+    with training_progress(label or task.name, config.steps, quiet=quiet) as progress:
         for step in range(done + 1, config.steps + 1):
             inputs, targets, mask = (t.to(device) for t in task.train_batch(config.batch_size, generator))
             loss = training_loss(model, inputs, masked_labels(targets, mask), device=device)
@@ -443,17 +437,15 @@ def _loop(
 
             if step % record_every == 0 or step == 1:
                 history.append({"step": step, "loss": loss.item(), "lr": optimizer.param_groups[0]["lr"]})
-            if progress is not None:
-                progress.update(bar, advance=1, loss=f"{loss.item():.4f}")
+            progress.stepped(step, loss.item())
             if step % config.eval_every == 0 or step == config.steps:
                 val, _ = evaluate(model, task, task.validation_sets(), device, config.eval_batch_size, with_curves=False)
                 evals.append({"step": step, **val})
                 checkpoints.validated(step, val, state)
+                progress.validated(step, loss.item(), val, watched)
                 if config.early_stop is not None:
                     name, threshold = config.early_stop
                     value = val.get(name, float("nan"))
-                    if progress is not None:
-                        progress.update(bar, note=f"{name} {value:.3f}")
                     if value >= threshold:
                         return step, "target"
             if deadline is not None and time.perf_counter() > deadline:
@@ -478,6 +470,11 @@ def _write_outputs(out: Path, record: dict[str, Any], curves: dict[str, list[Cur
             png = plots.plot_accuracy(curves, task.plot_train_len, out / "accuracy.png", title=title)
             if png is not None:
                 files["accuracy_plot"] = png.name
+        early_stop = record["train"].get("early_stop")
+        png = plots.plot_training(record.get("history", []), record.get("evals", []), out / "training.png",
+                                  title=title, watched=early_stop[0] if early_stop else None)
+        if png is not None:
+            files["training_plot"] = png.name
         if diagnostics and "diagnostics" in record:
             diag = record["diagnostics"]
             report = DiagnosticsReport(record["metrics"], diag["erank"], diag["residual_ratio"], diag.get("layers"),

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from archspec.errors import ArchspecError
+from archspec.search.formatting import number
 from archspec.search.rundir import DIVERGED, FAILED, INVALID, OK, SKIPPED, TRIAL_SPEC_FILE, RunDir, TrialRecord, write_yaml_atomic
 from archspec.search.space import SearchSpec, TaskRef
 
@@ -59,14 +60,76 @@ class Verdict:
     cost: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ReportedMetrics:
+    """The metric names a trial of a search reports, known before anything trains:
+    exact names, and patterns for names that depend on the model (`q_geo@<layer>`)."""
+
+    names: tuple[str, ...]
+    patterns: dict[str, Any] = field(default_factory=dict)  # shown form -> compiled regex
+
+    def __contains__(self, metric: object) -> bool:
+        return metric in self.names or any(p.fullmatch(str(metric)) for p in self.patterns.values())
+
+    def listing(self) -> str:
+        return ", ".join([*self.names, *self.patterns])
+
+    def closest(self, metric: str) -> str | None:
+        import difflib
+
+        close = difflib.get_close_matches(metric, [*self.names, *self.patterns], n=1, cutoff=0.6)
+        return close[0] if close else None
+
+
+def trainer_metrics(task: Any, *, throughput: bool = True, cuda: bool = False, diagnostics: bool = False) -> ReportedMetrics:
+    """What the stock trainer reports for `task`: its evaluation metrics
+    (`Task.metric_names`), the cost model's, the measured `tokens_per_s` (with
+    `throughput`), `peak_mem_bytes` (on CUDA only: it is not measured on the CPU) and,
+    with `diagnostics`, the diagnostics (their names depend on the model: patterns)."""
+    from archspec.search.space import COST_METRICS
+
+    names = [*task.metric_names(), *COST_METRICS]
+    if throughput:
+        names.append("tokens_per_s")
+        if cuda:
+            names.append("peak_mem_bytes")
+    patterns: dict[str, Any] = {}
+    if diagnostics:
+        from archspec.search.diagnostics import METRIC_PATTERNS
+
+        patterns = dict(METRIC_PATTERNS)
+    return ReportedMetrics(tuple(names), patterns)
+
+
+def reported_metrics(search: SearchSpec, tasks: list[Any]) -> ReportedMetrics:
+    """What `execute_trial` puts in a record's metrics with the stock trainer: the
+    trainer's metrics (`trainer_metrics`; trials train on CUDA when they reserve a GPU);
+    with several tasks each prefixed `task/`, plus the cost metrics unprefixed (see the
+    module docstring)."""
+    import re
+
+    from archspec.search.space import COST_METRICS
+
+    options = dict(throughput=search.train.get("measure_throughput", True) is not False,
+                   cuda=search.resources.gpu > 0, diagnostics=bool(search.train.get("diagnostics")))
+    per_task = {task.name: trainer_metrics(task, **options) for task in tasks}
+    if len(tasks) == 1:
+        return per_task[tasks[0].name]
+    names = [f"{name}/{metric}" for name, reported in per_task.items() for metric in reported.names]
+    patterns = {f"{name}/{shown}": re.compile(re.escape(name + "/") + pattern.pattern)
+                for name, reported in per_task.items() for shown, pattern in reported.patterns.items()}
+    return ReportedMetrics(tuple([*names, *COST_METRICS]), patterns)
+
+
 def make_task(ref: TaskRef) -> Any:
     from archspec.search.tasks import get_task
 
     return get_task(ref.name, preset=ref.preset, **ref.options)
 
 
-def compose_spec(run: RunDir, overrides: Mapping[str, Any], *, name: str | None = None, task: Any = None) -> Any:
-    """The trial's model spec: the run's base spec, the sampled overrides, the task's vocabulary."""
+def compose_spec(base: Any, overrides: Mapping[str, Any], *, name: str | None = None, task: Any = None) -> Any:
+    """The trial's model spec: the base spec (a `RunDir`'s base.yaml, a file or a `Spec`),
+    the sampled overrides, the task's vocabulary."""
     from archspec import load_spec
 
     items: list[tuple[str, Any]] = list(overrides.items())
@@ -74,7 +137,7 @@ def compose_spec(run: RunDir, overrides: Mapping[str, Any], *, name: str | None 
         items.append(("name", name))
     if task is not None:
         items.append(("model.vocab_size", int(task.vocab_size)))
-    return load_spec(run.base_file, items)
+    return load_spec(base.base_file if isinstance(base, RunDir) else base, items)
 
 
 def cost_metrics(spec: Any, gpu: bool) -> dict[str, float]:
@@ -85,22 +148,28 @@ def cost_metrics(spec: Any, gpu: bool) -> dict[str, float]:
     return estimate(spec, device="cuda" if gpu else "cpu").metrics()
 
 
-def precheck(setup: TrialSetup, overrides: Mapping[str, Any], tasks: list[Any] | None = None) -> Verdict:
-    """Validate the trial's spec and check the constraints from the cost model, per task."""
-    tasks = tasks if tasks is not None else [make_task(ref) for ref in setup.search.tasks]
+def check_proposal(base: Any, overrides: Mapping[str, Any], constraints: list[Any], tasks: list[Any], *, gpu: bool) -> Verdict:
+    """Whether base + overrides is a valid spec (for every task's vocabulary) within the
+    constraints, from the cost model (of the path the trial runs: `gpu`): nothing is built."""
     first_cost: dict[str, float] = {}
     for task in tasks:
         try:
-            spec = compose_spec(setup.run, overrides, task=task)
+            spec = compose_spec(base, overrides, task=task)
         except ArchspecError as exc:
             return Verdict(INVALID, _one_line(exc))
-        cost = cost_metrics(spec, gpu=setup.search.resources.gpu > 0)
+        cost = cost_metrics(spec, gpu=gpu)
         first_cost = first_cost or cost
-        broken = [f"{c.metric} = {cost[c.metric]:.4g} violates {c}" for c in setup.search.constraints if not c.holds(cost[c.metric])]
+        broken = [f"{c.metric} = {number(cost[c.metric])} violates {c.shown()}" for c in constraints if not c.holds(cost[c.metric])]
         if broken:
             suffix = f" (task {task.name})" if len(tasks) > 1 else ""
             return Verdict(SKIPPED, "; ".join(broken) + suffix, cost)
     return Verdict(OK, None, first_cost)
+
+
+def precheck(setup: TrialSetup, overrides: Mapping[str, Any], tasks: list[Any] | None = None) -> Verdict:
+    """Validate the trial's spec and check the constraints from the cost model, per task."""
+    tasks = tasks if tasks is not None else [make_task(ref) for ref in setup.search.tasks]
+    return check_proposal(setup.run, overrides, setup.search.constraints, tasks, gpu=setup.search.resources.gpu > 0)
 
 
 def _one_line(exc: ArchspecError) -> str:

@@ -6,6 +6,7 @@ The steps are the ones search specs share (`yaml_source`): read with positions, 
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -77,24 +78,45 @@ def validate_document(doc: LocatedDocument) -> Spec:
 def _mixer_rules_alone(data: Any) -> list[tuple[tuple[str, ...], str]]:
     """When the spec does not validate, the mixer's rules can still be checked.
 
-    Mixer fields that are themselves invalid (already reported) are left at their
-    defaults for this check, so that e.g. a bad `heads` does not hide a broken rule.
+    Each mixer field that is itself invalid (already reported) is left at its default for
+    this check, and only that field, so that e.g. an `n_h` out of range does not hide an
+    unstable `beta_range` beside it in the same transition.
     """
     mixer = data.get("mixer") if isinstance(data, dict) else None
     if not isinstance(mixer, (dict, type(None))):
         return []
-    mixer = dict(mixer or {})
-    try:
-        valid = MixerSpec.model_validate(mixer)
-    except ValidationError as exc:
-        for err in exc.errors():
-            if err["loc"]:
-                mixer.pop(err["loc"][0], None)
+    mixer = copy.deepcopy(mixer or {})
+    for _ in range(_MAX_REPAIRS):
         try:
             valid = MixerSpec.model_validate(mixer)
-        except ValidationError:
-            return []
+            break
+        except ValidationError as exc:
+            if not any([_remove_at(mixer, err["loc"]) for err in exc.errors()]):
+                return []
+    else:
+        return []
     return [(("mixer",) + path, message) for path, message in mixer_problems(valid)]
+
+
+# Rounds of leaving out invalid fields before giving up on the rule check (a field left
+# out can reveal one error in the section that held it, at most once per nesting level).
+_MAX_REPAIRS = 4
+
+
+def _remove_at(data: Any, loc: tuple[Any, ...]) -> bool:
+    """Delete the deepest key of `loc` that `data` holds (pydantic's loc may end in tags
+    that are not keys); returns whether anything was deleted."""
+    parent, key = None, None
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            parent, key, node = node, part, node[part]
+        else:
+            break
+    if parent is None:
+        return False
+    del parent[key]
+    return True
 
 
 def load_spec(source: SpecSource, overrides: Iterable[Override] = ()) -> Spec:

@@ -21,7 +21,7 @@ import re
 import stat
 import types
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -886,22 +886,106 @@ def validation_error_to_archspec_error(
 ModelT = typing.TypeVar("ModelT", bound=BaseModel)
 
 
+Semantic = Callable[[Any, LocatedDocument], list[tuple[PathKey, str]]]
+
+
 def load_validated(
     path: str | os.PathLike[str],
     model: type[ModelT],
     *,
     what: str,
     overrides: Iterable[Override] = (),
+    semantic: Semantic | None = None,
+    placeholders: Mapping[str, Any] | None = None,
 ) -> tuple[ModelT, LocatedDocument]:
     """Read a YAML file, apply `--set` overrides and validate it against `model`.
 
-    The one path for files without `extends:` (search specs, experiments): every problem
-    is raised at once as an `ArchspecError` at file:line:column (or the `--set`) and the
-    dotted field. Returns the model and the located document, for checks of its own.
+    The one path for files without `extends:` (search specs, experiments). `semantic(value,
+    doc) -> [(data path, message)]` adds the checks pydantic cannot make (files that must
+    exist, names that must match). Every problem, of either kind, is raised at once as an
+    `ArchspecError` at file:line:column (or the `--set`) and the dotted field: when
+    pydantic refuses part of the file, the semantic checks still run on the rest
+    (`salvage`). Returns the model and the located document.
     """
     doc = apply_overrides(load_yaml_with_locations(path, what=what), list(overrides))
+    title = f"invalid {what} {doc.source}"
+    problems: list[Problem] = []
     try:
-        return model.model_validate(doc.data), doc
+        value = model.model_validate(doc.data)
+        remap: Callable[[PathKey], PathKey] = lambda p: p  # noqa: E731
     except ValidationError as exc:
-        raise validation_error_to_archspec_error(exc, doc, model=model, title=f"invalid {what} {doc.source}") from None
+        problems = validation_problems(exc, doc, model=model)
+        salvaged = salvage(doc.data, exc, model, placeholders or {})
+        if salvaged is None or semantic is None:
+            raise error_from_problems(title, problems) from None
+        value, remap = salvaged
+    if semantic is not None:
+        found = [(remap(path), message) for path, message in semantic(value, doc)]
+        problems += locate_problems(doc, found)
+    if problems:
+        raise error_from_problems(title, problems)
+    return value, doc
 
+
+def _unwrap_optional(annotation: Any) -> Any:
+    """`X | None` -> X (the annotation a present value has)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else annotation
+    return annotation
+
+
+def salvage(
+    data: Any, error: ValidationError, model: type[ModelT], placeholders: Mapping[str, Any]
+) -> tuple[ModelT, Callable[[PathKey], PathKey]] | None:
+    """The parts of `data` that validate, as a `model`, so that checks of the other parts
+    can run while the refused parts are reported; None when too little is left.
+
+    A refused entry of a mapping (a search space's field) or item of a list (a task, a
+    run, an objective) is left out; a refused optional section takes its default; a
+    refused required section takes `placeholders[key]` (a value its own checks ignore) or,
+    without one, nothing is salvaged. Returns the model and a function that maps a path in
+    the salvaged data back to the path in `data` (list items left out shift the indices).
+    """
+    if not isinstance(data, dict):
+        return None
+    fields = {(info.alias or name): info for name, info in model.model_fields.items()}
+    kept = copy.deepcopy(data)
+    dropped_items: dict[str, set[int]] = {}
+    for err in error.errors(include_url=False):
+        path, _ = _resolve_loc(err["loc"], data, model, err["type"])
+        if not path:
+            return None
+        key = path[0]
+        if key not in fields:  # an unknown top-level key: leave it out
+            kept.pop(key, None)
+            continue
+        section = data.get(key)
+        container = typing.get_origin(_unwrap_optional(fields[key].annotation))
+        if len(path) > 1 and container in (dict, Mapping) and isinstance(section, dict) and path[1] in section:
+            kept[key].pop(path[1], None)
+        elif len(path) > 1 and container in (list, Sequence) and isinstance(section, list) and isinstance(path[1], int):
+            dropped_items.setdefault(key, set()).add(path[1])
+        elif not fields[key].is_required():
+            kept.pop(key, None)
+        elif key in placeholders:
+            kept[key] = copy.deepcopy(placeholders[key])
+        else:
+            return None
+    index_maps: dict[str, list[int]] = {}
+    for key, dropped in dropped_items.items():
+        if not isinstance(kept.get(key), list):
+            continue
+        index_maps[key] = [i for i in range(len(data[key])) if i not in dropped]
+        kept[key] = [data[key][i] for i in index_maps[key]]
+    try:
+        value = model.model_validate(kept)
+    except ValidationError:
+        return None
+
+    def remap(path: PathKey) -> PathKey:
+        if len(path) > 1 and path[0] in index_maps and isinstance(path[1], int) and path[1] < len(index_maps[path[0]]):
+            return (path[0], index_maps[path[0]][path[1]], *path[2:])
+        return path
+
+    return value, remap

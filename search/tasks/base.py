@@ -144,6 +144,21 @@ class Task(ABC):
     def score(self, outcome: TokenOutcome, split: str) -> dict[str, float]:
         """Metrics of one split from its outcomes (see `search.metrics`)."""
 
+    def metric_names(self) -> list[str]:
+        """The names the trainer's evaluation reports for this task, before any training.
+
+        Found by scoring one sequence of each evaluation split with uniform predictions
+        through the same `score` and `summarize` the trainer calls, so that the list
+        cannot drift from what a run reports (a search checks its objectives against it).
+        """
+        metrics: dict[str, float] = {}
+        for split, batch in self.eval_sets().items():
+            inputs, targets, mask = (t[:1] for t in batch)
+            uniform = torch.zeros(*targets.shape, self.vocab_size)
+            metrics.update(self.score(outcome_from_logits(uniform, targets, mask), split))
+        metrics.update(self.summarize(metrics))
+        return list(metrics)
+
     def curves(self, outcome: TokenOutcome, split: str) -> list[Curve]:
         """Per-position curves for the accuracy plot (none by default)."""
         return []

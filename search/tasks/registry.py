@@ -8,6 +8,7 @@ lists what is available.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -55,12 +56,21 @@ def task_names() -> list[str]:
     return ["s3", "s4", "a5", "s5", "zN", "dN", "sN", "aN", *_NAMED]
 
 
+# The names a typo is most likely meant as: the named tasks and the groups in use.
+_COMMON = ("s3", "s4", "a5", "s5", *_NAMED)
+
+
+def _did_you_mean(name: str) -> str:
+    close = difflib.get_close_matches(name, _COMMON, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close and close[0] != name else ""
+
+
 def _family(name: str) -> TaskFamily:
     if name in _NAMED:
         return _NAMED[name]
     if groups.is_group_name(name):
         return _GROUPS
-    raise ArchspecError(f"unknown task {name!r}; available: {', '.join(task_names())}")
+    raise ArchspecError(f"unknown task {name!r}{_did_you_mean(name)}; available: {', '.join(task_names())}")
 
 
 def task_options(name: str) -> list[str]:
@@ -114,5 +124,7 @@ def get_task(name: str, preset: str = "cpu", **options: Any) -> Task:
         task = family.make(name, **{**chosen.task_options, **options})
     except (TypeError, ValueError) as exc:
         raise ArchspecError(f"task {name!r}: bad option value: {exc}") from exc
+    except ArchspecError as exc:  # e.g. `s33`: a group name, but not a group we can build
+        raise ArchspecError(f"{exc}{_did_you_mean(name)}") from None
     task.preset = chosen.train
     return task

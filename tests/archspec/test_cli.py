@@ -157,3 +157,28 @@ def test_compile_of_a_hybrid_prints_its_layers_and_the_long_context(capsys, monk
     assert code == 0 and "24 recurrent + 4 attention layers, 1 override(s)" in out
     code, _, err = run(capsys, "compile", str(path), "--long-context", "0")
     assert code == 2 and "--long-context must be >= 1" in err
+
+
+def test_validate_reports_every_problem_of_a_spec_at_once(capsys, tmp_path):
+    """A value out of range beside an unstable OSDN setting in the same section, and a
+    third mistake elsewhere: the rule is not hidden behind the range errors."""
+    path = tmp_path / "three.yaml"
+    path.write_text(
+        "name: bad\n"
+        "mixer:\n"
+        "  transition: {type: householder, n_h: 9, beta_range: [0, 2]}\n"
+        "  preconditioner: {type: osdn, bounds: [0.5, 2.0]}\n"
+        "  heads: 0\n"
+    )
+    code, _, err = run(capsys, "validate", str(path))
+    assert code == 2 and "(3 problems)" in err
+    assert f"{path}:3:40: mixer.transition.n_h: got 9" in err
+    assert f"{path}:4:40: mixer.preconditioner.bounds: unstable: with beta in [0, 2] and d_max = 2" in err
+    assert f"{path}:5:10: mixer.heads: got 0" in err
+
+
+def test_schema_of_each_kind(capsys):
+    code, out, _ = run(capsys, "schema", "--kind", "model")
+    assert code == 0 and out == (ROOT / "specs" / "spec.schema.json").read_text()
+    code, _, err = run(capsys, "schema", "--kind", "recipe")
+    assert code == 2 and "unknown kind of file 'recipe'" in err

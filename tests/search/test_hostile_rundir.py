@@ -57,7 +57,7 @@ def started_run(tmp_path: Path, trials: int = 3) -> RunDir:
     plan = resolve_run(tmp_path / "run", load_search_spec(spec_file), resume=False, trials=None)
     loaded = write_run(plan)
     run = plan.run
-    study = open_study(run, loaded.spec, optuna.samplers.RandomSampler(seed=0))
+    study = open_study(run, loaded.spec, optuna.samplers.RandomSampler(seed=0)).study
     for number in range(trials):
         trial = study.ask()
         overrides = {"mixer.transition.n_h": number + 1, "model.d_model": 32}
@@ -191,7 +191,7 @@ STUDY_DAMAGE = {
     "another database": (_foreign_sqlite, "not an Optuna study"),
     "other objectives": (_other_directions, "the study optimises ['minimize', 'minimize']"),
     "another study": (_fresh_study, "trial 0 is not in"),
-    "another name": (_other_name, "holds no study named 'archspec'"),
+    "another name": (_other_name, "holds no study named 't'"),  # the study is named after the search
 }
 
 

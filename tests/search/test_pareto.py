@@ -181,3 +181,32 @@ def test_pareto_refuses_what_it_cannot_compare(tmp_path, capsys):
     assert "different objectives" in err and "flops_per_token (min)" in err
     assert main(["pareto", str(tmp_path / "nothing-here")]) == 2
     assert "not a search run directory" in capsys.readouterr().err
+
+
+def test_plot_labels_front_points_and_keeps_identical_fronts_apart(tmp_path, monkeypatch):
+    """Each front point carries its trial and overrides by the tables' short names, once
+    where runs share it; a second run with the same front is drawn hollow and larger
+    around the first and says so in the legend."""
+    import matplotlib.pyplot as plt
+
+    from archspec.search import pareto
+
+    seen = {}
+    original = pareto.write_atomic
+
+    def capture(path, write):
+        fig = plt.gcf()
+        seen["texts"] = [t.get_text() for ax in fig.axes for t in ax.texts]
+        seen["legend"] = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        fronts = [c for c in fig.axes[0].collections if c.get_label() and not c.get_label().startswith("_")]
+        seen["sizes"] = [float(c.get_sizes()[0]) for c in fronts]
+        seen["hollow"] = [len(c.get_facecolors()) == 0 or float(c.get_facecolors()[0][3]) == 0.0 for c in fronts]
+        return original(path, write)
+
+    monkeypatch.setattr(pareto, "write_atomic", capture)
+    a, b = make_run(tmp_path, "a", TRIALS_A), make_run(tmp_path, "b", TRIALS_A)
+    pareto.plot_fronts([read_run(a.path), read_run(b.path)], tmp_path / "same.png")
+    assert sorted(seen["texts"]) == ["#0 n_h=3", "#1 n_h=1"]  # run b's identical points are not labelled twice
+    assert seen["legend"] == ["a (2)", "b (2), the same front as a"]
+    assert seen["sizes"][1] > seen["sizes"][0] and seen["hollow"] == [False, True]
+    plt.close("all")

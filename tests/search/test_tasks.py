@@ -99,6 +99,12 @@ def test_unknown_group_and_option_are_clear_errors():
         get_task("s3", preset="tpu")
 
 
+@pytest.mark.parametrize("typo, meant", [("s33", "s3"), ("mqar_twise", "mqar_twice"), ("partiy", "parity"), ("a55", "a5")])
+def test_a_mistyped_task_name_gets_did_you_mean(typo, meant):
+    with pytest.raises(ArchspecError, match=rf"\(did you mean {meant}\?\)"):
+        get_task(typo)
+
+
 # ---------------------------------------------------------------------------- formal languages
 
 

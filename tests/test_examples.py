@@ -228,6 +228,7 @@ PLANS: dict[str, Plan] = {
     "python benchmarks/kernel_times.py --budget-s 420": Plan(skip="needs a CUDA GPU"),
     "python benchmarks/kernel_times.py --against DIR --fla none": Plan(skip="needs a CUDA GPU"),
     "python benchmarks/gpu_check.py --budget-s 300": Plan(skip="needs a CUDA GPU"),
+    "python benchmarks/decode.py --budget-s 540": Plan(skip="needs a CUDA GPU"),
     "archspec experiment specs/experiments/osdn-mqar-twice.yaml --out runs/experiments/osdn-mqar-twice":
         Plan(experiment_table("runs/experiments/osdn-mqar-twice", "OSDN"),
              replace=(("runs/experiments/osdn-mqar-twice", "runs/experiments/osdn-mqar-twice --only OSDN " + REDUCED_EXPERIMENT),)),

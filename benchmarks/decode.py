@@ -223,7 +223,7 @@ def time_side_by_side(gens: list[Contender], prompt: torch.Tensor, run: Decode, 
 def run_design(spec: Path, run: Decode, *, with_fla: bool, rounds: int, bandwidth: float,
                log: Callable[[str], None]) -> list[Row]:
     plan = load_plan(spec, run.size)
-    design = None if plan.hybrid else fla_design(plan)
+    design = fla_design(plan)
     gens = [ours(plan, run)]
     refusal = None
     if with_fla and plan.hybrid:

@@ -27,7 +27,8 @@ their MLP width is set to bring the totals level (`BALANCED_MLP`); fla's RWKV-7 
 macro design (token shift, LoRAs, squared-ReLU MLP), ours the RWKV-7 transition in the KDA
 backbone: that row compares equal-sized models around the same transition. Where fla refuses (an import error, a kernel that will
 not run on this machine) the refusal's text is recorded and ours is shown alone. OSDN
-has no fla model.
+and hybrid stacks have no fla model (fla's attention layers lack our output gate and q/k
+norm and size their heads from the width).
 
 Results: `DIR/models.json` (machine, torch / triton / fla versions, commit, every row)
 and `DIR/models.md`, written after every design, so a run cut short by `--budget-s`
@@ -114,9 +115,11 @@ def load_plan(spec: Path, size: Size):
 
 
 def fla_design(plan) -> str | None:
-    """Which fla model has this plan's design, or None (OSDN, or a combination fla lacks)."""
+    """Which fla model has this plan's design, or None (OSDN, a hybrid stack, or a
+    combination fla lacks). fla's `attn` layers have no output gate or q/k norm and size
+    their heads from the width, so a hybrid of ours has no field-by-field counterpart."""
     m = plan.mixer
-    if m.preconditioner is not None:
+    if m.preconditioner is not None or plan.hybrid:
         return None
     if m.transition == "householder":
         if m.n_h > 1 and m.gate in ("none", "scalar") and m.backbone == ("gdn" if m.gate == "scalar" else "deltanet"):

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 PYTHON_VERSION=${PYTHON_VERSION:-3.12}  # the GPU image's Python
 packages=(pydantic pydantic-core annotated-types typing-inspection typing-extensions
-          optuna sqlalchemy alembic colorlog mako moocore
+          optuna sqlalchemy alembic colorlog mako moocore cffi pycparser platformdirs
           fla-core==0.6.0 flash-linear-attention==0.6.0 "$@")
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

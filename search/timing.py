@@ -7,7 +7,7 @@ only from the driver: `TrialTimes` writes, per session, `DIR/ray/session-NNN/tri
 
     {"7": {"added_at": ..., "started_at": ..., "finished_at": ...}, ...}
 
-(seconds since the epoch; `added_at` when Ray took the proposal, `started_at` when its
+(seconds since the epoch; `added_at` when Ray took the proposal (to the controller's step), `started_at` when its
 worker was up, `finished_at` when Ray heard it ended), rewritten atomically as trials
 end. `benchmarks/search_gpu.py` reads it for Ray's overhead per trial.
 """
@@ -46,11 +46,19 @@ class TrialTimes(Callback):
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 write_text_atomic(self.path, json.dumps(self.times, indent=1, sort_keys=True) + "\n")
 
-    def on_trial_add(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self._mark(trial, "added_at")
+    def on_step_end(self, iteration: int, trials: list, **info: Any) -> None:
+        # Ray's callbacks hear of no new trial before its worker is up: a trial first
+        # seen at the end of the controller's step (every few ms) was added in it.
+        for trial in trials:
+            number = str(int(trial.config.get("trial_number", -1)))
+            if number not in self.times and number != "-1":
+                self._mark(trial, "added_at")
 
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self._mark(trial, "started_at")
+        with self.lock:  # added and started within one step: it was added no later
+            entry = self.times[str(int(trial.config["trial_number"]))]
+            entry.setdefault("added_at", entry["started_at"])
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self._mark(trial, "finished_at", write=True)

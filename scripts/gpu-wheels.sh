@@ -8,14 +8,67 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site
 #   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
+#
+# --ray: instead, Ray Tune 2.60 for Python 3.12 and what `ray.tune` imports that the GPU
+# image lacks (click, filelock, jsonschema with attrs, referencing, rpds-py and
+# jsonschema-specifications, msgpack, protobuf, pyarrow, fsspec, pandas with
+# python-dateutil and six, requests with its four; tensorboardX is left out: Tune runs
+# without it). These weigh about 140 MB, more than one device call carries (64 MiB), so
+# they are packed into one tar cut into parts of RAY_PART_MB (default 60) MB, one folder
+# per call: .whl-ray/part1, part2, ... Carry each folder in its own call, the calls one
+# right after the other (the machine keeps /tmp only while it stays warm); the last one
+# joins and installs. With three parts:
+#
+#   carry [".whl-ray/part1"]:  mkdir -p /tmp/ray-parts && cp .whl-ray/part1/* /tmp/ray-parts/
+#   carry [".whl-ray/part2"]:  mkdir -p /tmp/ray-parts && cp .whl-ray/part2/* /tmp/ray-parts/
+#   carry [".whl-ray/part3"]:  mkdir -p /tmp/ray-parts /tmp/ray-whl && cp .whl-ray/part3/* /tmp/ray-parts/ &&
+#     cat /tmp/ray-parts/ray-wheels.tar.* | tar -x -C /tmp/ray-whl &&
+#     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/ray-whl/*.whl &&
+#     PYTHONPATH=/tmp/site python3 -c "from ray import tune; print('ray', __import__('ray').__version__)"
+#
+# Then, in the calls that search, carry [".whl"] and begin with the install lines above
+# (`--upgrade` is not needed: the Ray wheels and these do not overlap). The script prints
+# the lines for the number of parts it made.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 PYTHON_VERSION=${PYTHON_VERSION:-3.12}  # the GPU image's Python
+download() {  # download DIR PACKAGE...
+  local dir=$1; shift
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$dir" "$@"
+}
+if [ "${1:-}" = "--ray" ]; then
+  shift
+  part_mb=${RAY_PART_MB:-60}
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  download "$work/wheels" "ray==2.60.*" click filelock jsonschema jsonschema-specifications referencing rpds-py attrs \
+    msgpack protobuf pyarrow fsspec pandas python-dateutil six requests urllib3 idna charset-normalizer certifi "$@"
+  tar -C "$work/wheels" -cf "$work/ray-wheels.tar" .
+  split -b "${part_mb}M" -d -a 2 "$work/ray-wheels.tar" "$work/ray-wheels.tar."
+  rm -rf .whl-ray
+  n=0
+  for piece in "$work"/ray-wheels.tar.[0-9][0-9]; do
+    n=$((n + 1))
+    mkdir -p ".whl-ray/part$n"
+    mv "$piece" ".whl-ray/part$n/"
+  done
+  ls "$work/wheels"
+  du -sh .whl-ray/part*
+  echo "On the device, one call per part, one right after the other:"
+  for i in $(seq 1 "$n"); do
+    if [ "$i" -lt "$n" ]; then
+      echo "  carry [\".whl-ray/part$i\"]:  mkdir -p /tmp/ray-parts && cp .whl-ray/part$i/* /tmp/ray-parts/"
+    else
+      echo "  carry [\".whl-ray/part$i\"]:  mkdir -p /tmp/ray-parts /tmp/ray-whl && cp .whl-ray/part$i/* /tmp/ray-parts/ && cat /tmp/ray-parts/ray-wheels.tar.* | tar -x -C /tmp/ray-whl && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/ray-whl/*.whl && PYTHONPATH=/tmp/site python3 -c \"from ray import tune; print('ray', __import__('ray').__version__)\""
+    fi
+  done
+  exit 0
+fi
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 packages=(pydantic pydantic-core annotated-types typing-inspection typing-extensions
           optuna sqlalchemy alembic colorlog mako moocore cffi pycparser platformdirs
           fla-core==0.6.0 flash-linear-attention==0.6.0 "$@")
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" \
-  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 -d .whl "${packages[@]}"
+download .whl "${packages[@]}"
 ls .whl

@@ -86,10 +86,16 @@ def dry_run_report(loaded: LoadedSearch) -> Group:
     budget = spec.budget
     per_trial = f", at most {number(budget.time_per_trial)} s of training per trial and task" if budget.time_per_trial else ""
     concurrent = f", at most {spec.resources.concurrent} at once" if spec.resources.concurrent else ""
+    gpu = ("a share of a GPU sized from its memory estimate (gpu: auto)" if spec.resources.gpu == "auto"
+           else f"{number(spec.resources.gpu)} GPU")
     parts.append(Text(
         f"budget: {budget.trials} trials of {budget.steps} steps{per_trial}; sampler {spec.sampler} (seed {spec.seed}); "
-        f"each trial reserves {number(spec.resources.cpu)} CPU and {number(spec.resources.gpu)} GPU{concurrent}"
+        f"each trial reserves {number(spec.resources.cpu)} CPU and {gpu}{concurrent}"
     ))
+    if spec.scheduler is not None:
+        s = spec.scheduler
+        parts.append(Text(f"scheduler: {s.type}, stops trials behind on {s.metric} ({s.mode}) after {s.grace_steps} steps, "
+                          f"keeping 1/{number(s.reduction_factor)} at each rung"))
     if spec.train:
         parts.append(Text(f"trainer options: {', '.join(f'{k}={v}' for k, v in spec.train.items())}"))
     return Group(*parts)

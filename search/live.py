@@ -6,13 +6,15 @@ status, and the current front. On a console that is not a terminal (CI logs, a p
 it prints one line per finished trial instead.
 
 `RecordingCallback` completes the run directory from the driver's side: the result of a
-trial that ran on a node whose files the driver cannot see, and the failure of a trial
-whose worker died before it could write anything.
+trial that ran on a node whose files the driver cannot see, the failure of a trial
+whose worker died before it could write anything, and a trial a scheduler stopped early
+(its worker is stopped while it waits on a validation result, before it writes one).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from pathlib import Path
@@ -25,9 +27,9 @@ from rich.text import Text
 from ray.tune import Callback
 
 from archspec.search.pareto import front_of
-from archspec.search.rundir import FAILED, RunDir, TrialRecord, trained_count
+from archspec.search.rundir import FAILED, STOPPED, RunDir, TrialRecord, trained_count
 from archspec.search.space import SearchSpec
-from archspec.search.trial import record_from_result
+from archspec.search.trial import PROGRESS, RECORD_KEY, STEP_KEY, record_from_result
 from archspec.search.formatting import number, override_value, short_fields
 from archspec.search.tables import counts_line, front_table
 
@@ -37,8 +39,9 @@ MAX_FRONT_ROWS = 12
 class RecordingCallback(Callback):
     """Writes `result.json` from the driver when the worker's copy is not visible here."""
 
-    def __init__(self, run: RunDir):
+    def __init__(self, run: RunDir, scheduler_name: str = "scheduler"):
         self.run = run
+        self.scheduler_name = scheduler_name  # named in a stopped trial's reason
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
         record = record_from_result(result)
@@ -46,6 +49,32 @@ class RecordingCallback(Callback):
             existing = self.run.read_trial(record.number)
             if existing is None or existing.status is None:
                 self.run.write_trial_result(record)
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        last = dict(trial.last_result or {})
+        if last.get("status") != PROGRESS or RECORD_KEY in last:
+            return  # it ended on its own: its worker wrote its record
+        number = int(trial.config["trial_number"])
+        overrides = dict(trial.config.get("overrides", {}))
+        existing = self.run.read_trial(number)
+        if self.run.occupant(number, overrides) or (existing is not None and existing.status is not None):
+            return
+        metrics = {k: float(v) for k, v in last.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k in self.reported(last)}
+        self.run.write_trial_result(TrialRecord(
+            number=number, status=STOPPED, overrides=overrides, metrics=metrics,
+            reason=f"stopped early by the {self.scheduler_name} at step {last.get(STEP_KEY)} from its validation results",
+            started_at=existing.started_at if existing else None, finished_at=time.time(),
+            host=existing.host if existing else None, device=existing.device if existing else None,
+            placement=existing.placement if existing else {}, pid=existing.pid if existing else None,
+        ))
+
+    @staticmethod
+    def reported(result: dict[str, Any]) -> set[str]:
+        """The metric names of a validation result (Ray adds its own keys beside them)."""
+        from ray.tune.result import AUTO_RESULT_KEYS
+
+        return {k for k in result if k not in AUTO_RESULT_KEYS and k not in ("trial_number", "status", "done", STEP_KEY)}
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         number = int(trial.config["trial_number"])

@@ -54,7 +54,8 @@ TRIAL_RESULT_FILE = "result.json"
 LOCK_FILE = "lock"
 
 # Trial statuses. `ok`, `failed` and `diverged` trials were trained and count against the
-# budget; `skipped` (a constraint failed on the cost model) and `invalid` (the sampled
+# budget, and so do `stopped` ones (a scheduler such as ASHA ended them early from their
+# validation results; their metrics are the last validation's); `skipped` (a constraint failed on the cost model) and `invalid` (the sampled
 # spec was refused) never reached training; `interrupted` trials were cut off by a crash
 # or Ctrl-C and are tried again on --resume. (Proposals that repeat a trial are kept in
 # the study only, as pruned trials: see `searcher.py`.)
@@ -64,8 +65,9 @@ DIVERGED = "diverged"
 SKIPPED = "skipped"
 INVALID = "invalid"
 INTERRUPTED = "interrupted"
-TRAINED_STATUSES = (OK, FAILED, DIVERGED)
-STATUSES = (OK, FAILED, DIVERGED, SKIPPED, INVALID, INTERRUPTED)
+STOPPED = "stopped"
+TRAINED_STATUSES = (OK, FAILED, DIVERGED, STOPPED)
+STATUSES = (OK, FAILED, DIVERGED, STOPPED, SKIPPED, INVALID, INTERRUPTED)
 
 
 def _jsonable(value: Any) -> Any:

@@ -20,6 +20,7 @@ Finished trials are never redone: the budget counts the trials that were trained
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ from archspec.search.rundir import (
     INTERRUPTED,
     LOCK_FILE,
     OK,
+    STOPPED,
     TRAINED_STATUSES,
     RunDir,
     RunLock,
@@ -217,6 +219,8 @@ def reconcile(run: RunDir, opened: OpenStudy, metric_names: list[str]) -> int:
             values = [record.metrics.get(m) for m in metric_names] if record.status == OK else None
             if values is not None and all(isinstance(v, (int, float)) for v in values):
                 study.tell(trial.number, values, state=TrialState.COMPLETE)
+            elif record.status == STOPPED:  # as the searcher tells a trial a scheduler stopped
+                study.tell(trial.number, state=TrialState.PRUNED)
             else:
                 study.tell(trial.number, state=TrialState.FAIL)
             continue
@@ -366,8 +370,12 @@ def _check_resources_fit(spec: SearchSpec, address: str | None) -> None:
     """A trial that asks for more than the whole cluster has would wait forever: say so."""
     import ray
 
+    from archspec.search.gpu_share import AUTO_STEP
+    from archspec.search.space import GPU_AUTO
+
     total = ray.cluster_resources()
-    for name, need in (("CPU", spec.resources.cpu), ("GPU", spec.resources.gpu)):
+    gpu = AUTO_STEP if spec.resources.gpu == GPU_AUTO else spec.resources.gpu  # auto: a sixteenth at least
+    for name, need in (("CPU", spec.resources.cpu), ("GPU", gpu)):
         if need and total.get(name, 0) < need:
             where = f"the Ray cluster at {address}" if address else "this machine"
             raise ArchspecError(
@@ -414,6 +422,8 @@ def _run_locked(
     # checked on its first trial (searcher.py), not against the stock trainer's.
     plan = resolve_run(out, loaded, resume=resume, trials=trials, check_objectives=train_fn is None)
     run, spec = plan.run, plan.loaded.spec
+    _check_scheduler_fits(spec, train_fn)
+    gpu_bytes = _gpu_bytes_for_auto(spec)  # before anything is written: a refusal leaves no trace
     base_values = plan.loaded.base_values
     setup = TrialSetup(run_dir=str(run.path), search=spec, train_fn=train_fn)
     tasks = [make_task(ref) for ref in spec.tasks]
@@ -459,9 +469,56 @@ def _run_locked(
             _queue_grid(opened.study, points, setup, tasks, base_values)
         remaining = outcome.target - trained_count(run.read_trials())
         if remaining > 0:
-            outcome.stopped_because, outcome.exhausted = _fit(setup, spec, run, opened, define_by_run, reject, remaining, outcome.target, live)
+            place = functools.partial(placement, setup=setup, tasks=tasks, gpu_bytes=gpu_bytes)
+            outcome.stopped_because, outcome.exhausted = _fit(setup, spec, run, opened, define_by_run, reject, remaining,
+                                                              outcome.target, live, place)
     outcome.trained = trained_count(run.read_trials())
     return outcome
+
+
+def _check_scheduler_fits(spec: SearchSpec, train_fn: TrainFn | None) -> None:
+    """A scheduler stops trials from the results they report while they train: a training
+    function of one's own that reports none would never be stopped."""
+    from archspec.search.trial import ON_VALIDATION, takes_progress
+
+    if spec.scheduler is not None and train_fn is not None and not takes_progress(train_fn):
+        raise ArchspecError(
+            "the search's scheduler would never hear from a trial before it ends",
+            [(None, "scheduler", f"the training function {getattr(train_fn, '__name__', train_fn)!r} takes no "
+              f"`{ON_VALIDATION}(step, metrics)` to report validation results while it trains; add it, or remove `scheduler:`")],
+        )
+
+
+def _gpu_bytes_for_auto(spec: SearchSpec) -> int | None:
+    """One GPU's memory when trials' shares are sized from their estimates (`gpu: auto`)."""
+    from archspec.search.gpu_share import gpu_memory_bytes
+    from archspec.search.space import GPU_AUTO
+
+    return gpu_memory_bytes(spec.resources) if spec.resources.gpu == GPU_AUTO else None
+
+
+def placement(config: dict[str, Any], *, setup: TrialSetup, tasks: list[Any], gpu_bytes: int | None) -> dict[str, Any]:
+    """What an accepted proposal's config carries for its placement: its share of a GPU
+    when it reserves less than one (a fixed fraction, or `auto` from its memory estimate)."""
+    from archspec.search.gpu_share import auto_share
+    from archspec.search.space import GPU_AUTO
+    from archspec.search.trial import GPU_SHARE_KEY, training_bytes_of
+
+    gpu = setup.search.resources.gpu
+    if gpu == GPU_AUTO:
+        assert gpu_bytes is not None
+        needs = [training_bytes_of(setup, config["overrides"], task) for task in tasks]
+        return {GPU_SHARE_KEY: auto_share(needs, gpu_bytes)}
+    return {GPU_SHARE_KEY: float(gpu)} if 0 < gpu < 1 else {}
+
+
+def trial_resources(config: dict[str, Any], *, cpu: float, gpu: float) -> Any:
+    """Ray's placement of one trial: its CPUs and its GPUs or share of one (from its config)."""
+    from ray.tune import PlacementGroupFactory
+
+    from archspec.search.trial import GPU_SHARE_KEY
+
+    return PlacementGroupFactory([{"CPU": cpu, "GPU": float(config.get(GPU_SHARE_KEY, gpu))}])
 
 
 def _record_rejection(run: RunDir, number: int, overrides: dict[str, Any], rejection: Rejection, metrics: dict[str, float]) -> None:
@@ -533,29 +590,35 @@ def _fit(
     remaining: int,
     target: int,
     live: bool,
+    place: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> tuple[str | None, bool]:
     """Run `remaining` trials with Ray Tune; returns why the searcher stopped early, if it did."""
     from ray import tune
 
     from archspec.search.live import LiveView, RecordingCallback
+    from archspec.search.schedulers import make_scheduler, scheduler_name
+    from archspec.search.space import GPU_AUTO
+    from archspec.search.timing import TrialTimes
     from archspec.search.trial import trainable
 
     searcher = ArchspecSearcher(
         study=opened.study, storage=opened.storage, define_by_run=define_by_run, reject=reject,
-        metric=spec.metric_names, mode=[o.direction for o in spec.objectives], seed=spec.seed,
+        metric=spec.metric_names, mode=[o.direction for o in spec.objectives], seed=spec.seed, place=place,
     )
     run.ray_dir.mkdir(parents=True, exist_ok=True)
     session = f"session-{sum(1 for _ in run.ray_dir.iterdir()):03d}"
-    resources = {"cpu": spec.resources.cpu, "gpu": spec.resources.gpu}
+    gpu = 0.0 if spec.resources.gpu == GPU_AUTO else float(spec.resources.gpu)  # auto: every config has its share
+    resources = functools.partial(trial_resources, cpu=spec.resources.cpu, gpu=gpu)
     view = LiveView(run, spec, target=target, live=live)
     tuner = tune.Tuner(
         tune.with_resources(tune.with_parameters(trainable, setup=setup), resources),
         tune_config=tune.TuneConfig(
             search_alg=searcher, num_samples=remaining, max_concurrent_trials=spec.resources.concurrent,
+            scheduler=make_scheduler(spec),
         ),
         run_config=tune.RunConfig(
             name=session, storage_path=str(run.ray_dir), verbose=0,
-            callbacks=[RecordingCallback(run), view.callback],
+            callbacks=[RecordingCallback(run, scheduler_name(spec)), view.callback, TrialTimes(run.ray_dir / session)],
             failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
         ),
     )

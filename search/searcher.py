@@ -20,6 +20,9 @@ architectures needs:
   repeat, the space is exhausted.
 - **Failed trials.** A trial without finite values for every objective is told as FAIL,
   with its status and reason as user attributes (visible in optuna-dashboard).
+- **Stopped trials.** A trial a scheduler (ASHA) stopped early ends on a result reported
+  while it trained: it is told as PRUNED, Optuna's state for a trial ended early, with
+  the status `stopped`.
 - **A misspelt objective** is refused when the search spec loads, for the stock trainer;
   with a training function of one's own, the first trial that reports none of an
   objective stops the search instead of failing every trial of the budget.
@@ -39,8 +42,8 @@ import optuna
 from optuna.trial import TrialState
 from ray.tune.search import Searcher
 
-from archspec.search.rundir import OK
-from archspec.search.trial import MISSING_OBJECTIVES, record_from_result
+from archspec.search.rundir import OK, STOPPED
+from archspec.search.trial import MISSING_OBJECTIVES, PROGRESS, record_from_result
 
 # Proposals rejected in a row before the search gives up: the space is then (almost)
 # entirely outside the constraints, and the user should hear so instead of waiting.
@@ -64,6 +67,8 @@ class ArchspecSearcher(Searcher):
     into an `optuna.Trial`; `reject(number, overrides) -> Rejection | None` decides
     whether it may train (and records a refused spec or a broken constraint in the run
     directory). `metric` and `mode` (`max`/`min`) name the objectives in the study's order.
+    `place(config) -> {...}`, when given, adds what the trial's placement needs to an
+    accepted proposal's config (its share of a GPU).
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class ArchspecSearcher(Searcher):
         metric: list[str],
         mode: list[str],
         seed: int = 0,
+        place: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ):
         super().__init__(metric=metric, mode=mode)
         self.study = study
@@ -86,6 +92,7 @@ class ArchspecSearcher(Searcher):
         )
         self._define_by_run = define_by_run
         self._reject = reject
+        self._place = place
         self._running: dict[str, optuna.Trial] = {}  # Ray's trial id -> the Optuna trial it trains
         self.stopped_because: str | None = None
         self.exhausted = False  # stopped because every proposal repeated a known trial
@@ -102,7 +109,7 @@ class ArchspecSearcher(Searcher):
             rejection = self._reject(config["trial_number"], config["overrides"])
             if rejection is None:
                 self._running[trial_id] = trial
-                return config
+                return {**config, **self._place(config)} if self._place else config
             trial.set_user_attr("status", rejection.status)
             trial.set_user_attr("reason", rejection.reason)
             explore = rejection.status == DUPLICATE
@@ -128,6 +135,11 @@ class ArchspecSearcher(Searcher):
         if usable:
             trial.set_user_attr("status", OK)
             self.study.tell(trial.number, values, state=TrialState.COMPLETE)
+            return
+        if result and result.get("status") == PROGRESS and not error:
+            # Ended on a result reported while it trained: a scheduler stopped it.
+            trial.set_user_attr("status", STOPPED)
+            self.study.tell(trial.number, state=TrialState.PRUNED)
             return
         record = record_from_result(result)
         trial.set_user_attr("status", (result or {}).get("status") or "failed")

@@ -288,10 +288,58 @@ class Budget(_Section):
     time_per_trial: float | None = Field(None, gt=0, description="Seconds one trial's training may take (per task); none by default.")
 
 
+GPU_AUTO = "auto"  # `resources.gpu: auto`: each trial's share of a GPU from its memory estimate
+
+
 class Resources(_Section):
     cpu: float = Field(1, gt=0, description="CPUs reserved per trial.")
-    gpu: float = Field(0, ge=0, description="GPUs reserved per trial; trials train on CUDA when > 0.")
+    gpu: float | Literal["auto"] = Field(
+        0.0, description="GPUs reserved per trial: a number (a fraction such as 0.125 packs 8 trials onto one GPU; "
+        "above 1 a whole number), or `auto`: each trial's share from its memory estimate (docs/search.md). "
+        "Trials train on CUDA (Triton kernels, bfloat16 autocast) when it is not 0.")
+    gpu_memory_gib: float | None = Field(
+        None, gt=0, le=1e6, description="With `gpu: auto`: one GPU's memory in GiB (default: read from the driver's "
+        "first CUDA device).")
     concurrent: int | None = Field(None, gt=0, description="At most this many trials at once (default: as many as fit).")
+
+    @field_validator("gpu", mode="before")
+    @classmethod
+    def _whole_as_float(cls, value: Any) -> Any:
+        # `gpu: 1` is the number 1.0, not a second type of the union (it dumps as written).
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("gpu")
+    @classmethod
+    def _placeable(cls, value: float | str) -> float | str:
+        # Ray places a fraction of one GPU, or whole GPUs: 1.5 GPUs is no placement at all.
+        if isinstance(value, (int, float)):
+            if value < 0:
+                raise ValueError(f"a trial cannot reserve {value:g} GPUs; give 0 (CPU), a fraction of one GPU, a whole number or auto")
+            if value > 1 and value != int(value):
+                raise ValueError(f"{value:g} GPUs cannot be placed: Ray gives a trial a fraction of one GPU or whole GPUs")
+        return value
+
+    @model_validator(mode="after")
+    def _memory_with_auto(self) -> Resources:
+        if self.gpu_memory_gib is not None and self.gpu != GPU_AUTO:
+            raise ValueError("gpu_memory_gib is read only with `gpu: auto` (it sizes each trial's share); remove it")
+        return self
+
+    @property
+    def uses_gpu(self) -> bool:
+        """Whether trials reserve a GPU (and train on CUDA where one is visible)."""
+        return self.gpu == GPU_AUTO or self.gpu > 0
+
+
+class Scheduler(_Section):
+    """A Ray Tune scheduler that stops trials early from their validation results."""
+
+    type: Literal["asha"] = Field(description="asha: Ray Tune's ASHAScheduler (asynchronous successive halving).")
+    metric: str = Field(min_length=1, description="A validation metric the trials report while training "
+                        "(`task/metric` with several tasks), e.g. token_acc@16.")
+    mode: Literal["max", "min"] = Field("max", description="Whether larger or smaller values of the metric are better.")
+    grace_steps: int = Field(gt=0, description="Training steps every trial gets before it can be stopped.")
+    reduction_factor: float = Field(3, gt=1, le=100, description="Keep the best 1/reduction_factor at each rung.")
 
 
 class SearchSpec(_Section):
@@ -308,6 +356,7 @@ class SearchSpec(_Section):
     budget: Budget
     sampler: Literal["tpe", "nsga2", "random", "grid"] = "tpe"
     resources: Resources = Field(default_factory=Resources)
+    scheduler: Scheduler | None = Field(None, description="Stop hopeless trials early from their validation results (ASHA).")
     train: dict[str, Any] = Field(default_factory=dict, description="Extra keyword options for the trainer (e.g. batch_size, lr).")
     seed: int = Field(0, ge=0, lt=2**32, description="Seeds the sampler (NumPy takes seeds below 2**32).")
 
@@ -449,6 +498,7 @@ def semantic_problems(spec: SearchSpec, base: Any | None, *, check_objectives: b
     if check_objectives:
         problems += _objective_problems(spec, tasks)
     problems += _trainer_problems(spec)
+    problems += _scheduler_problems(spec, tasks)
     if base is None:
         return problems
     base_values = flatten(base.model_dump(mode="json"))
@@ -575,6 +625,33 @@ def _trainer_problems(spec: SearchSpec) -> Problems:
             problems.append((("train", key), f"the trainer has no option {key!r}; it takes {', '.join(options)}"))
     if spec.budget.time_per_trial is not None and unaccepted(train, ["time_limit_s"]):
         problems.append((("budget", "time_per_trial"), "the trainer does not support a time limit yet (no `time_limit_s`); remove time_per_trial"))
+    return problems
+
+
+def _scheduler_problems(spec: SearchSpec, tasks: list[Any]) -> Problems:
+    """A scheduler watches a metric the trials report at each validation, and needs
+    validations before a trial's last step to stop anything."""
+    scheduler = spec.scheduler
+    if scheduler is None:
+        return []
+    problems: Problems = []
+    total = spec.budget.steps * len(spec.tasks)
+    if scheduler.grace_steps >= total:
+        problems.append((("scheduler", "grace_steps"), f"{scheduler.grace_steps} steps of grace leave nothing to stop: "
+                         f"a trial trains {total} steps (budget.steps x {len(spec.tasks)} task(s)); give fewer"))
+    if None in tasks:
+        return problems  # the task's own problem is reported; its metrics are unknown
+    if len(tasks) == 1:
+        names = tasks[0].validation_metric_names()
+    else:
+        names = [f"{task.name}/{name}" for task in tasks for name in task.validation_metric_names()]
+    if scheduler.metric not in names:
+        import difflib
+
+        close = difflib.get_close_matches(scheduler.metric, names, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        problems.append((("scheduler", "metric"), f"the trials do not report {scheduler.metric!r} while they train{hint}; "
+                         f"each validation reports: {', '.join(names)}"))
     return problems
 
 
@@ -821,7 +898,7 @@ def dead_values(spec: SearchSpec, base: Any, tasks: list[Any], *, constraints: b
                 label = json.dumps({k: choice_label(v) for k, v in point.items()}, sort_keys=True)
                 if label not in verdicts:
                     verdicts[label] = check_proposal(base, point, spec.constraints if constraints else [], tasks,
-                                                     gpu=spec.resources.gpu > 0)
+                                                     gpu=spec.resources.uses_gpu)
                 verdict = verdicts[label]
                 if verdict.status == OK_STATUS:
                     usable = True

@@ -31,7 +31,7 @@ import math
 import os
 import time
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from archspec.throughput import measure_training_throughput
 from archspec.training import autocast_for, make_optimizer as make_adamw, training_loss
 
 from .checkpoints import Checkpoints, TrainingState, fingerprint
+from .gpu_share import out_of_memory_reason, peak_bytes
 from .metrics import concat_outcomes, outcome_from_logits
 from .progress import training_progress
 from .tasks import Task, get_task
@@ -235,6 +236,7 @@ def train(
     save_weights: bool = True,
     resume: bool = False,
     progress_label: str | None = None,
+    on_validation: Callable[[int, dict[str, float]], None] | None = None,
 ) -> TrainResult:
     """Train `spec` on `task` (a `Task` or a name for `get_task(name, preset, **task_options)`).
 
@@ -246,7 +248,9 @@ def train(
     continues the unfinished run in `out_dir` from its last validation (the same
     settings are required: the error names any that differ). `progress_label` names the
     progress bar (or the plain progress lines when the output is not a terminal); by
-    default `<spec name> on <task>`.
+    default `<spec name> on <task>`. `on_validation(step, metrics)` is called after each
+    validation during training (a search reports them to Ray, whose scheduler may stop
+    the trial there).
     Returns a `TrainResult`; never raises for a diverging or failing run (see the module
     docstring).
     """
@@ -304,7 +308,7 @@ def train(
         checkpoints.start()
         label = progress_label or f"{built.spec_record.get('name', 'model')} on {task.name}"
         steps_done, stop = _loop(model, task, config, seed, device, quiet, history, evals, deadline, checkpoints, resumed,
-                                 label)
+                                 label, on_validation)
         record["train"]["early_stopped"] = stop == "target"
         record["train"]["time_limited"] = stop == "time"
         checkpoints.restore_best(model)  # the scores below are of the weights that are kept
@@ -325,7 +329,13 @@ def train(
     except _Diverged as exc:
         status, reason, steps_done = "diverged", exc.reason, exc.step
         checkpoints.finish(model, steps_done, weights_ok=False)
-    except (RuntimeError, torch.OutOfMemoryError) as exc:  # a kernel or memory failure: record it, do not crash
+    except torch.OutOfMemoryError as exc:  # the reason says so, with the peak it reached
+        peak = peak_bytes(str(device))
+        status, reason = "failed", out_of_memory_reason(exc, peak)
+        if peak is not None:
+            metrics["peak_mem_bytes"] = float(peak)
+        record["traceback"] = traceback.format_exc()
+    except RuntimeError as exc:  # a kernel failure: record it, do not crash
         status, reason = "failed", f"{type(exc).__name__}: {exc}"
         record["traceback"] = traceback.format_exc()
     except KeyboardInterrupt:
@@ -408,6 +418,7 @@ def _loop(
     checkpoints: Checkpoints,
     resumed: dict[str, Any] | None = None,
     label: str = "",
+    on_validation: Callable[[int, dict[str, float]], None] | None = None,
 ) -> tuple[int, str | None]:
     """The optimisation loop; returns (steps done, why it stopped early: "target", "time"
     or None). Raises `_Diverged`. After each validation `checkpoints` keeps the best
@@ -443,6 +454,8 @@ def _loop(
                 evals.append({"step": step, **val})
                 checkpoints.validated(step, val, state)
                 progress.validated(step, loss.item(), val, watched)
+                if on_validation is not None:
+                    on_validation(step, dict(val))
                 if config.early_stop is not None:
                     name, threshold = config.early_stop
                     value = val.get(name, float("nan"))

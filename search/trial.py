@@ -111,7 +111,7 @@ def reported_metrics(search: SearchSpec, tasks: list[Any]) -> ReportedMetrics:
     from archspec.search.space import COST_METRICS
 
     options = dict(throughput=search.train.get("measure_throughput", True) is not False,
-                   cuda=search.resources.gpu > 0, diagnostics=bool(search.train.get("diagnostics")))
+                   cuda=search.resources.uses_gpu, diagnostics=bool(search.train.get("diagnostics")))
     per_task = {task.name: trainer_metrics(task, **options) for task in tasks}
     if len(tasks) == 1:
         return per_task[tasks[0].name]
@@ -169,7 +169,7 @@ def check_proposal(base: Any, overrides: Mapping[str, Any], constraints: list[An
 def precheck(setup: TrialSetup, overrides: Mapping[str, Any], tasks: list[Any] | None = None) -> Verdict:
     """Validate the trial's spec and check the constraints from the cost model, per task."""
     tasks = tasks if tasks is not None else [make_task(ref) for ref in setup.search.tasks]
-    return check_proposal(setup.run, overrides, setup.search.constraints, tasks, gpu=setup.search.resources.gpu > 0)
+    return check_proposal(setup.run, overrides, setup.search.constraints, tasks, gpu=setup.search.resources.uses_gpu)
 
 
 def _one_line(exc: ArchspecError) -> str:
@@ -181,11 +181,15 @@ def device_for(setup: TrialSetup) -> str:
     """CUDA when the trial reserved a GPU and one is visible (Ray sets CUDA_VISIBLE_DEVICES), else CPU."""
     import torch
 
-    return "cuda" if setup.search.resources.gpu > 0 and torch.cuda.is_available() else "cpu"
+    return "cuda" if setup.search.resources.uses_gpu and torch.cuda.is_available() else "cpu"
 
 
 # Keyword arguments the search passes itself; `train:` in the search spec may not set them.
-SEARCH_SETS = ("steps", "seed", "device", "out_dir", "quiet", "time_limit_s")
+SEARCH_SETS = ("steps", "seed", "device", "out_dir", "quiet", "time_limit_s", "on_validation")
+# The training function's hook for validation results during training: passed only to a
+# function that names it (the stock trainer does), whose results then reach Ray as they come.
+ON_VALIDATION = "on_validation"
+STEP_KEY = "step"  # the training steps a reported result stands at (all tasks so far): ASHA's time
 
 
 def train_kwargs(search: SearchSpec, device: str, out_dir: str) -> dict[str, Any]:
@@ -203,12 +207,53 @@ def unaccepted(train_fn: TrainFn, names: list[str]) -> list[str]:
     return [n for n in names if n not in parameters]
 
 
-def _call_train(train_fn: TrainFn, spec: Any, task: Any, setup: TrialSetup, out_dir: str, device: str) -> Any:
+def takes_progress(train_fn: TrainFn) -> bool:
+    """Whether `train_fn` reports validation results while it trains (names `on_validation`)."""
+    return ON_VALIDATION in inspect.signature(train_fn).parameters
+
+
+def _call_train(train_fn: TrainFn, spec: Any, task: Any, setup: TrialSetup, out_dir: str, device: str,
+                on_validation: Callable[[int, dict[str, float]], None] | None = None) -> Any:
     kwargs = train_kwargs(setup.search, device, out_dir)
     refused = unaccepted(train_fn, list(kwargs))
     if refused:
         raise ArchspecError(f"the training function does not accept {', '.join(refused)} (set by the search spec)")
+    if on_validation is not None and takes_progress(train_fn):
+        kwargs[ON_VALIDATION] = on_validation
     return train_fn(spec, task, **kwargs)
+
+
+def _progress_reporter(
+    setup: TrialSetup, number: int, task: Any, index: int, several: bool, report: Callable[[dict[str, Any]], None]
+) -> Callable[[int, dict[str, float]], None]:
+    """`on_validation` for task `index` of the trial: each validation, as a result for Ray."""
+    offset = index * setup.search.budget.steps  # the tasks train one after the other
+
+    def on_validation(step: int, metrics: dict[str, float]) -> None:
+        named = {(f"{task.name}/{k}" if several else k): _number(v) for k, v in metrics.items()}
+        report(progress_payload(number, offset + step, named, setup.search))
+
+    return on_validation
+
+
+def execute_gpu_checks(setup: TrialSetup, overrides: Mapping[str, Any], tasks: list[Any], share: float) -> str | None:
+    """On CUDA with a share of a GPU: cap this process at its share and refuse a trial
+    whose memory estimate alone exceeds it; returns the reason to refuse, or None."""
+    import torch
+
+    from archspec.search.gpu_share import cap_process_memory, share_problem
+
+    cap_process_memory(share)
+    gpu_bytes = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    needs = [training_bytes_of(setup, overrides, task) for task in tasks]
+    return share_problem(needs, share, gpu_bytes)
+
+
+def training_bytes_of(setup: TrialSetup, overrides: Mapping[str, Any], task: Any) -> int:
+    """The memory estimate of one training step of the trial's spec on `task`."""
+    from archspec.search.gpu_share import training_bytes
+
+    return training_bytes(compose_spec(setup.run, overrides, task=task), task, setup.search.train)
 
 
 def default_train() -> TrainFn:
@@ -218,9 +263,17 @@ def default_train() -> TrainFn:
 
 
 def execute_trial(
-    setup: TrialSetup, number: int, overrides: Mapping[str, Any], placement: Mapping[str, Any] | None = None
+    setup: TrialSetup, number: int, overrides: Mapping[str, Any], placement: Mapping[str, Any] | None = None,
+    *, gpu_share: float | None = None, report: Callable[[dict[str, Any]], None] | None = None,
 ) -> TrialRecord:
-    """Train one trial on every task and write its record; never raises for a bad trial."""
+    """Train one trial on every task and write its record; never raises for a bad trial.
+
+    `gpu_share`: the fraction of a GPU the trial was given (on CUDA its allocations are
+    capped there); `report(result)`: where validation results go while it trains (Ray)."""
+    import torch
+
+    from archspec.search.gpu_share import out_of_memory_reason, peak_bytes
+
     run, search = setup.run, setup.search
     record = TrialRecord(number=number, status=None, overrides=dict(overrides), started_at=time.time(),
                          host=socket.gethostname(), placement=dict(placement or {}), pid=os.getpid())
@@ -235,13 +288,19 @@ def execute_trial(
         if verdict.status != OK:
             record.status, record.reason = verdict.status, verdict.reason
             return _finish(run, record)
+        if record.device == "cuda" and gpu_share is not None:
+            refused = execute_gpu_checks(setup, overrides, tasks, gpu_share)
+            if refused:
+                record.status, record.reason = FAILED, refused
+                return _finish(run, record)
         spec = compose_spec(run, overrides, name=f"{search.name}-{number:05d}")
         write_yaml_atomic(folder / TRIAL_SPEC_FILE, spec.model_dump(mode="json", exclude_none=True))
         train_fn = setup.train_fn or default_train()
         statuses: list[tuple[str, str | None]] = []
-        for task in tasks:
+        for index, task in enumerate(tasks):
             out_dir = folder / task.name
-            result = _call_train(train_fn, spec, task, setup, str(out_dir), record.device)
+            progress = _progress_reporter(setup, number, task, index, len(tasks) > 1, report) if report else None
+            result = _call_train(train_fn, spec, task, setup, str(out_dir), record.device, progress)
             metrics = {k: _number(v) for k, v in dict(result.metrics).items()}
             if len(tasks) == 1:
                 record.metrics.update(metrics)
@@ -257,6 +316,13 @@ def execute_trial(
                                  f"{', '.join(sorted(k for k, v in record.metrics.items() if _finite(v)))}")
     except ArchspecError as exc:
         record.status, record.reason = FAILED, _one_line(exc)
+    except torch.OutOfMemoryError as exc:  # outside the trainer's own handling (building, moving the model)
+        peak = peak_bytes(record.device or "cpu")
+        record.status, record.reason = FAILED, out_of_memory_reason(exc, peak)
+        if peak is not None:
+            record.metrics["peak_mem_bytes"] = float(peak)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "error.txt").write_text(traceback.format_exc(), encoding="utf-8")
     except Exception as exc:  # a crash in one trial must not end the search
         record.status, record.reason = FAILED, f"{type(exc).__name__}: {exc}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -305,8 +371,10 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def report_payload(record: TrialRecord, metric_names: list[str]) -> dict[str, Any]:
-    """What the trial reports to Ray: the objectives when it is ok, and the whole record.
+def report_payload(record: TrialRecord, metric_names: list[str], *, step: int | None = None,
+                   scheduler_metric: str | None = None) -> dict[str, Any]:
+    """What the trial reports to Ray at its end: the objectives when it is ok, and the
+    whole record.
 
     The record travels along (as JSON text: Ray flattens nested results) so that the
     driver can write `result.json` itself when the worker ran on a node whose files it
@@ -314,7 +382,29 @@ def report_payload(record: TrialRecord, metric_names: list[str]) -> dict[str, An
     ok reports them as None.
     """
     payload: dict[str, Any] = {"trial_number": record.number, "status": record.status, RECORD_KEY: json.dumps(record.to_json())}
+    if step is not None:
+        payload[STEP_KEY] = step
     payload.update({m: record.metrics.get(m) if record.status == OK else None for m in metric_names})
+    return _with_scheduler_metric(payload, record.metrics, scheduler_metric)
+
+
+PROGRESS = "running"  # the status of a result reported while the trial trains
+
+
+def progress_payload(number: int, step: int, metrics: Mapping[str, float | None], search: SearchSpec) -> dict[str, Any]:
+    """A validation result reported while the trial trains: its metrics and the step.
+    Objectives not among them are None (Ray wants every objective key in every result)."""
+    payload: dict[str, Any] = {"trial_number": number, "status": PROGRESS, STEP_KEY: step, **metrics}
+    payload.update({m: metrics.get(m) for m in search.metric_names})
+    return _with_scheduler_metric(payload, metrics, search.scheduler.metric if search.scheduler else None)
+
+
+def _with_scheduler_metric(payload: dict[str, Any], metrics: Mapping[str, Any], metric: str | None) -> dict[str, Any]:
+    """The scheduler's metric in every result, NaN where this one does not have it: Ray
+    wants the key in every result, and ASHA leaves NaN out of its rungs (None would break it)."""
+    if metric is not None:
+        value = metrics.get(metric)
+        payload[metric] = float(value) if _finite(value) else float("nan")
     return payload
 
 
@@ -330,7 +420,16 @@ def trainable(config: dict[str, Any], setup: TrialSetup) -> None:
     from ray import tune
 
     context = ray.get_runtime_context()
+    share = config.get(GPU_SHARE_KEY)
     placement = {"node_id": context.get_node_id(), "cluster": context.gcs_address, "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
-    record = execute_trial(setup, int(config["trial_number"]), config["overrides"], placement)
-    tune.report(report_payload(record, setup.search.metric_names))
+    if share is not None:
+        placement["gpu_share"] = share
+    record = execute_trial(setup, int(config["trial_number"]), config["overrides"], placement,
+                           gpu_share=share, report=tune.report)
+    search = setup.search
+    tune.report(report_payload(record, search.metric_names, step=search.budget.steps * len(search.tasks),
+                               scheduler_metric=search.scheduler.metric if search.scheduler else None))
+
+
+GPU_SHARE_KEY = "gpu_share"  # the trial's config: the fraction of a GPU it reserved
 

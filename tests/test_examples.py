@@ -223,6 +223,12 @@ PLANS: dict[str, Plan] = {
              replace=(("runs/experiments/deltaproduct-s3", "runs/experiments/deltaproduct-s3 --only n_h-2-beta-in-0-2 "
                        + REDUCED_EXPERIMENT),)),
     "bash specs/experiments/run-gpu.sh": Plan(skip="needs a CUDA GPU"),
+    "bash specs/experiments/run-gpu.sh deltaproduct-s4-nh-gpu": Plan(skip="needs a CUDA GPU"),
+    "bash specs/experiments/run-gpu.sh deltaproduct-a5-ladder-gpu": Plan(skip="needs a CUDA GPU"),
+    "bash specs/experiments/run-gpu.sh osdn-mqar-twice-512-gpu": Plan(skip="needs a CUDA GPU"),
+    # its --smoke runs in tests/benchmarks/test_search_gpu_bench.py
+    "python benchmarks/search_gpu.py --budget-s 540": Plan(skip="needs a CUDA GPU"),
+    "python benchmarks/decode.py --budget-s 540": Plan(skip="needs a CUDA GPU"),
     # The README's kernel performance section: timings on an H200 (tests/benchmarks/ runs the
     # scripts' CPU paths).
     "python benchmarks/kernel_times.py --budget-s 420": Plan(skip="needs a CUDA GPU"),

@@ -151,8 +151,16 @@ class Task(ABC):
         through the same `score` and `summarize` the trainer calls, so that the list
         cannot drift from what a run reports (a search checks its objectives against it).
         """
+        return self._names_scored(self.eval_sets())
+
+    def validation_metric_names(self) -> list[str]:
+        """The names each validation during training reports (what a Ray scheduler such as
+        ASHA can watch), found as `metric_names` finds the evaluation's."""
+        return self._names_scored(self.validation_sets())
+
+    def _names_scored(self, splits: dict[str, Batch]) -> list[str]:
         metrics: dict[str, float] = {}
-        for split, batch in self.eval_sets().items():
+        for split, batch in splits.items():
             inputs, targets, mask = (t[:1] for t in batch)
             uniform = torch.zeros(*targets.shape, self.vocab_size)
             metrics.update(self.score(outcome_from_logits(uniform, targets, mask), split))

@@ -1,0 +1,341 @@
+"""The search on one GPU through Ray Tune: trials per hour when several trials share it,
+GPU utilization, Ray's overhead per trial, and a `kill -9` of the driver mid-search.
+
+    python benchmarks/search_gpu.py [--budget-s S] [--levels 1,2,4,8] [--no-kill]
+                                    [--kill-only] [--merge] [--out DIR] [--smoke]
+
+Each level runs `specs/search/gpu-small.yaml` (eight grid points, a fixed number of steps
+each) as `archspec search` in its own process, with `resources.gpu = 1/c` and
+`resources.concurrent = c`, into a fresh run directory under `runs/bench-search/`. Per
+level it reports:
+
+- trials per hour: trials trained / (last trial's end - first trial's placement), and the
+  speed-up over one at a time (level 1);
+- GPU utilization: `nvidia-smi` sampled every second while the search runs (mean, max);
+- Ray's overhead per trial: the trial's span as the driver sees it (Ray took it ->
+  Ray heard it ended: `trial_times.json`) minus its worker's own span (`result.json`:
+  building, training, evaluating), as a fraction of the former; and, beside it, the
+  worker's time outside training (its span minus the trainer's `train.seconds`).
+
+Then a search at the highest level with twice the trials is killed with SIGKILL once two
+trials have finished while others run, resumed with `archspec search --resume`, and every
+trial recorded before the kill must still be there, unchanged, when the resumed search
+completes its budget.
+
+A level that does not finish within the budget left is stopped and reported from what it
+finished (a rate stays a rate). `--merge` keeps an earlier JSON's levels not run now, so
+the benchmark can be split over several calls (`--levels 1,2`, then `--levels 4,8
+--merge --no-kill`, then `--kill-only --merge`). Results: `DIR/search_gpu.json` (machine,
+torch / triton / ray versions, commit, levels, kill test) and `DIR/search_gpu.md`,
+written atomically after every level. `--smoke` runs a tiny CPU version (levels 1 and 2,
+two trials of a few steps on S3; the test suite runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from common import ROOT, machine, write_results
+
+SPEC = ROOT / "specs" / "search" / "gpu-small.yaml"
+RUNS = ROOT / "runs" / "bench-search"
+NAME = "search_gpu"
+# The smoke: S3 at CPU size, a few steps, on the CPU (Ray still places and runs every trial).
+SMOKE = {"task": {"name": "s3", "preset": "cpu", "options": {"train_len": 8, "eval_size": 64}},
+         "objectives": [{"token_acc@16": "max"}, {"state_bytes": "min"}],
+         "budget": {"trials": 2, "steps": 4}, "train": {"batch_size": 8, "eval_every": 2, "target": 0, "save_weights": False,
+                                                        "measure_throughput": False}}
+
+
+# ----------------------------------------------------------------------------- the searches
+
+
+def level_spec(c: int, *, smoke: bool, trials: int | None, folder: Path) -> Path:
+    """gpu-small.yaml with `c` trials at once on a share of 1/c of the GPU (CPU in the smoke)."""
+    data = yaml.safe_load(SPEC.read_text())
+    data["base"] = str((SPEC.parent / data["base"]).resolve())
+    if smoke:
+        data.update(SMOKE)
+        data["space"] = {"mixer.transition.n_h": {"choices": [1, 2, 3]}}
+        data["resources"] = {"cpu": 1, "gpu": 0.0, "concurrent": c}
+    else:
+        data["resources"] = {"cpu": 1, "gpu": round(1 / c, 4), "concurrent": c}
+    if trials is not None:
+        data["budget"] = {**data["budget"], "trials": trials}
+    path = folder / f"gpu-small-c{c}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def search_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "archspec.search.cli", "search", *args, "--no-live"]
+
+
+def environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("TRITON_CACHE_DIR", str(ROOT / ".triton-cache"))  # compiled kernels reused across trials and runs
+    return env
+
+
+class GpuSampler:
+    """`nvidia-smi` every second in a thread: GPU utilization (%) and memory used (MiB)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self.note: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits",
+                                      "-i", "0"], capture_output=True, text=True, timeout=5, check=True).stdout
+                util, mem = (float(x) for x in out.strip().split(",")[:2])
+                self.samples.append((util, mem))
+            except (OSError, subprocess.SubprocessError, ValueError) as exc:
+                self.note = f"not measured: nvidia-smi {type(exc).__name__}"
+                return
+            self._stop.wait(1.0)
+
+    def __enter__(self) -> GpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def summary(self) -> dict[str, Any]:
+        if not self.samples:
+            return {"note": self.note or "not measured"}
+        util = [u for u, _ in self.samples]
+        return {"util_mean_pct": statistics.fmean(util), "util_max_pct": max(util),
+                "mem_max_mib": max(m for _, m in self.samples), "samples": len(util)}
+
+
+def run_search(args: list[str], timeout_s: float) -> tuple[float, str]:
+    """Run `archspec search ...` to its end or for `timeout_s`; returns (wall s, how it ended)."""
+    started = time.time()
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(search_command(*args), cwd=ROOT, env=environment(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=max(1.0, timeout_s))
+            ended = "finished" if rc == 0 else f"exit {rc}"
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)  # the search stops its trials and Ray on Ctrl-C
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            ended = "cut by the budget"
+        if ended.startswith("exit"):
+            log.seek(0)
+            ended += ": " + log.read().decode(errors="replace")[-600:]
+    return time.time() - started, ended
+
+
+def measure(run_dir: Path) -> dict[str, Any]:
+    """Trials per hour and Ray's overhead per trial, from the run directory."""
+    from archspec.search.rundir import TRAINED_STATUSES, RunDir
+    from archspec.search.timing import read_trial_times
+
+    run = RunDir(run_dir)
+    records = [r for r in run.read_trials() if r.status in TRAINED_STATUSES]
+    times = read_trial_times(run.ray_dir)
+    out: dict[str, Any] = {"trials": len(records), "statuses": sorted({r.status for r in records})}
+    if not records:
+        return out
+    begin = min(times.get(r.number, {}).get("added_at", r.started_at) for r in records)
+    end = max(times.get(r.number, {}).get("finished_at", r.finished_at) for r in records)
+    out["window_s"] = end - begin
+    out["trials_per_hour"] = len(records) / out["window_s"] * 3600 if out["window_s"] > 0 else None
+    overhead, outside, spans, trains = [], [], [], []
+    for record in records:
+        t = times.get(record.number, {})
+        if "added_at" in t and "finished_at" in t and record.duration_s is not None:
+            span = t["finished_at"] - t["added_at"]
+            spans.append(span)
+            overhead.append((span - record.duration_s) / span)
+        seconds = sum(_train_seconds(run.trial_dir(record.number) / task) for task in _task_dirs(run.trial_dir(record.number)))
+        if record.duration_s and seconds:
+            trains.append(seconds)
+            outside.append((record.duration_s - seconds) / record.duration_s)
+    if overhead:
+        out["ray_overhead_fraction"] = {"median": statistics.median(overhead), "max": max(overhead)}
+        out["trial_span_s_median"] = statistics.median(spans)
+    if outside:
+        out["worker_outside_training_fraction"] = {"median": statistics.median(outside), "max": max(outside)}
+        out["train_s_median"] = statistics.median(trains)
+    return out
+
+
+def _task_dirs(trial_dir: Path) -> list[str]:
+    return [p.name for p in trial_dir.iterdir() if p.is_dir()] if trial_dir.is_dir() else []
+
+
+def _train_seconds(task_dir: Path) -> float:
+    try:
+        return float(json.loads((task_dir / "metrics.json").read_text())["train"]["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+
+
+def run_level(c: int, *, smoke: bool, timeout_s: float, folder: Path) -> dict[str, Any]:
+    out = RUNS / f"c{c}"
+    shutil.rmtree(out, ignore_errors=True)
+    spec = level_spec(c, smoke=smoke, trials=None, folder=folder)
+    with GpuSampler() as gpu:
+        wall, ended = run_search([str(spec), "--out", str(out)], timeout_s)
+    return {"concurrent": c, "gpu_share": 1 / c if not smoke else 0.0, "wall_s": wall, "ended": ended,
+            "gpu": gpu.summary(), **measure(out)}
+
+
+# ----------------------------------------------------------------------------- kill -9
+
+
+def kill_and_resume(c: int, *, smoke: bool, timeout_s: float, folder: Path, finished_before_kill: int = 2) -> dict[str, Any]:
+    """SIGKILL the driver once `finished_before_kill` trials ended while another runs,
+    resume, compare."""
+    from archspec.search.rundir import TRAINED_STATUSES, RunDir
+
+    out = RUNS / "kill"
+    shutil.rmtree(out, ignore_errors=True)
+    base_trials = yaml.safe_load(level_spec(c, smoke=smoke, trials=None, folder=folder).read_text())["budget"]["trials"]
+    trials = min(base_trials + 1, 3) if smoke else 2 * base_trials
+    spec = level_spec(c, smoke=smoke, trials=trials, folder=folder)
+    run = RunDir(out)
+    started = time.time()
+    proc = subprocess.Popen(search_command(str(spec), "--out", str(out)), cwd=ROOT, env=environment(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    before: dict[int, Any] = {}
+    while time.time() - started < timeout_s / 2 and proc.poll() is None:
+        with_records = run.read_trials() if run.trials_dir.is_dir() else []
+        done = [r for r in with_records if r.status in TRAINED_STATUSES]
+        if len(done) >= finished_before_kill and any(r.status is None for r in with_records):
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            before = {r.number: r for r in run.read_trials() if r.status is not None}
+            break
+        time.sleep(0.2)
+    result: dict[str, Any] = {"concurrent": c, "trials": trials}
+    if not before:
+        proc.kill()
+        proc.wait()
+        result["note"] = (f"the search ended or ran out of time before {finished_before_kill} trial(s) finished while "
+                          "another ran; nothing was killed")
+        return result
+    result["finished_at_kill"] = sorted(before)
+    result["running_at_kill"] = sorted(r.number for r in run.read_trials() if r.status is None)
+    wall, ended = run_search(["--resume", "--out", str(out)], timeout_s - (time.time() - started))
+    after = {r.number: r for r in run.read_trials()}
+    lost = [n for n, r in before.items() if n not in after or after[n].status != r.status or after[n].metrics != r.metrics]
+    trained = sum(r.status in TRAINED_STATUSES for r in after.values())
+    result.update(resume_wall_s=wall, resume_ended=ended, lost=lost, trained_after_resume=trained,
+                  interrupted=sorted(n for n, r in after.items() if r.status == "interrupted"),
+                  ok=not lost and trained >= trials)
+    return result
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [f"# search on one GPU ({results['machine'].get('device', 'CPU')}, ray {results['machine'].get('ray')})", "",
+             "| at once | trials | trials/h | speed-up | GPU util % (mean/max) | Ray overhead (median) | worker outside training | ended |",
+             "|---|---|---|---|---|---|---|---|"]
+    levels = sorted(results["levels"].values(), key=lambda r: r["concurrent"])
+    one = next((r.get("trials_per_hour") for r in levels if r["concurrent"] == 1), None)
+    for r in levels:
+        rate = r.get("trials_per_hour")
+        speed = f"{rate / one:.2f}x" if rate and one else "-"
+        gpu = r.get("gpu", {})
+        util = f"{gpu['util_mean_pct']:.0f} / {gpu['util_max_pct']:.0f}" if "util_mean_pct" in gpu else gpu.get("note", "-")
+        over = r.get("ray_overhead_fraction", {}).get("median")
+        outside = r.get("worker_outside_training_fraction", {}).get("median")
+        lines.append(f"| {r['concurrent']} | {r.get('trials', 0)} | {rate:.0f} | {speed} | {util} | "
+                     f"{'-' if over is None else f'{over:.1%}'} | {'-' if outside is None else f'{outside:.1%}'} | "
+                     f"{r['ended'].splitlines()[0][:60]} |" if rate else
+                     f"| {r['concurrent']} | {r.get('trials', 0)} | - | - | {util} | - | - | {r['ended'].splitlines()[0][:60]} |")
+    kill = results.get("kill")
+    if kill:
+        lines += ["", "kill -9 of the driver: " + (
+            kill.get("note") or f"{len(kill['finished_at_kill'])} trials finished and {len(kill['running_at_kill'])} running at the "
+            f"kill; after --resume {kill['trained_after_resume']}/{kill['trials']} trained, lost {kill['lost'] or 'none'} "
+            f"({'ok' if kill['ok'] else 'FAILED'})")]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole run")
+    ap.add_argument("--levels", default=None, help="trials at once, comma-separated (default 1,2,4,8; smoke 1,2)")
+    ap.add_argument("--no-kill", action="store_true", help="leave out the kill -9 and resume")
+    ap.add_argument("--kill-only", action="store_true", help="only the kill -9 and resume")
+    ap.add_argument("--merge", action="store_true", help="keep an earlier JSON's levels that are not run now")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--smoke", action="store_true", help="tiny, on the CPU")
+    args = ap.parse_args(argv)
+    deadline = time.time() + args.budget_s
+    import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        print("no CUDA device: run with --smoke on the CPU", file=sys.stderr)
+        return 2
+    try:
+        levels = [int(x) for x in (args.levels or ("1,2" if args.smoke else "1,2,4,8")).split(",")]
+        if any(c < 1 for c in levels):
+            raise ValueError
+    except ValueError:
+        print(f"--levels takes whole numbers >= 1 separated by commas, got {args.levels!r}", file=sys.stderr)
+        return 2
+    if args.kill_only:
+        levels = []
+    import ray
+
+    info = machine()
+    info["ray"] = ray.__version__
+    results: dict[str, Any] = {"machine": info, "spec": str(SPEC.relative_to(ROOT)), "smoke": args.smoke, "levels": {}}
+    previous = args.out / f"{NAME}.json"
+    if args.merge and previous.is_file():
+        old = json.loads(previous.read_text())
+        results["levels"] = {k: v for k, v in old.get("levels", {}).items() if int(k) not in levels}
+        if "kill" in old and (args.no_kill or levels and not args.kill_only):
+            results["kill"] = old["kill"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as folder:
+        for index, c in enumerate(levels):
+            left = deadline - time.time()
+            if left < 30:
+                print(f"budget spent: level {c} not run", file=sys.stderr)
+                break
+            # Share what is left among the levels still to run (more trials at once finish sooner).
+            share = left if index == len(levels) - 1 else left * (1 / c) / sum(1 / x for x in levels[index:])
+            results["levels"][str(c)] = run_level(c, smoke=args.smoke, timeout_s=share, folder=Path(folder))
+            write_results(args.out, NAME, results, table(results))
+        if not args.no_kill and deadline - time.time() > 30:
+            c = 2 if args.smoke else max(levels or [8])
+            results["kill"] = kill_and_resume(c, smoke=args.smoke, timeout_s=deadline - time.time(), folder=Path(folder),
+                                              finished_before_kill=1 if args.smoke else 2)
+    write_results(args.out, NAME, results, table(results))
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""`benchmarks/search_gpu.py --smoke`: the GPU search benchmark end to end on the CPU (Ray
+places every trial; a driver is killed with SIGKILL and resumed). About a minute: Ray
+starts three times."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .test_gpu_scripts import benchmark_module
+
+
+@pytest.mark.slow
+def test_smoke_measures_a_level_and_survives_a_kill(tmp_path):
+    pytest.importorskip("ray")
+    import ray
+
+    from archspec.search.rundir import RunDir
+
+    with benchmark_module("search_gpu") as bench:
+        assert bench.main(["--smoke", "--levels", "2", "--out", str(tmp_path), "--budget-s", "300"]) == 0
+        runs = bench.RUNS
+    result = json.loads((tmp_path / "search_gpu.json").read_text())
+    assert result["machine"]["ray"] == ray.__version__ and result["smoke"] is True
+    level = result["levels"]["2"]
+    assert level["ended"] == "finished" and level["trials"] == 2
+    # The rate, again from the trial records alone (the driver's times only widen the window).
+    records = RunDir(runs / "c2").read_trials()
+    window = max(r.finished_at for r in records) - min(r.started_at for r in records)
+    assert 0 < level["window_s"] and level["trials_per_hour"] <= 2 / window * 3600 * 1.0001
+    assert 0 < level["ray_overhead_fraction"]["median"] < 1  # Ray's span holds the worker's
+    assert 0 < level["worker_outside_training_fraction"]["median"] < 1
+    kill = result["kill"]
+    assert kill["ok"] and kill["lost"] == [] and kill["finished_at_kill"] and kill["running_at_kill"]
+    assert kill["trained_after_resume"] == kill["trials"] == 3
+    assert "| 2 | 2 |" in (tmp_path / "search_gpu.md").read_text()

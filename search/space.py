@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from archspec.errors import ArchspecError
 from archspec.spec.numbers import StrictNumbers
@@ -292,6 +292,30 @@ class Resources(_Section):
     cpu: float = Field(1, gt=0, description="CPUs reserved per trial.")
     gpu: float = Field(0, ge=0, description="GPUs reserved per trial; trials train on CUDA when > 0.")
     concurrent: int | None = Field(None, gt=0, description="At most this many trials at once (default: as many as fit).")
+    data_parallel: int | None = Field(
+        None, gt=0, le=1024, description="Processes that train one trial's model together (DistributedDataParallel): "
+        "one per GPU, the default with gpu >= 2; with gpu 0, CPU processes over gloo.")
+
+    @field_validator("gpu")
+    @classmethod
+    def _whole_above_one(cls, value: float) -> float:
+        from archspec.search.distributed import gpu_problem
+
+        problem = gpu_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("data_parallel")
+    @classmethod
+    def _data_parallel_fits(cls, value: int | None, info: ValidationInfo) -> int | None:
+        from archspec.search.distributed import data_parallel_problem
+
+        # cpu and gpu come first in the class: validated already (absent if they were wrong)
+        problem = data_parallel_problem(info.data.get("gpu", 0), info.data.get("cpu", 1), value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 class SearchSpec(_Section):

@@ -170,7 +170,9 @@ def train_data_parallel(train_fn: Any, spec: Any, task: Any, kwargs: dict[str, A
                         cuda: bool, threads: int = 1) -> Any:
     """Run `train_fn(spec, task, **kwargs, data_parallel=...)` in `processes` ranks and
     return rank 0's result. `cuda`: rank r trains on `cuda:r` over NCCL, else on the CPU
-    over gloo with `threads` torch threads each. `train_fn` must be importable by the
+    over gloo with `threads` torch threads each. One process trains without DDP (and
+    without `data_parallel`), in a fresh process all the same: a baseline that starts as
+    the ranks do. `train_fn` must be importable by the
     ranks (the stock trainer is); an `ArchspecError` raised in a rank is raised here."""
     if cuda:
         import torch
@@ -269,9 +271,11 @@ def _run_rank(folder: Path, rank: int) -> None:
     else:
         torch.set_num_threads(payload["threads"])
     device = f"cuda:{rank}" if cuda else "cpu"
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{folder / STORE_FILE}", rank=rank,
-                            world_size=world, timeout=COLLECTIVE_TIMEOUT)
-    kwargs = dict(payload["kwargs"], device=device, data_parallel=DataParallel(rank, world, device))
+    kwargs = dict(payload["kwargs"], device=device)
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{folder / STORE_FILE}", rank=rank,
+                                world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        kwargs["data_parallel"] = DataParallel(rank, world, device)
     if rank:  # rank 0 writes the trial's outputs and shows progress
         kwargs.update(out_dir=None, quiet=True)
     try:
@@ -282,7 +286,8 @@ def _run_rank(folder: Path, rank: int) -> None:
         partial = folder / (RESULT_FILE + ".part")
         partial.write_bytes(pickle.dumps(outcome))
         os.replace(partial, folder / RESULT_FILE)
-    dist.destroy_process_group()
+    if world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -314,10 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - started:7.1f}s] {msg}", flush=True)
 
-    import ray
-
+    try:
+        import ray
+    except ImportError:  # the data-parallel part needs no Ray
+        if args.skip != "search":
+            print("Ray is not installed: install it, or measure only the data-parallel trial (--skip search)", file=sys.stderr)
+            return 2
+        ray = None
     info = machine()
-    info.update(gpus=available, ray=ray.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())) if available else None)
+    info.update(gpus=available, ray=ray.__version__ if ray else None,
+                nccl=".".join(map(str, torch.cuda.nccl.version())) if available else None)
     record: dict[str, Any] = {"machine": info, "smoke": args.smoke,
                               "limited_by": "concurrent trials on --address" if args.address else "a Ray head per count", "rounds": args.rounds, "steps": args.steps,
                               "cpus_per_trial": args.cpus_per_trial, "ddp_batch_per_gpu": args.ddp_batch_per_gpu,

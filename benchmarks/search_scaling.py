@@ -340,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.skip == name:
                 continue
             last: tuple[int, float] | None = None
-            for count in counts:
+            # the data-parallel trial is always compared with one GPU: that count comes first
+            for count in sorted({1, *counts}) if name == "ddp" else counts:
                 spent = time.perf_counter() - started
                 if args.budget_s is not None and last is not None and spent + last[1] * count / last[0] > args.budget_s:
                     record["skipped"].append(f"{name} at {count}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 
 from archspec.search.placement import TRIAL_ENV, placement_problem, trial_device, visible_devices
 

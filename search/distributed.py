@@ -172,8 +172,8 @@ def train_data_parallel(train_fn: Any, spec: Any, task: Any, kwargs: dict[str, A
     return rank 0's result. `cuda`: rank r trains on `cuda:r` over NCCL, else on the CPU
     over gloo with `threads` torch threads each. One process trains without DDP (and
     without `data_parallel`), in a fresh process all the same: a baseline that starts as
-    the ranks do. `train_fn` must be importable by the
-    ranks (the stock trainer is); an `ArchspecError` raised in a rank is raised here."""
+    the ranks do. `train_fn` must be importable by the ranks (the stock trainer is); an
+    `ArchspecError` raised in a rank is raised here."""
     if cuda:
         import torch
 
@@ -273,8 +273,10 @@ def _run_rank(folder: Path, rank: int) -> None:
     device = f"cuda:{rank}" if cuda else "cpu"
     kwargs = dict(payload["kwargs"], device=device)
     if world > 1:
+        # NCCL binds to this rank's GPU at once (device_id): no guessing of the device later
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{folder / STORE_FILE}", rank=rank,
-                                world_size=world, timeout=COLLECTIVE_TIMEOUT)
+                                world_size=world, timeout=COLLECTIVE_TIMEOUT,
+                                device_id=torch.device(device) if cuda else None)
         kwargs["data_parallel"] = DataParallel(rank, world, device)
     if rank:  # rank 0 writes the trial's outputs and shows progress
         kwargs.update(out_dir=None, quiet=True)

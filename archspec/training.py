@@ -51,10 +51,13 @@ def make_optimizer(
 
 
 def takes_labels(model: nn.Module) -> bool:
-    """Whether `model(ids, labels=...)` returns the loss (archspec's `LanguageModel`)."""
+    """Whether `model(ids, labels=...)` returns the loss (archspec's `LanguageModel`, also
+    inside DistributedDataParallel, which passes the keywords on)."""
+    from torch.nn.parallel import DistributedDataParallel
+
     from archspec.blocks import LanguageModel
 
-    return isinstance(model, LanguageModel)
+    return isinstance(model.module if isinstance(model, DistributedDataParallel) else model, LanguageModel)
 
 
 def training_loss(

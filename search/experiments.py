@@ -43,9 +43,10 @@ from .trainer import METRICS_FILE, json_safe, train
 
 RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"
-# Keyword options an experiment may not pass to train(): the runner sets them.
-RUNNER_SETS: tuple[str, ...] = ("seed", "out_dir", "quiet", "device", "task_options", "preset", "overrides", "diagnostics", "spec_label", "progress_label",
-                               "on_validation")
+# Keyword options an experiment may not pass to train(): the runner sets them (and the
+# launcher of a data-parallel search trial sets `data_parallel`, an object, not an option).
+RUNNER_SETS: tuple[str, ...] = ("seed", "out_dir", "quiet", "device", "task_options", "preset", "overrides", "diagnostics",
+                                "spec_label", "progress_label", "on_validation", "data_parallel")
 # What an experiment's `train:` may set: train()'s keyword options less the runner's own.
 TRAIN_OPTIONS = [n for n in inspect.signature(train).parameters if n not in ("spec", "task", *RUNNER_SETS)]
 

@@ -282,7 +282,11 @@ def ray_session(address: str | None) -> Iterator[None]:
     import ray
 
     temp_dir = None
-    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    from archspec.search.placement import ray_runtime_env
+
+    # runtime_env: what every trial's process carries (NCCL_NVLS_ENABLE=0), on every node.
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING",
+                                  runtime_env=ray_runtime_env())
     if address:
         _check_reachable(address)
         kwargs["address"] = address

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from archspec.errors import ArchspecError
 from archspec.spec.numbers import StrictNumbers
@@ -301,6 +301,30 @@ class Resources(_Section):
         None, gt=0, le=1e6, description="With `gpu: auto`: one GPU's memory in GiB (default: read from the driver's "
         "first CUDA device).")
     concurrent: int | None = Field(None, gt=0, description="At most this many trials at once (default: as many as fit).")
+    data_parallel: int | None = Field(
+        None, gt=0, le=1024, description="Processes that train one trial's model together (DistributedDataParallel): "
+        "one per GPU, the default with gpu >= 2; with gpu 0, CPU processes over gloo.")
+
+    @field_validator("gpu")
+    @classmethod
+    def _whole_above_one(cls, value: float) -> float:
+        from archspec.search.distributed import gpu_problem
+
+        problem = gpu_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("data_parallel")
+    @classmethod
+    def _data_parallel_fits(cls, value: int | None, info: ValidationInfo) -> int | None:
+        from archspec.search.distributed import data_parallel_problem
+
+        # cpu and gpu come first in the class: validated already (absent if they were wrong)
+        problem = data_parallel_problem(info.data.get("gpu", 0), info.data.get("cpu", 1), value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @field_validator("gpu", mode="before")
     @classmethod
@@ -310,13 +334,9 @@ class Resources(_Section):
 
     @field_validator("gpu")
     @classmethod
-    def _placeable(cls, value: float | str) -> float | str:
-        # Ray places a fraction of one GPU, or whole GPUs: 1.5 GPUs is no placement at all.
-        if isinstance(value, (int, float)):
-            if value < 0:
-                raise ValueError(f"a trial cannot reserve {value:g} GPUs; give 0 (CPU), a fraction of one GPU, a whole number or auto")
-            if value > 1 and value != int(value):
-                raise ValueError(f"{value:g} GPUs cannot be placed: Ray gives a trial a fraction of one GPU or whole GPUs")
+    def _not_negative(cls, value: float | str) -> float | str:
+        if isinstance(value, (int, float)) and value < 0:
+            raise ValueError(f"a trial cannot reserve {value:g} GPUs; give 0 (CPU), a fraction of one GPU, a whole number or auto")
         return value
 
     @model_validator(mode="after")

@@ -237,6 +237,7 @@ def train(
     resume: bool = False,
     progress_label: str | None = None,
     on_validation: Callable[[int, dict[str, float]], None] | None = None,
+    data_parallel: Any = None,
 ) -> TrainResult:
     """Train `spec` on `task` (a `Task` or a name for `get_task(name, preset, **task_options)`).
 
@@ -250,7 +251,9 @@ def train(
     progress bar (or the plain progress lines when the output is not a terminal); by
     default `<spec name> on <task>`. `on_validation(step, metrics)` is called after each
     validation during training (a search reports them to Ray, whose scheduler may stop
-    the trial there).
+    the trial there). `data_parallel` (a `search.distributed.DataParallel`, given by the
+    launcher of a data-parallel trial to each of its processes) trains this process's rows
+    of every global batch in DistributedDataParallel.
     Returns a `TrainResult`; never raises for a diverging or failing run (see the module
     docstring).
     """
@@ -260,6 +263,8 @@ def train(
         raise ArchspecError("task_options apply when the task is given by name")
     device = resolve_device(device)
     config = _config(task, steps, batch_size, lr, warmup_steps, eval_every, target)
+    if data_parallel is not None:
+        data_parallel.rows(config.batch_size)  # refuses a global batch too small to split
     overrides = list(overrides)  # read twice: for the memory check, then to build
 
     _check_fits(spec, task, overrides, config, device)
@@ -268,6 +273,9 @@ def train(
     model = built.model.to(device)
     if backend is not None:
         model.set_backend(backend)
+    # What the loop steps: the model, or the model in DDP (whose backward averages the
+    # ranks' gradients); evaluation, checkpoints and weights use the model itself.
+    stepper = model if data_parallel is None else data_parallel.wrap(model)
 
     out = Path(out_dir) if out_dir is not None else None
     if resume and (out is None or not save_weights):
@@ -285,7 +293,8 @@ def train(
         "spec": built.spec_record,
         "spec_source": spec_label if spec_label is not None else (str(spec) if isinstance(spec, (str, os.PathLike)) else None),
         "task": task.describe(),
-        "train": {**dataclasses.asdict(config), "seed": seed, "device": str(device), "preset": preset},
+        "train": {**dataclasses.asdict(config), "seed": seed, "device": str(device), "preset": preset,
+                  "data_parallel": 1 if data_parallel is None else data_parallel.world_size},
     }
     metrics: dict[str, float] = cost_metrics(built.plan, device)
 
@@ -296,10 +305,15 @@ def train(
     started = time.perf_counter()
     try:
         if measure_throughput:
+            rows = config.batch_size
+            if data_parallel is not None:  # each rank times its rows; the trial's rate is their sum
+                share = data_parallel.rows(config.batch_size)
+                rows = share.stop - share.start
             report = measure_training_throughput(
-                model, batch=config.batch_size, seq_len=task.train_len, device=device, vocab_size=task.vocab_size
+                stepper, batch=rows, seq_len=task.train_len, device=device, vocab_size=task.vocab_size
             )
-            metrics["tokens_per_s"] = report.tokens_per_s
+            metrics["tokens_per_s"] = (report.tokens_per_s if data_parallel is None
+                                       else data_parallel.total(report.tokens_per_s))
             if report.peak_mem_bytes is not None:
                 metrics["peak_mem_bytes"] = float(report.peak_mem_bytes)
             else:
@@ -308,7 +322,7 @@ def train(
         checkpoints.start()
         label = progress_label or f"{built.spec_record.get('name', 'model')} on {task.name}"
         steps_done, stop = _loop(model, task, config, seed, device, quiet, history, evals, deadline, checkpoints, resumed,
-                                 label, on_validation)
+                                 label, stepper, data_parallel, on_validation)
         record["train"]["early_stopped"] = stop == "target"
         record["train"]["time_limited"] = stop == "time"
         checkpoints.restore_best(model)  # the scores below are of the weights that are kept
@@ -418,11 +432,18 @@ def _loop(
     checkpoints: Checkpoints,
     resumed: dict[str, Any] | None = None,
     label: str = "",
+    stepper: nn.Module | None = None,
+    data_parallel: Any = None,
     on_validation: Callable[[int, dict[str, float]], None] | None = None,
 ) -> tuple[int, str | None]:
     """The optimisation loop; returns (steps done, why it stopped early: "target", "time"
     or None). Raises `_Diverged`. After each validation `checkpoints` keeps the best
-    weights and the resume state; `resumed` (a loaded resume state) continues from it."""
+    weights and the resume state; `resumed` (a loaded resume state) continues from it.
+    `stepper` is what the training step runs (`model` in DDP for a data-parallel rank);
+    with `data_parallel` each rank trains on its rows of the global batch, records the
+    global loss, and every rank stops when one would (`search/distributed.py`)."""
+    stepper = model if stepper is None else stepper
+    agreed = (lambda flag: flag) if data_parallel is None else data_parallel.any
     optimizer = make_optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     generator = torch.Generator().manual_seed(seed)
@@ -434,10 +455,16 @@ def _loop(
     step = done
     with training_progress(label or task.name, config.steps, quiet=quiet) as progress:
         for step in range(done + 1, config.steps + 1):
-            inputs, targets, mask = (t.to(device) for t in task.train_batch(config.batch_size, generator))
-            loss = training_loss(model, inputs, masked_labels(targets, mask), device=device)
-            if not torch.isfinite(loss):
-                raise _Diverged(f"loss became {loss.item()} at step {step}", step)
+            inputs, targets, mask = task.train_batch(config.batch_size, generator)
+            labels = masked_labels(targets, mask)
+            if data_parallel is not None:  # this rank's rows, and their share of the global loss
+                inputs, labels, weight = data_parallel.shard(inputs, labels)
+            loss = training_loss(stepper, inputs.to(device), labels.to(device), device=device)
+            if data_parallel is not None:
+                loss = loss * weight
+            shown = loss if data_parallel is None else data_parallel.average(loss)  # the global batch's loss
+            if not torch.isfinite(shown):
+                raise _Diverged(f"loss became {shown.item()} at step {step}", step)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
@@ -447,21 +474,21 @@ def _loop(
             scheduler.step()
 
             if step % record_every == 0 or step == 1:
-                history.append({"step": step, "loss": loss.item(), "lr": optimizer.param_groups[0]["lr"]})
-            progress.stepped(step, loss.item())
+                history.append({"step": step, "loss": shown.item(), "lr": optimizer.param_groups[0]["lr"]})
+            progress.stepped(step, shown.item())
             if step % config.eval_every == 0 or step == config.steps:
                 val, _ = evaluate(model, task, task.validation_sets(), device, config.eval_batch_size, with_curves=False)
                 evals.append({"step": step, **val})
                 checkpoints.validated(step, val, state)
-                progress.validated(step, loss.item(), val, watched)
+                progress.validated(step, shown.item(), val, watched)
                 if on_validation is not None:
                     on_validation(step, dict(val))
                 if config.early_stop is not None:
                     name, threshold = config.early_stop
                     value = val.get(name, float("nan"))
-                    if value >= threshold:
+                    if agreed(value >= threshold):
                         return step, "target"
-            if deadline is not None and time.perf_counter() > deadline:
+            if deadline is not None and agreed(time.perf_counter() > deadline):
                 return step, "time"
     return step, None
 

@@ -178,14 +178,17 @@ def _one_line(exc: ArchspecError) -> str:
 
 
 def device_for(setup: TrialSetup) -> str:
-    """CUDA when the trial reserved a GPU and one is visible (Ray sets CUDA_VISIBLE_DEVICES), else CPU."""
+    """`cuda:0`, the first GPU Ray made visible (CUDA_VISIBLE_DEVICES), when the trial
+    reserved a GPU and CUDA is there, else CPU (`search/placement.py`)."""
     import torch
 
-    return "cuda" if setup.search.resources.uses_gpu and torch.cuda.is_available() else "cpu"
+    from archspec.search.placement import trial_device
+
+    return trial_device(setup.search.resources.uses_gpu, torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
 # Keyword arguments the search passes itself; `train:` in the search spec may not set them.
-SEARCH_SETS = ("steps", "seed", "device", "out_dir", "quiet", "time_limit_s", "on_validation")
+SEARCH_SETS = ("steps", "seed", "device", "out_dir", "quiet", "time_limit_s", "on_validation", "data_parallel")
 # The training function's hook for validation results during training: passed only to a
 # function that names it (the stock trainer does), whose results then reach Ray as they come.
 ON_VALIDATION = "on_validation"
@@ -215,9 +218,17 @@ def takes_progress(train_fn: TrainFn) -> bool:
 def _call_train(train_fn: TrainFn, spec: Any, task: Any, setup: TrialSetup, out_dir: str, device: str,
                 on_validation: Callable[[int, dict[str, float]], None] | None = None) -> Any:
     kwargs = train_kwargs(setup.search, device, out_dir)
-    refused = unaccepted(train_fn, list(kwargs))
+    from archspec.search.distributed import train_data_parallel, world_size
+
+    processes = world_size(setup.search.resources)
+    refused = unaccepted(train_fn, list(kwargs) + (["data_parallel"] if processes > 1 else []))
     if refused:
         raise ArchspecError(f"the training function does not accept {', '.join(refused)} (set by the search spec)")
+    if processes > 1:  # one model on several GPUs (or CPU processes): DistributedDataParallel
+        # The ranks run in processes of their own, which cannot call back into this Ray
+        # worker: a data-parallel trial reports once, at its end (no early stopping).
+        return train_data_parallel(train_fn, spec, task, kwargs, processes, cuda=device.startswith("cuda"),
+                                   threads=int(setup.search.resources.cpu) // processes)
     if on_validation is not None and takes_progress(train_fn):
         kwargs[ON_VALIDATION] = on_validation
     return train_fn(spec, task, **kwargs)
@@ -280,6 +291,12 @@ def execute_trial(
     folder = run.trial_dir(number)
     try:
         record.device = device_for(setup)
+        if placement is not None:  # under Ray: the GPUs it assigned are the ones the trial sees
+            from archspec.search.placement import placement_problem
+
+            problem = placement_problem(record.placement.get("gpu_ids", []))
+            if problem:
+                raise ArchspecError(problem)
         _limit_threads(search.resources.cpu)
         run.write_trial_start(record)
         tasks = [make_task(ref) for ref in search.tasks]
@@ -419,9 +436,11 @@ def trainable(config: dict[str, Any], setup: TrialSetup) -> None:
     import ray
     from ray import tune
 
+    from archspec.search.placement import trial_placement
+
     context = ray.get_runtime_context()
     share = config.get(GPU_SHARE_KEY)
-    placement = {"node_id": context.get_node_id(), "cluster": context.gcs_address, "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+    placement = trial_placement(ray.get_gpu_ids(), node_id=context.get_node_id(), cluster=context.gcs_address)
     if share is not None:
         placement["gpu_share"] = share
     record = execute_trial(setup, int(config["trial_number"]), config["overrides"], placement,

@@ -59,7 +59,7 @@ def test_gpu_shares_are_fractions_whole_gpus_or_auto(tmp_path):
         spec = load_search_spec(write_spec(tmp_path, extra=f"resources: {{cpu: 1, gpu: {gpu}}}\n")).spec
         assert spec.resources.gpu == shown and spec.resources.uses_gpu
     assert not load_search_spec(write_spec(tmp_path)).spec.resources.uses_gpu
-    bad = {"1.5": "1.5 GPUs cannot be placed", "-0.5": "cannot reserve -0.5 GPUs", "half": "auto"}
+    bad = {"1.5": "1.5 GPUs: a trial takes a fraction of one GPU", "-0.5": "cannot reserve -0.5 GPUs", "half": "auto"}
     for gpu, says in bad.items():
         found = problems_of(write_spec(tmp_path, extra=f"resources: {{gpu: {gpu}}}\n"))
         assert "resources.gpu" in found and says in found["resources.gpu"], found

@@ -150,6 +150,13 @@ def visible(query_positions: Tensor, key_positions: Tensor, window: int | None) 
     return allowed
 
 
+# FlexAttention picks its decoding kernel for queries shorter than 128 tokens; Inductor
+# (torch 2.11 on an H200) finds no valid configuration of that kernel for a windowed block
+# mask with grouped heads and raises NoValidChoicesError. Every call here attends a fresh
+# sequence (prefill or training), the main kernel's case: it is forced.
+FLEX_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
+
+
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
@@ -261,7 +268,7 @@ class Attention(nn.Module):
         if cached == 0 and self._flex(q):
             block_mask = _window_block_mask(T, window, str(q.device))
             attend = _compiled_flex() if q.is_cuda else _eager_flex()
-            return attend(q, k, v, block_mask=block_mask, scale=self.scale, enable_gqa=gqa)
+            return attend(q, k, v, block_mask=block_mask, scale=self.scale, enable_gqa=gqa, kernel_options=FLEX_OPTIONS)
         if T == 1:  # one new token sees every cached one (the cache keeps only the window)
             return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=gqa)
         positions = torch.arange(start, start + T, device=q.device)

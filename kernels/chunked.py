@@ -142,6 +142,8 @@ with a channel gate each score matrix is built by dyadic splitting (`decay_score
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 import itertools
 
 import torch
@@ -619,6 +621,20 @@ def _from_chunks(o: Tensor, B: int, H: int, T: int) -> Tensor:
     return o.reshape(n_chunks, B, H, ct, V).permute(1, 0, 3, 2, 4).reshape(B, n_chunks * ct, H, V)[:, :T]
 
 
+def _without_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run `fn` with autocast off on `q`'s device: this backend picks its own precision, and
+    under CUDA autocast the chain's matmuls would run in bfloat16 and refuse their float32
+    `out=` buffers."""
+
+    @functools.wraps(fn)
+    def run(q: Tensor, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(q.device.type, enabled=False):
+            return fn(q, *args, **kwargs)
+
+    return run
+
+
+@_without_autocast
 def linear_recurrence_chunked(
     q: Tensor,
     k: Tensor,

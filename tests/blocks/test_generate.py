@@ -227,7 +227,10 @@ def test_a_bfloat16_model_decodes_like_its_forward_on_cuda(name):
     with torch.no_grad():
         want = model(ids).float()
     got = _prefill_then_steps(model, ids, 33).float()
-    assert (got - want).abs().max().item() <= 5e-2 * want.abs().max().item()  # OSDN: bf16 write keys in the forward
+    # Relative Frobenius error, bfloat16's bound of benchmarks/gpu_check.py (OSDN's forward
+    # forms its write keys in bfloat16, the step in float32: single logits differ by more).
+    error = ((got - want).norm() / want.norm()).item()
+    assert error <= 2e-2, f"relative error {error:.3g}, largest difference {(got - want).abs().max().item():.3g}"
     out = model.generate(ids[:, :8], 16, temperature=0)
     assert out.shape == (4, 24) and model.init_state(1)[0].recurrent.dtype == torch.float32
 

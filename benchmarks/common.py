@@ -251,8 +251,20 @@ def write_results(out: Path, name: str, results: dict, table: str) -> None:
     """`out/name.json` and `out/name.md`, each written whole or not at all."""
     from archspec.atomic import write_text_atomic
 
+    out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / f"{name}.json", json.dumps(results, indent=1))
     write_text_atomic(out / f"{name}.md", table)
+
+
+def run_notes(record: dict) -> list[str]:
+    """The markdown lines under a per-design table: the designs the budget left out and
+    those that failed, each with its error (a traceback's last line)."""
+    lines: list[str] = []
+    if record.get("skipped"):
+        lines += ["", "Not run (budget): " + ", ".join(record["skipped"]) + "."]
+    if record.get("failed"):
+        lines += ["", "Failed: " + "; ".join(f"{k}: {v.splitlines()[-1]}" for k, v in record["failed"].items())]
+    return lines
 
 
 # ----------------------------------------------------------------------------- compile first

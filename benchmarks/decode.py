@@ -301,17 +301,15 @@ def markdown(record: dict[str, Any]) -> str:
         lines.append(f"| {o['design']} | {spec} | {batch} | {o['tokens_per_s']:,.0f} / {f['tokens_per_s']:,.0f} | "
                      f"{o['tokens_per_s'] / f['tokens_per_s']:.2f} | {o['ms_per_token']:.3f} / {f['ms_per_token']:.3f} | "
                      f"{o['floor_ms']:.3f} | {over_floor} | {o['prefill_ms']:.1f} / {f['prefill_ms']:.1f} |")
-    if record.get("skipped"):
-        lines += ["", "Not run (budget): " + ", ".join(record["skipped"]) + "."]
-    if record.get("failed"):
-        lines += ["", "Failed: " + "; ".join(f"{k}: {v.splitlines()[-1]}" for k, v in record["failed"].items())]
+    import common
+
+    lines += common.run_notes(record)
     return "\n".join(lines) + "\n"
 
 
 def write_results(out: Path, record: dict[str, Any]) -> None:
     import common
 
-    out.mkdir(parents=True, exist_ok=True)
     common.write_results(out, "decode", record, markdown(record))
 
 

@@ -472,17 +472,15 @@ def markdown(record: dict[str, Any]) -> str:
         lines.append(f"| {o['design']} | {spec} | {setting} | {o['params']:,} / {f['params']:,} | "
                      f"{o['tokens_per_s']:,.0f} / {f['tokens_per_s']:,.0f} | {speed:.2f} | "
                      f"{o['optimizer_ms']:.1f} / {f['optimizer_ms']:.1f} | {_gb(o['peak_mem_bytes'])} / {_gb(f['peak_mem_bytes'])} | {mem} |")
-    if record.get("skipped"):
-        lines += ["", "Not run (budget): " + ", ".join(record["skipped"]) + "."]
-    if record.get("failed"):
-        lines += ["", "Failed: " + "; ".join(f"{k}: {v.splitlines()[0]}" for k, v in record["failed"].items())]
+    import common
+
+    lines += common.run_notes(record)
     return "\n".join(lines) + "\n"
 
 
 def write_results(out: Path, record: dict[str, Any]) -> None:
     import common
 
-    out.mkdir(parents=True, exist_ok=True)
     common.write_results(out, "models", record, markdown(record))
 
 

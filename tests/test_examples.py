@@ -229,12 +229,20 @@ PLANS: dict[str, Plan] = {
     # its --smoke runs in tests/benchmarks/test_search_gpu_bench.py
     "python benchmarks/search_gpu.py --budget-s 540": Plan(skip="needs a CUDA GPU"),
     "python benchmarks/decode.py --budget-s 540": Plan(skip="needs a CUDA GPU"),
+    "archspec search specs/search/gpu-space.yaml --out runs/gpu-space": Plan(skip="needs a CUDA GPU"),
     # The README's kernel performance section: timings on an H200 (tests/benchmarks/ runs the
     # scripts' CPU paths).
     "python benchmarks/kernel_times.py --budget-s 420": Plan(skip="needs a CUDA GPU"),
     "python benchmarks/kernel_times.py --against DIR --fla none": Plan(skip="needs a CUDA GPU"),
     "python benchmarks/gpu_check.py --budget-s 300": Plan(skip="needs a CUDA GPU"),
-    "python benchmarks/decode.py --budget-s 540": Plan(skip="needs a CUDA GPU"),
+    # The README's several-GPU section: a Ray head over the GPUs of one host (its placement
+    # and data-parallel trials are tested on declared GPUs in tests/search/test_placement.py,
+    # the scaling script's --smoke in tests/benchmarks/test_search_scaling.py).
+    "ray start --head --port 6379 --num-gpus 8": Plan(skip="needs a host with several GPUs"),
+    "archspec search specs/search/full-gpu.yaml --out runs/full --address 127.0.0.1:6379": Plan(skip="needs a host with several GPUs"),
+    "ray stop": Plan(skip="stops the cluster of the two commands above"),
+    "python benchmarks/search_scaling.py --budget-s 3000": Plan(skip="needs a host with several GPUs"),
+    "python benchmarks/search_scaling.py --gpus 2 --skip search": Plan(skip="needs a host with several GPUs"),
     "archspec experiment specs/experiments/osdn-mqar-twice.yaml --out runs/experiments/osdn-mqar-twice":
         Plan(experiment_table("runs/experiments/osdn-mqar-twice", "OSDN"),
              replace=(("runs/experiments/osdn-mqar-twice", "runs/experiments/osdn-mqar-twice --only OSDN " + REDUCED_EXPERIMENT),)),

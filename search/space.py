@@ -655,6 +655,13 @@ def _scheduler_problems(spec: SearchSpec, tasks: list[Any]) -> Problems:
     if scheduler is None:
         return []
     problems: Problems = []
+    from archspec.search.distributed import world_size
+
+    if world_size(spec.resources) > 1:
+        # the ranks run in processes of their own and report once, at the trial's end
+        problems.append((("scheduler",), f"data-parallel trials ({world_size(spec.resources)} processes each) report "
+                         "only when they end, so a scheduler would never see a validation to stop them at; "
+                         "remove `scheduler:` or train each trial in one process"))
     total = spec.budget.steps * len(spec.tasks)
     if scheduler.grace_steps >= total:
         problems.append((("scheduler", "grace_steps"), f"{scheduler.grace_steps} steps of grace leave nothing to stop: "

@@ -172,6 +172,11 @@ def test_scheduler_section_is_checked_against_what_trials_report(tmp_path):
     assert "leave nothing to stop" in found["scheduler.grace_steps"]
     found = problems_of(write_spec(tmp_path, extra="scheduler: {type: hyperband, metric: token_acc@8, grace_steps: 2}\n"))
     assert "scheduler.type" in found
+    # data-parallel trials report only at their end: nothing for a scheduler to act on
+    for resources in ("{cpu: 2, data_parallel: 2}", "{cpu: 2, gpu: 2}"):
+        found = problems_of(write_spec(tmp_path, extra=f"resources: {resources}\n"
+                                       "scheduler: {type: asha, metric: token_acc@8, grace_steps: 2}\n"))
+        assert "data-parallel trials (2 processes each) report only when they end" in found["scheduler"], found
 
 
 def test_asha_stops_the_trial_behind_and_out_of_memory_fails_one_while_the_search_goes_on(tmp_path):

@@ -305,7 +305,7 @@ def execute_trial(
         if verdict.status != OK:
             record.status, record.reason = verdict.status, verdict.reason
             return _finish(run, record)
-        if record.device == "cuda" and gpu_share is not None:
+        if record.device.startswith("cuda") and gpu_share is not None:
             refused = execute_gpu_checks(setup, overrides, tasks, gpu_share)
             if refused:
                 record.status, record.reason = FAILED, refused

@@ -243,3 +243,24 @@ def test_trials_with_half_a_gpu_share_one_gpu_at_once(tmp_path, monkeypatch):
         t = times[record.number]
         assert t["added_at"] <= t["started_at"] <= record.started_at + 1.0
         assert t["finished_at"] >= record.finished_at - 0.01
+
+
+def test_a_trial_on_a_share_of_the_gpu_is_checked_against_its_share_before_training(tmp_path, monkeypatch):
+    """On CUDA (the device is `cuda:0`, the first GPU Ray made visible) a trial given a
+    share of a GPU runs the share checks before training: here they refuse it, and the
+    trial is recorded failed with their reason, untrained."""
+    import archspec.search.trial as trial
+    from archspec.search.rundir import write_yaml_atomic
+    from archspec.search.trial import TrialSetup, execute_trial
+
+    checked = []
+    monkeypatch.setattr(trial, "device_for", lambda setup: "cuda:0")
+    monkeypatch.setattr(trial, "execute_gpu_checks",
+                        lambda setup, overrides, tasks, share: checked.append(share) or "over its share (test)")
+    search = load_search_spec(write_spec(tmp_path, extra="resources: {cpu: 1, gpu: 0.25}\n")).spec
+    run = RunDir(tmp_path / "run")
+    write_yaml_atomic(run.base_file, {"extends": str(TINY), "name": "tiny"})
+    setup = TrialSetup(run_dir=str(run.path), search=search, train_fn=lambda *a, **k: pytest.fail("trained"))
+    record = execute_trial(setup, 0, {"mixer.transition.n_h": 2}, gpu_share=0.25)
+    assert checked == [0.25]
+    assert record.status == "failed" and record.reason == "over its share (test)" and record.device == "cuda:0"

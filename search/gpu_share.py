@@ -4,12 +4,16 @@ Several trials share a GPU when each reserves a fraction of it (`resources.gpu: 
 packs eight). With `resources.gpu: auto` each trial's share is sized from the memory its
 training step needs, from the plan alone (`blocks/memory.py`, a lower bound):
 
-    share = ceil16((AUTO_FACTOR x estimate + AUTO_OVERHEAD_BYTES) / gpu_memory)
+    share = ceil16((factor x estimate + AUTO_OVERHEAD_BYTES) / gpu_memory)
 
 the largest over the trial's tasks, rounded up to a sixteenth of the GPU, at least one
-sixteenth and at most the whole GPU. `AUTO_FACTOR` covers what the lower bound leaves
-out (it is within 3x of what autograd keeps: tests/blocks/test_memory.py); the overhead
-covers the CUDA context, cuBLAS and Triton workspaces and evaluation's activations.
+sixteenth and at most the whole GPU. The factor covers what the lower bound leaves out:
+`AUTO_FACTOR` (the estimate is within 3x of what autograd keeps: tests/blocks/test_memory.py)
+until a trial of the search has measured its training step's peak on the GPU (the
+trainer's throughput pass records `peak_mem_bytes`), then the largest ratio of a measured
+peak to its trial's estimate so far, times `MEASURED_HEADROOM` (`calibrated_factor`): the
+shares follow what this search's models really take. The overhead covers the CUDA
+context, cuBLAS and Triton workspaces and evaluation's activations.
 
 In the worker a share below one GPU is enforced: PyTorch's allocator is capped at the
 share (`torch.cuda.set_per_process_memory_fraction`), so a trial that outgrows it raises
@@ -20,12 +24,15 @@ failed with the reason `out of memory` and the peak bytes the trial reached.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from archspec.errors import ArchspecError, Location
 
 AUTO_FACTOR = 3
+# Over the largest measured/estimated ratio so far: models of other shapes scatter around it.
+MEASURED_HEADROOM = 1.25
 AUTO_OVERHEAD_BYTES = 1 << 30
 AUTO_STEPS = 16  # shares are whole sixteenths of a GPU
 AUTO_STEP = 1 / AUTO_STEPS
@@ -60,12 +67,51 @@ def training_bytes(spec: Any, task: Any, train_options: dict[str, Any]) -> int:
     return estimate_memory(plan, batch=batch, seq_len=task.train_len, training=True, activation_bytes=2).total
 
 
-def auto_share(needs: Iterable[int], gpu_bytes: int) -> float:
+def auto_share(needs: Iterable[int], gpu_bytes: int, factor: float = AUTO_FACTOR) -> float:
     """The share of a GPU of `gpu_bytes` that `gpu: auto` gives a trial whose tasks need
-    `needs` bytes each (estimates); see the module docstring."""
-    need = int(max(needs, default=0)) * AUTO_FACTOR + AUTO_OVERHEAD_BYTES
+    `needs` bytes each (estimates), `factor` times that; see the module docstring."""
+    need = math.ceil(int(max(needs, default=0)) * factor) + AUTO_OVERHEAD_BYTES
     sixteenths = -(-need * AUTO_STEPS // int(gpu_bytes))  # whole numbers: no rounding at an exact sixteenth
     return min(1.0, max(1, sixteenths) * AUTO_STEP)
+
+
+def calibrated_factor(measurements: Iterable[tuple[float, int]]) -> float:
+    """The factor `gpu: auto` multiplies an estimate by, given (measured peak, estimate)
+    pairs of finished trials: `AUTO_FACTOR` without any, else the largest ratio times
+    `MEASURED_HEADROOM`, at least 1 (the estimate is a lower bound)."""
+    ratios = [peak / need for peak, need in measurements if peak > 0 and need > 0]
+    return max(1.0, max(ratios) * MEASURED_HEADROOM) if ratios else float(AUTO_FACTOR)
+
+
+class MeasuredMemory:
+    """The training-step peaks that a search's finished trials measured on the GPU, each
+    beside its trial's estimate, read from the run's records as trials finish (a trial's
+    estimate is computed once). A trial that ran out of memory is left out: its peak is
+    where its cap cut it, not what it needed."""
+
+    def __init__(self, read_trials: Callable[[], Iterable[Any]], tasks: list[Any],
+                 estimate: Callable[[dict[str, Any], Any], int]) -> None:
+        self._read_trials, self._tasks, self._estimate = read_trials, tasks, estimate
+        self._pairs: dict[int, list[tuple[float, int]]] = {}  # trial number -> (peak, estimate) per task
+
+    def _peak_key(self, task: Any) -> str:
+        return "peak_mem_bytes" if len(self._tasks) == 1 else f"{task.name}/peak_mem_bytes"
+
+    def measurements(self) -> list[tuple[float, int]]:
+        for record in self._read_trials():
+            if record.status is None or record.number in self._pairs:  # running, or read already
+                continue
+            pairs: list[tuple[float, int]] = []
+            if not (record.reason or "").startswith(OUT_OF_MEMORY):
+                for task in self._tasks:
+                    peak = record.metrics.get(self._peak_key(task))
+                    if isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0:
+                        try:
+                            pairs.append((float(peak), self._estimate(record.overrides, task)))
+                        except ArchspecError:  # a record whose point no longer composes: nothing to learn from
+                            pass
+            self._pairs[record.number] = pairs
+        return [pair for pairs in self._pairs.values() for pair in pairs]
 
 
 def share_problem(needs: Iterable[int], share: float, gpu_bytes: int) -> str | None:

@@ -473,7 +473,11 @@ def _run_locked(
             _queue_grid(opened.study, points, setup, tasks, base_values)
         remaining = outcome.target - trained_count(run.read_trials())
         if remaining > 0:
-            place = functools.partial(placement, setup=setup, tasks=tasks, gpu_bytes=gpu_bytes)
+            from archspec.search.gpu_share import MeasuredMemory
+            from archspec.search.trial import training_bytes_of
+
+            measured = MeasuredMemory(run.read_trials, tasks, functools.partial(training_bytes_of, setup))
+            place = functools.partial(placement, setup=setup, tasks=tasks, gpu_bytes=gpu_bytes, measured=measured)
             outcome.stopped_because, outcome.exhausted = _fit(setup, spec, run, opened, define_by_run, reject, remaining,
                                                               outcome.target, live, place)
     outcome.trained = trained_count(run.read_trials())
@@ -501,10 +505,12 @@ def _gpu_bytes_for_auto(spec: SearchSpec) -> int | None:
     return gpu_memory_bytes(spec.resources) if spec.resources.gpu == GPU_AUTO else None
 
 
-def placement(config: dict[str, Any], *, setup: TrialSetup, tasks: list[Any], gpu_bytes: int | None) -> dict[str, Any]:
+def placement(config: dict[str, Any], *, setup: TrialSetup, tasks: list[Any], gpu_bytes: int | None,
+              measured: Any = None) -> dict[str, Any]:
     """What an accepted proposal's config carries for its placement: its share of a GPU
-    when it reserves less than one (a fixed fraction, or `auto` from its memory estimate)."""
-    from archspec.search.gpu_share import auto_share
+    when it reserves less than one (a fixed fraction, or `auto` from its memory estimate,
+    scaled by what finished trials measured: `measured`, a `gpu_share.MeasuredMemory`)."""
+    from archspec.search.gpu_share import AUTO_FACTOR, auto_share, calibrated_factor
     from archspec.search.space import GPU_AUTO
     from archspec.search.trial import GPU_SHARE_KEY, training_bytes_of
 
@@ -512,7 +518,8 @@ def placement(config: dict[str, Any], *, setup: TrialSetup, tasks: list[Any], gp
     if gpu == GPU_AUTO:
         assert gpu_bytes is not None
         needs = [training_bytes_of(setup, config["overrides"], task) for task in tasks]
-        return {GPU_SHARE_KEY: auto_share(needs, gpu_bytes)}
+        factor = AUTO_FACTOR if measured is None else calibrated_factor(measured.measurements())
+        return {GPU_SHARE_KEY: auto_share(needs, gpu_bytes, factor)}
     return {GPU_SHARE_KEY: float(gpu)} if 0 < gpu < 1 else {}
 
 

@@ -82,6 +82,8 @@ def test_auto_share_is_three_times_the_estimate_plus_a_gib_in_sixteenths():
 
 def test_auto_places_each_trial_by_its_own_estimate(tmp_path):
     """The driver sizes each proposal's share from its spec: a wider model gets more."""
+    from types import SimpleNamespace
+
     from archspec.blocks.memory import estimate_memory
     from archspec.search.runner import placement
     from archspec.search.trainer import plan_for_task
@@ -101,6 +103,10 @@ def test_auto_places_each_trial_by_its_own_estimate(tmp_path):
         assert training_bytes(compose_spec(run, overrides, task=task), task, {"batch_size": 512}) == need
         shares[n_h] = placement({"trial_number": 0, "overrides": overrides}, setup=setup, tasks=[task], gpu_bytes=GIB // 2)
         assert shares[n_h] == {GPU_SHARE_KEY: min(1.0, math.ceil((3 * need + GIB) / (GIB // 2) * 16) / 16)}
+        # once a finished trial measured its peak at 1.2x its estimate, the factor is 1.2 x 1.25
+        learned = SimpleNamespace(measurements=lambda: [(1.2 * GIB, GIB)])
+        share = placement({"overrides": overrides}, setup=setup, tasks=[task], gpu_bytes=8 * GIB, measured=learned)
+        assert share == {GPU_SHARE_KEY: max(1, math.ceil((math.ceil(need * 1.5) + GIB) * 16 / (8 * GIB))) / 16}
     fixed = setup.search.model_copy(update={"resources": setup.search.resources.model_copy(update={"gpu": 0.25})})
     assert placement({"overrides": {}}, setup=TrialSetup(str(run.path), fixed), tasks=[task], gpu_bytes=None) == {GPU_SHARE_KEY: 0.25}
 
@@ -264,3 +270,42 @@ def test_a_trial_on_a_share_of_the_gpu_is_checked_against_its_share_before_train
     record = execute_trial(setup, 0, {"mixer.transition.n_h": 2}, gpu_share=0.25)
     assert checked == [0.25]
     assert record.status == "failed" and record.reason == "over its share (test)" and record.device == "cuda:0"
+
+
+def test_auto_learns_its_factor_from_the_peaks_finished_trials_measured():
+    """Until a trial has measured its step on the GPU the estimate is tripled; then the
+    factor is the largest measured/estimated ratio so far, with a quarter of headroom,
+    never below 1. Running trials and out-of-memory ones teach nothing; each trial's
+    estimate is computed once however often the driver asks."""
+    from types import SimpleNamespace
+
+    from archspec.search.gpu_share import MEASURED_HEADROOM, MeasuredMemory, calibrated_factor
+
+    assert calibrated_factor([]) == 3.0
+    assert calibrated_factor([(2 * GIB, GIB), (GIB, GIB)]) == 2 * MEASURED_HEADROOM
+    assert calibrated_factor([(GIB // 2, GIB)]) == 1.0  # below the estimate (a lower bound): the estimate
+    assert auto_share([GIB], 16 * GIB, factor=1.0) == 2 * AUTO_STEP  # (1 + 1) GiB of 16
+    assert auto_share([GIB], 16 * GIB) == 4 * AUTO_STEP  # (3 + 1) GiB of 16
+
+    def record(number, status, overrides, metrics, reason=None):
+        return SimpleNamespace(number=number, status=status, overrides=overrides, metrics=metrics, reason=reason)
+
+    tasks = [SimpleNamespace(name="s4"), SimpleNamespace(name="mqar")]
+    records = [
+        record(0, "ok", {"w": 1}, {"s4/peak_mem_bytes": 3.0 * GIB, "mqar/peak_mem_bytes": 1.0 * GIB}),
+        record(1, None, {"w": 2}, {"s4/peak_mem_bytes": 9.0 * GIB}),  # still running
+        record(2, "failed", {"w": 3}, {"s4/peak_mem_bytes": 8.0 * GIB}, reason="out of memory: ... peak 8.0 GiB"),
+        record(3, "failed", {"w": 4}, {}, reason="RuntimeError: no peak measured"),
+    ]
+    calls = []
+
+    def estimate(overrides, task):
+        calls.append((overrides["w"], task.name))
+        return GIB * overrides["w"]
+
+    measured = MeasuredMemory(lambda: records, tasks, estimate)
+    assert measured.measurements() == [(3.0 * GIB, GIB), (1.0 * GIB, GIB)]
+    assert calibrated_factor(measured.measurements()) == 3 * MEASURED_HEADROOM
+    records[1] = record(1, "ok", {"w": 2}, {"s4/peak_mem_bytes": 9.0 * GIB})  # it finished: its ratio 4.5 leads now
+    assert calibrated_factor(measured.measurements()) == 4.5 * MEASURED_HEADROOM
+    assert calls == [(1, "s4"), (1, "mqar"), (2, "s4")]  # once per trial and task, not per question

@@ -278,3 +278,18 @@ def test_oversized_head_dim_is_refused() -> None:
     q = torch.zeros(1, 4, 1, 512, device=DEVICE)
     with pytest.raises(ValueError, match="head dims K=512"):
         linear_recurrence(q, q, torch.zeros(1, 4, 1, 16, device=DEVICE), backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 32, 16, 8])  # largest first: the first failure is the threshold
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", [Case(gate="none", transition="householder"),  # DeltaNet: its backward
+                                  Case(gate="none", transition="rwkv7", write_key="untied")],  # RWKV-7: prepare
+                         ids=lambda c: c.id)
+def test_small_heads_on_cuda(case: Case, dtype: torch.dtype, tol: float, head_dim: int) -> None:
+    """Heads below the 128 of the GPU check, on tensor cores (float32 and bfloat16; float64
+    takes no MMA), at the default chunk, against float64. On the H200 (Triton 3.6) heads of
+    8 raised an illegal memory access in `prepare_kernel` and `chunk_backward_kernel`
+    while float64 passed (docs/kernel.md, "Tests")."""
+    inputs = make_inputs(case, B=2, T=100, H=2, K=head_dim, V=head_dim, dtype=dtype, device="cuda", seed=3)
+    _assert_close(_triton(inputs, chunk_size=None), _naive(inputs), tol=tol)

@@ -51,7 +51,7 @@ from typing import Any, Callable
 import torch
 
 from common import first_line, machine
-from models import ISSUE_SIZE, PARAM_TOLERANCE, SMOKE_SIZE, SPECS, Size, build_fla, fla_design, load_plan, refusal_text
+from models import ISSUE_SIZE, SMOKE_SIZE, SPECS, Size, beside_fla, build_fla, fla_design, load_plan, refusal_text
 
 ROOT = Path(__file__).resolve().parents[1]
 # The issue's targets first (a run cut short by its budget keeps them), then the rest.
@@ -224,23 +224,8 @@ def run_design(spec: Path, run: Decode, *, with_fla: bool, rounds: int, bandwidt
                log: Callable[[str], None]) -> list[Row]:
     plan = load_plan(spec, run.size)
     design = fla_design(plan)
-    gens = [ours(plan, run)]
-    refusal = None
-    if with_fla and plan.hybrid:
-        refusal = "a hybrid stack: no fla model is mapped to it"
-    elif with_fla and design is not None:
-        try:
-            gens.append(theirs(plan, run, gens[0].params))
-        except Exception as exc:
-            refusal = refusal_text(exc)
-    elif with_fla:
-        refusal = "flash-linear-attention has no model of this design"
-    if len(gens) == 2:
-        p_ours, p_fla = gens[0].params, gens[1].params
-        log(f"{spec.stem}: params ours {p_ours:,} / fla {p_fla:,} ({p_fla / p_ours - 1:+.2%})")
-        if abs(p_fla / p_ours - 1) > PARAM_TOLERANCE:
-            refusal = f"not comparable: fla's config has {p_fla:,} parameters against our {p_ours:,}"
-            gens.pop()
+    gens, refusal = beside_fla(plan, ours(plan, run), lambda params: theirs(plan, run, params),
+                               with_fla=with_fla, label=spec.stem, log=log)
     rows: list[Row] = []
     for batch in run.batches:
         prompt = torch.randint(run.size.vocab, (batch, run.prompt), generator=torch.Generator().manual_seed(batch))

@@ -322,6 +322,27 @@ def _timed(fn: Callable[[], None], device: str) -> tuple[float, int]:
     return seconds, extra
 
 
+def beside_fla(plan, mine, build_theirs: Callable[[int], Any], *, with_fla: bool, label: str,
+               log: Callable[[str], None]) -> tuple[list, str | None]:
+    """`[mine]` or `[mine, fla's]` (anything with `.params`), and why fla's is missing:
+    no fla model of this design, fla refused (its error), or a parameter count more than
+    `PARAM_TOLERANCE` from ours (not comparable). Both counts are logged."""
+    if not with_fla:
+        return [mine], None
+    if plan.hybrid:
+        return [mine], "a hybrid stack: fla's attention layers have no field-by-field counterpart of ours"
+    if fla_design(plan) is None:
+        return [mine], "flash-linear-attention has no model of this design"
+    try:
+        their = build_theirs(mine.params)
+    except Exception as exc:  # an import error, a kernel that will not run here: recorded, ours shown alone
+        return [mine], refusal_text(exc)
+    log(f"{label}: params ours {mine.params:,} / fla {their.params:,} ({their.params / mine.params - 1:+.2%})")
+    if abs(their.params / mine.params - 1) > PARAM_TOLERANCE:
+        return [mine], f"not comparable: fla's config has {their.params:,} parameters against our {mine.params:,}"
+    return [mine, their], None
+
+
 def refusal_text(exc: BaseException, limit: int = 2000) -> str:
     """What a peer said when it refused: its exception, whole up to `limit` characters."""
     return f"{type(exc).__name__}: {exc}"[:limit]
@@ -394,21 +415,8 @@ def time_side_by_side(trainees: list[Trainee], batch: Batch, rounds: int, warmup
 def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: int, log: Callable[[str], None]) -> list[Row]:
     plan = load_plan(spec, size)
     design = fla_design(plan)
-    trainees = [ours(plan, size)]
-    refusal = None
-    if with_fla and design is not None:
-        try:
-            trainees.append(theirs(plan, size, trainees[0].params))
-        except Exception as exc:
-            refusal = refusal_text(exc)
-    elif with_fla:
-        refusal = "flash-linear-attention has no model of this design"
-    if len(trainees) == 2:
-        p_ours, p_fla = trainees[0].params, trainees[1].params
-        log(f"{spec.stem}: params ours {p_ours:,} / fla {p_fla:,} ({p_fla / p_ours - 1:+.2%})")
-        if abs(p_fla / p_ours - 1) > PARAM_TOLERANCE:
-            refusal = f"not comparable: fla's config has {p_fla:,} parameters against our {p_ours:,}"
-            trainees.pop()
+    trainees, refusal = beside_fla(plan, ours(plan, size), lambda params: theirs(plan, size, params),
+                                   with_fla=with_fla, label=spec.stem, log=log)
     rows: list[Row] = []
     for setting, B, T in size.settings():
         batch = make_batch(size, B, T, packed=setting == "packed")

@@ -7,12 +7,11 @@ owns the shape contract so that each backend can assume well-formed inputs.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Callable
 
 import torch
 
-from .kinds import Gate
+from .kinds import Gate, triton_interpreter_on
 from .naive import decode_step_naive, linear_recurrence_naive, osdn_write_keys_naive
 
 Tensor = torch.Tensor
@@ -122,7 +121,7 @@ def check_tensor_arguments(fn: str, reference: str, tensors: dict[str, Any], cu_
 def _check_backend_device(fn: str, name: str, device: torch.device) -> None:
     """The Triton kernels run on CUDA tensors (or anywhere under the Triton interpreter,
     `TRITON_INTERPRET=1`); elsewhere Triton would only say it found no active driver."""
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if name == "triton" and device.type != "cuda" and not triton_interpreter_on():
         raise ValueError(f"{fn}: backend='triton' runs on CUDA tensors, but the inputs are on {device}; use "
                          "backend='torch' (or 'auto', which picks it for CPU tensors), or move the inputs to a "
                          "CUDA device with .cuda()")

@@ -1,4 +1,5 @@
-"""Names for what selects a code path: the gate kind and the transition (the kernel's mode).
+"""Names for what selects a code path: the gate kind, the transition (the kernel's mode),
+and whether Triton runs its interpreter.
 
 The plan (`blocks.plan.RecurrencePlan`) says `gate: "none" | "scalar" | "channel"` and
 `transition: "diagonal" | "householder" | "rwkv7"`; these enums carry the same names to
@@ -8,6 +9,7 @@ the backends, and their integer values are what the Triton kernels specialize on
 
 from __future__ import annotations
 
+import os
 from enum import IntEnum
 
 import torch
@@ -50,3 +52,10 @@ class Mode(IntEnum):
         if erase is not None:
             return cls.RWKV7
         return cls.HOUSEHOLDER if beta is not None else cls.DIAGONAL
+
+
+def triton_interpreter_on() -> bool:
+    """Whether Triton runs kernels under its CPU interpreter (`TRITON_INTERPRET=1`, Triton's
+    own switch, set before its kernels are defined). Not a launch setting: the one place
+    this project reads it (the backend check and the Triton plan)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

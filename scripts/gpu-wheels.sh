@@ -13,7 +13,7 @@
 # image lacks (click, filelock, jsonschema with attrs, referencing, rpds-py and
 # jsonschema-specifications, msgpack, protobuf, pyarrow, fsspec, pandas with
 # python-dateutil and six, requests with its four; tensorboardX is left out: Tune runs
-# without it). These weigh about 140 MB, more than one device call carries (64 MiB), so
+# without it). These weigh about 140 MB, more than one transfer to a lent GPU machine carries (64 MiB), so
 # they are packed into one tar cut into parts of RAY_PART_MB (default 60) MB, one folder
 # per call: .whl-ray/part1, part2, ... Carry each folder in its own call, the calls one
 # right after the other (the machine keeps /tmp only while it stays warm); the last one

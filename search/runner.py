@@ -180,7 +180,7 @@ class OpenStudy:
 
 
 def open_study(run: RunDir, spec: SearchSpec, sampler: Any) -> OpenStudy:
-    """The study of the run, created on the first session: named after the search, with
+    """The study of the run, created when the search first starts: named after the search, with
     the objectives' names (`set_metric_names`, for optuna-dashboard and Optuna's plots).
     A run started before the study took the search's name keeps the one study it has."""
     import optuna
@@ -294,7 +294,7 @@ def ray_session(address: str | None) -> Iterator[None]:
         # address="local": a private Ray, even if a `ray start` cluster runs on this machine.
         # A short private temp dir: Ray's socket paths must stay under ~100 characters.
         temp_dir = tempfile.mkdtemp(prefix=RAY_DIR_PREFIX)
-        record_driver(Path(temp_dir))  # how the next search tells this session's processes were left behind
+        record_driver(Path(temp_dir))  # how a later search tells that this Ray session's processes were left behind
         kwargs.update(address="local", _temp_dir=temp_dir)
     try:
         ray.init(**kwargs)

@@ -22,14 +22,13 @@ algorithm and numbers.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton.language as tl
 
 from ..chunking import TRITON_CHUNK_SIZE
-from ..kinds import Gate, Mode
+from ..kinds import Gate, Mode, triton_interpreter_on
 from . import launch
 from .backward import chunk_backward_kernel
 from .backward_channel import chunk_channels_kernel, chunk_pairs_kernel
@@ -112,7 +111,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def _plan(q, k, v, gate: Gate, beta, erase, n_h, cu_seqlens, chunk_table_count, chunk_size) -> Plan:
     n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = triton_interpreter_on()
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     mode = Mode.of(beta, erase)
     settings = launch.settings(mode, gate, _operand_dtype(q.dtype, acc, interpret), n_h)

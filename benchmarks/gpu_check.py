@@ -1,6 +1,6 @@
 """GPU proof of the Triton chunk kernel: every path at realistic shapes against float64.
 
-    python benchmarks/gpu_check.py [--plans a,b] [--dtypes bfloat16,float32] [--budget-s S] [--smoke]
+    python benchmarks/gpu_check.py [--plans a,b] [--dtypes bfloat16,float32] [--budget-s S] [--merge] [--smoke]
 
 1. `path`: every plan of `CHECK_PLANS` (every mode x gate, n_h 1-8, beta in [0, 2], untied
    and OSDN write keys; channel gates mild and strong) at B=2 T=2048 H=16 K=V=128 in
@@ -16,6 +16,8 @@
 
 Every specialization is compiled first in worker processes (one per job: a kernel fault
 stays in its job). Results: `benchmarks/results/gpu_check.json`; a table is printed.
+`--merge` keeps an earlier file's checks that this run did not run, so the check can be
+split over several calls (`--plans a,b --merge`).
 """
 
 from __future__ import annotations
@@ -132,6 +134,18 @@ def stability(gated: bool, T: int, device: str) -> dict:
             "output_vs_float64": ((o.double() - ref_o).norm() / ref_o.norm()).item()}
 
 
+def _merge(results: dict, earlier: dict) -> None:
+    """Keep the earlier run's checks that this one did not run (passed, failed or cut by
+    the budget), and its stability results when this run reached none."""
+    ran = {c["check"] for c in results["checks"]}
+    results["checks"] = [c for c in earlier.get("checks", []) if c["check"] not in ran] + results["checks"]
+    done = {c["check"] for c in results["checks"]}
+    results["not_run"] = [n for n in dict.fromkeys(earlier.get("not_run", []) + results["not_run"]) if n not in done]
+    if not results["stability"]:
+        results["stability"] = earlier.get("stability", [])
+    results["earlier_machines"] = [earlier.get("machine"), *earlier.get("earlier_machines", [])]
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plans", default="", help="comma-separated names of CHECK_PLANS (default: all)")
@@ -139,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no check after this many seconds (compiling excluded)")
     parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--merge", action="store_true", help="keep an earlier file's checks that are not run now")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes under the CPU interpreter: the script runs")
     args = parser.parse_args(argv)
     start = time.monotonic()
@@ -191,6 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
                 results["stability"].append({"gated": gated, "error": first_line(err)})
     from archspec.atomic import write_text_atomic
 
+    if args.merge and (args.out / "gpu_check.json").exists():
+        _merge(results, json.loads((args.out / "gpu_check.json").read_text()))
     write_text_atomic(args.out / "gpu_check.json", json.dumps(results, indent=1))
     failed = [c["check"] for c in results["checks"] if not c["pass"]]
     print(f"\n{len(results['checks'])} checks, {len(failed)} failed{': ' + ', '.join(failed) if failed else ''}; "

@@ -44,6 +44,13 @@ Tensor = torch.Tensor
 
 SUB_CHUNK = 16  # channel-gate sub-chunk: pairs inside it are decayed element by element
 MAX_HEAD_DIM = 256
+# The narrowest K and V blocks of the chunk kernels' tensor-core products. On the H200
+# (Triton 3.6) blocks 16 wide, at heads of 8 or 16 in K or V, raised an illegal memory
+# access in float32 (tf32x3) and gave wrong values in bfloat16 (relative errors 0.3-1.9
+# against float64, no error raised); 32-wide blocks, the narrow heads masked in them, were
+# right in both (`test_small_heads_on_cuda`). Slices of 16 inside a wider block are not
+# affected (`INVERSE_BK_WITHIN_BOUND`, `SUB_CHUNK` pass the GPU check at K = 128).
+MIN_BLOCK = 32
 GATE_CUMSUM_BK = 32  # a channel gate's columns per program of the cumulative sum (`gate.py`)
 PREPARE_BK = 64  # P's columns per slice in `prepare_kernel` without a channel gate
 INVERSE_BK = 32  # K columns per slice of the inverse's scores (16 in a channel gate's first pass)
@@ -88,7 +95,7 @@ class Plan:
 
     @property
     def state_forward_bv(self) -> int:
-        return max(16, min(self.launch.state_forward_bv, pow2(self.V)))
+        return max(MIN_BLOCK, min(self.launch.state_forward_bv, pow2(self.V)))
 
     @property
     def backward_bk(self) -> int:
@@ -136,8 +143,8 @@ def _plan_of(shape: tuple, V: int, dtype: torch.dtype, mode: Mode, gate: Gate, h
     return Plan(
         B=B, T=T, H=H, K=K, V=V, n_h=n_h, mode=mode, gate=gate, has_beta=has_beta,
         BT=BT, TC=TC, BQ=max(settings.min_query_rows, pow2(TC)),
-        BK=max(16, pow2(K)), BV=max(16, min(settings.chunk_bv, pow2(V))),
-        BVS=max(16, min(settings.state_bv, pow2(V))),
+        BK=max(MIN_BLOCK, pow2(K)), BV=max(MIN_BLOCK, min(settings.chunk_bv, pow2(V))),
+        BVS=max(MIN_BLOCK, min(settings.state_bv, pow2(V))),
         SC=min(SUB_CHUNK, BT), NT=NT, n_seq=n_seq,
         n_chunks=B * NT if chunk_table_count is None else chunk_table_count,
         acc=acc, prec={torch.float64: "ieee", torch.float32: "tf32x3"}.get(dtype, "tf32"),
@@ -353,6 +360,10 @@ def linear_recurrence_triton(
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         final = q.new_zeros(n_seq, H, K, v.shape[-1], dtype=acc) if initial_state is None else initial_state.to(acc).clone()
         return o, final
+    if q.dtype == torch.float64 and scale != 1.0:
+        # A float argument reaches a compiled kernel as float32: the scale would carry 7
+        # digits (1.8e-8 off at K = 48 on the H200). In float64 the queries take it here.
+        q, scale = q * scale, 1.0
     o, final = ChunkRecurrence.apply(
         q, k, v, g, gate, beta, write_key, erase, initial_state, scale, n_h, output_final_state, cu_seqlens, chunk_size
     )

@@ -102,6 +102,12 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     assert any(k.startswith("alone ") for k in results["checks"][5]["errors"])  # each packed sequence alone
     assert [s["finite"] for s in results["stability"]] == [True, True]
     assert json.loads((tmp_path / "gpu_check.json").read_text())["checks"] == json.loads(json.dumps(results["checks"]))
+    # a later call checks one plan again and keeps the rest
+    with benchmark_module("gpu_check") as check:
+        merged = check.main(["--smoke", "--plans", "deltanet", "--dtypes", "float32", "--merge", "--out", str(tmp_path)])
+    assert sorted(c["check"] for c in merged["checks"]) == sorted(labels)
+    assert [c["check"] for c in merged["checks"]][-2:] == ["path:deltanet/mild/float32", "naive:deltanet/mild/float32"]
+    assert merged["not_run"] == [] and len(merged["earlier_machines"]) == 1
 
 
 def test_sweep_smoke_screens_each_setting(tmp_path: Path) -> None:

@@ -63,6 +63,22 @@ def test_half_precision_guards(dtype):
     assert {entry(m, g).state_bv for m, g in FAMILIES} == {64}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dims", [(8, 8), (16, 16), (8, 128), (128, 8)])
+def test_narrow_heads_get_blocks_of_32(dtype, head_dims):
+    """Blocks 16 wide in K or V raised an illegal memory access in float32 and gave wrong
+    bfloat16 values on the H200; narrow heads are masked in 32-wide blocks instead."""
+    from archspec.kernels.triton import recurrence
+
+    K, V = head_dims
+    for mode in Mode:
+        settings = launch.settings(mode, Gate.NONE, dtype, 1)
+        plan = recurrence._plan_of((2, 64, 2, K), V, dtype, mode, Gate.NONE, mode != Mode.DIAGONAL, 1, 2, None,
+                                   None, False, settings)
+        assert min(plan.BK, plan.BV, plan.BVS, plan.state_forward_bv) == recurrence.MIN_BLOCK == 32
+        assert plan.BK >= K and plan.BV <= max(32, V)
+
+
 def test_overrides_apply_inside_the_block_and_nest():
     base = launch.settings(Mode.HOUSEHOLDER, Gate.NONE, torch.bfloat16, 1)
     with launch.overridden(backward_warps=2, state_forward_stages=1):

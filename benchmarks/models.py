@@ -31,7 +31,7 @@ and hybrid stacks have no fla model (fla's attention layers lack our output gate
 norm and size their heads from the width).
 
 Results: `DIR/models.json` (machine, torch / triton / fla versions, commit, every row)
-and `DIR/models.md`, written after every design, so a run cut short by `--budget-s`
+and `DIR/models.md`, written after every setting, so a run cut short by `--budget-s`
 keeps what it finished; `--merge` keeps an earlier file's rows of the specs not run now,
 so a run can be split over several calls (`--specs a,b --merge`). `--smoke` runs ours only, at a tiny size, on the CPU (the test
 suite runs it).
@@ -412,7 +412,10 @@ def time_side_by_side(trainees: list[Trainee], batch: Batch, rounds: int, warmup
         row.peak_mem_bytes = t.resident_bytes() + peak[t.name] if device.startswith("cuda") else None
 
 
-def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: int, log: Callable[[str], None]) -> list[Row]:
+def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: int, log: Callable[[str], None],
+               on_setting: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
+    """The rows of one design, every setting's handed to `on_setting` as it is measured
+    (a run cut short keeps them: a cold machine spends minutes compiling the first)."""
     plan = load_plan(spec, size)
     design = fla_design(plan)
     trainees, refusal = beside_fla(plan, ours(plan, size), lambda params: theirs(plan, size, params),
@@ -424,9 +427,11 @@ def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: i
         by_impl = {t.name: Row(spec.stem if design is None else design, spec.stem, setting, t.name, B, T, docs, t.params)
                    for t in trainees}
         time_side_by_side(trainees, batch, rounds, warmup, size.device, by_impl)
-        rows += by_impl.values()
+        measured = list(by_impl.values())
         if with_fla and "fla" not in by_impl:
-            rows.append(Row(design or spec.stem, spec.stem, setting, "fla", B, T, docs, refused=refusal))
+            measured.append(Row(design or spec.stem, spec.stem, setting, "fla", B, T, docs, refused=refusal))
+        rows += measured
+        on_setting(measured)
         for row in by_impl.values():
             log(f"  {setting:>8} {row.impl:4}: " + (f"refused: {row.refused.splitlines()[0]}" if row.refused else
                 f"{row.tokens_per_s:,.0f} tok/s, optimizer {row.optimizer_ms:.1f} ms, peak "
@@ -538,10 +543,13 @@ def main(argv: list[str] | None = None) -> int:
             record["skipped"] = names[i:]
             log(f"budget: {spent:.0f} s spent, skipping {', '.join(names[i:])}")
             break
-        try:
-            rows = run_design(SPECS / f"{name}.yaml", size, with_fla=with_fla, rounds=args.rounds,
-                              warmup=args.warmup, log=log)
+        def keep(rows: list[Row]) -> None:
             record["rows"] += [asdict(r) for r in rows]
+            write_results(out, record)
+
+        try:
+            run_design(SPECS / f"{name}.yaml", size, with_fla=with_fla, rounds=args.rounds, warmup=args.warmup,
+                       log=log, on_setting=keep)
         except Exception as exc:  # one design failing (out of memory, ...) must not lose the others
             record["failed"][name] = traceback.format_exc()
             log(f"{name} failed: {first_line(exc)}")

@@ -157,6 +157,11 @@ def visible(query_positions: Tensor, key_positions: Tensor, window: int | None) 
 FLEX_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
 
 
+# Inductor's FlexAttention lowering (torch 2.11) refuses smaller heads: "NYI: embedding
+# dimension of the query, key, and value must be at least 16" (seen on the H200).
+FLEX_MIN_HEAD_DIM = 16
+
+
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
@@ -321,9 +326,13 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
 
     def _flex(self, q: Tensor) -> bool:
-        """Whether a fresh sliding-window sequence takes FlexAttention."""
+        """Whether a fresh sliding-window sequence takes FlexAttention (on CUDA, for heads
+        Inductor's lowering takes; SDPA with the window's mask otherwise)."""
         if self.kernel == "auto":
-            return q.is_cuda
+            return q.is_cuda and q.shape[-1] >= FLEX_MIN_HEAD_DIM
+        if self.kernel == "flex" and q.is_cuda and q.shape[-1] < FLEX_MIN_HEAD_DIM:
+            raise ValueError(f"FlexAttention on CUDA takes heads of at least {FLEX_MIN_HEAD_DIM} dimensions, "
+                             f"this layer's have {q.shape[-1]}: leave the kernel at 'auto' (SDPA with a mask)")
         return self.kernel == "flex"
 
 

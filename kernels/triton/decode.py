@@ -146,6 +146,9 @@ def decode_step_triton(
     if B == 0:
         return o
     BV = min(launch.block_v, max(16, pow2(V)))
+    scale = K**-0.5 if scale is None else float(scale)
+    if q.dtype == torch.float64 and scale != 1.0:  # a float argument reaches the kernel as float32 (`recurrence.py`)
+        q, scale = q * scale, 1.0
     contiguous = [None if t is None else t.contiguous() for t in (q, k, v, g, beta, write_key, erase, retain)]
     q, k, v, g, beta, write_key, erase, retain = contiguous
     mode = Mode.of(beta, erase)
@@ -154,7 +157,7 @@ def decode_step_triton(
     decode_step_kernel[grid](
         q, k, v, q if g is None else g, q if beta is None else beta, q if write_key is None else write_key,
         q if erase is None else erase, q if retain is None else retain, state, state if d is None else d, o,
-        float(K**-0.5 if scale is None else scale), float(eta), float(d_min), float(d_max), float(eps),
+        scale, float(eta), float(d_min), float(d_max), float(eps),
         H=H, K=K, V=V, BK=max(16, pow2(K)), BV=BV, NH=n_h,
         MODE=int(mode), GATE=int(gate), HAS_BETA=beta is not None, HAS_WRITE_KEY=write_key is not None,
         OSDN=d is not None, APF=retain is not None, BETA_AWARE=bool(beta_aware), ACC=acc,

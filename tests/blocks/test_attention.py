@@ -227,3 +227,27 @@ def test_a_packed_hybrid_stack_runs_each_document_alone():
     packed = model(ids, cu_seqlens=cu_seqlens)
     torch.testing.assert_close(packed[:, :4], model(ids[:, :4]))
     torch.testing.assert_close(packed[:, 4:], model(ids[:, 4:]))
+
+
+class _CudaQueries:
+    """Stands for a CUDA query tensor of head dim `D` (all `_flex` reads of it)."""
+
+    is_cuda = True
+
+    def __init__(self, head_dim: int) -> None:
+        self.shape = (1, 2, 5, head_dim)
+
+
+def test_flex_attention_on_cuda_takes_heads_of_16_or_more():
+    """Inductor's FlexAttention lowering refuses heads below 16 (seen on the H200): on CUDA
+    'auto' sends them to SDPA with the window's mask, and an explicit 'flex' says why."""
+    from archspec.blocks.attention import FLEX_MIN_HEAD_DIM
+
+    layer = _layer(AttentionPlan(heads=2, kv_heads=2, head_dim=4, window=3))
+    assert FLEX_MIN_HEAD_DIM == 16
+    assert layer._flex(_CudaQueries(16)) and layer._flex(_CudaQueries(128))
+    assert not layer._flex(_CudaQueries(8))
+    assert not layer._flex(torch.zeros(1, 2, 5, 16))  # off CUDA: SDPA
+    layer.kernel = "flex"
+    with pytest.raises(ValueError, match="at least 16 dimensions, this layer's have 8"):
+        layer._flex(_CudaQueries(8))

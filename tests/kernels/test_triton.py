@@ -303,8 +303,8 @@ def test_padded_heads_equal_the_unpadded_recurrence(gate: str) -> None:
     """The padding that half-precision heads which are not powers of two take on CUDA (run
     here on the interpreter in float32): outputs, final state and every gradient, an initial
     state and a channel gate included, against the naive loop."""
-    from archspec.kernels.triton.recurrence import _with_padded_heads
     from archspec.kernels.kinds import Gate
+    from archspec.kernels.triton.recurrence import _with_padded_heads
 
     case = Case(gate=gate, transition="rwkv7", write_key="untied", initial_state=True)
     inputs = make_inputs(case, B=1, T=20, H=2, K=12, V=20, dtype=torch.float32)

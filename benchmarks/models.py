@@ -2,7 +2,7 @@
 flash-linear-attention's HF model of the same design.
 
     python benchmarks/models.py [--out DIR] [--specs a,b] [--no-fla] [--rounds N]
-                                [--budget-s S] [--smoke]
+                                [--budget-s S] [--warm-workers N] [--merge] [--smoke]
 
 Each spec in `specs/models` is compiled at the size of issue 17 (d_model 1024, 8 layers,
 8 heads of 128, vocabulary 32,000, SwiGLU MLP) with float32 master weights and trained
@@ -30,6 +30,13 @@ not run on this machine) the refusal's text is recorded and ours is shown alone.
 and hybrid stacks have no fla model (fla's attention layers lack our output gate and q/k
 norm and size their heads from the width).
 
+On a cold machine compiling dominates (the first DeltaNet setting took 370 s on the H200,
+mostly fla's autotuning), so first every design is trained one step per setting in
+`--warm-workers` spawned processes at once, fla's autotune configs shared out among
+`--fla-shards` of them (`WarmJob`); the timing then finds every kernel in Triton's disk
+cache. `--budget-s` counts the timing only. Each row records its untimed warm-up steps'
+seconds (`warmup_s`), which show what the warming left.
+
 Results: `DIR/models.json` (machine, torch / triton / fla versions, commit, every row)
 and `DIR/models.md`, written after every setting, so a run cut short by `--budget-s`
 keeps what it finished; `--merge` keeps an earlier file's rows of the specs not run now,
@@ -42,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -52,6 +60,7 @@ from typing import Any, Callable
 
 import torch
 
+import common
 from common import first_line, machine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -364,6 +373,7 @@ class Row:
     peak_mem_bytes: int | None = None
     rounds: int = 0
     refused: str | None = None
+    warmup_s: float | None = None  # the untimed steps (compiling and autotuning, where the caches are cold)
     step_ms_all: list[float] = field(default_factory=list)
 
 
@@ -394,9 +404,12 @@ def time_side_by_side(trainees: list[Trainee], batch: Batch, rounds: int, warmup
             live.remove(t)
 
     for t in list(live):
+        began = time.perf_counter()
         for _ in range(warmup):
             if t in live:
                 attempt(t, timed=False)
+        _sync(device)
+        rows[t.name].warmup_s = round(time.perf_counter() - began, 2)
     for r in range(rounds):
         for t in (list(live) if r % 2 == 0 else live[::-1]):
             attempt(t, timed=True)
@@ -410,6 +423,62 @@ def time_side_by_side(trainees: list[Trainee], batch: Batch, rounds: int, warmup
         row.step_ms_all = [round(1e3 * s, 3) for s in steps[t.name]]
         row.rounds = rounds
         row.peak_mem_bytes = t.resident_bytes() + peak[t.name] if device.startswith("cuda") else None
+
+
+# --------------------------------------------------------------------------- warm caches
+
+
+@dataclass(frozen=True)
+class WarmJob:
+    """One design's model (ours or fla's) trained one step per setting in a worker, so that
+    its kernels are compiled into Triton's disk cache before the timing; fla's autotuners
+    compile only the configs of `shard` `(j, n)`, `configs[j::n]` (`common._worker_init`)."""
+
+    spec: str
+    impl: str
+    size: Size
+    shard: tuple[int, int] | None = None
+
+
+def _warm(job: WarmJob) -> str:
+    from archspec.blocks import count_params
+
+    common._SHARD = job.shard
+    try:
+        plan = load_plan(SPECS / f"{job.spec}.yaml", job.size)
+        trainee = ours(plan, job.size) if job.impl == "ours" else theirs(plan, job.size, count_params(plan))
+        for setting, B, T in job.size.settings():
+            trainee.forward_backward(make_batch(job.size, B, T, packed=setting == "packed"))
+            trainee.optimizer_step()
+        _sync(job.size.device)
+        return "ok"
+    except Exception as exc:  # noqa: BLE001  (fla's refusal is recorded by the timing)
+        return first_line(exc)
+    finally:
+        if job.size.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def warm_caches(names: list[str], size: Size, *, with_fla: bool, workers: int, fla_shards: int,
+                log: Callable[[str], None]) -> None:
+    """Compile every design's kernels in `workers` spawned processes at once (each holds
+    one model, about 10 GB at the issue's size). On a cold H200 the first DeltaNet setting
+    took 370 s in one process, fla's autotuning most of it; in workers the designs, and
+    the shares of fla's configs, compile side by side."""
+    jobs = []
+    for name in names:
+        jobs.append(WarmJob(name, "ours", size))
+        if with_fla and fla_design(load_plan(SPECS / f"{name}.yaml", size)) is not None:
+            jobs += [WarmJob(name, "fla", size, (j, fla_shards)) for j in range(fla_shards)]
+    began = time.perf_counter()
+    with mp.get_context("spawn").Pool(workers, initializer=common._worker_init, maxtasksperchild=1) as pool:
+        statuses = pool.map(_warm, jobs, chunksize=1)
+    failed = [f"{j.spec}/{j.impl}: {s}" for j, s in zip(jobs, statuses) if s != "ok"]
+    log(f"warmed {len(jobs) - len(failed)} of {len(jobs)} jobs in {time.perf_counter() - began:.0f} s"
+        + ("" if not failed else "; not warmed: " + "; ".join(failed)))
+
+
+# --------------------------------------------------------------------------- one design
 
 
 def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: int, log: Callable[[str], None],
@@ -508,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds per setting (alternating)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per model and setting")
     ap.add_argument("--budget-s", type=float, default=None, help="start no design after this many seconds")
+    ap.add_argument("--warm-workers", type=int, default=None,
+                    help="processes that compile every design first (default 8 on CUDA, 0 with --smoke; 0: none)")
+    ap.add_argument("--fla-shards", type=int, default=3, help="warm-up jobs that share one fla model's autotune configs")
     ap.add_argument("--smoke", action="store_true", help="ours only, tiny size, on the CPU")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of specs not run now from an earlier models.json in --out (runs split over calls)")
@@ -537,12 +609,17 @@ def main(argv: list[str] | None = None) -> int:
         record["rows"] = [r for r in earlier.get("rows", []) if r["spec"] not in names]
         record["failed"] = {k: v for k, v in earlier.get("failed", {}).items() if k not in names}
         record["earlier_machines"] = [earlier.get("machine"), *earlier.get("earlier_machines", [])]
+    workers = args.warm_workers if args.warm_workers is not None else 0 if args.smoke else 8
+    if workers > 0:
+        warm_caches(names, size, with_fla=with_fla, workers=workers, fla_shards=args.fla_shards, log=log)
+    timing_began = time.perf_counter()  # the budget is the timing's own: warming is not counted
     for i, name in enumerate(names):
-        spent = time.perf_counter() - started
+        spent = time.perf_counter() - timing_began
         if args.budget_s is not None and i and spent + spent / i > args.budget_s:
             record["skipped"] = names[i:]
             log(f"budget: {spent:.0f} s spent, skipping {', '.join(names[i:])}")
             break
+
         def keep(rows: list[Row]) -> None:
             record["rows"] += [asdict(r) for r in rows]
             write_results(out, record)

@@ -20,7 +20,7 @@ def bench():
 
 def test_smoke_run_writes_every_setting(bench, tmp_path):
     quick = ["--smoke", "--out", str(tmp_path), "--rounds", "1", "--warmup", "0"]
-    assert bench.main([*quick, "--specs", "gated-deltanet"]) == 0
+    assert bench.main([*quick, "--specs", "gated-deltanet", "--warm-workers", "1"]) == 0  # warmed in a worker
     assert bench.main([*quick, "--specs", "osdn-apf", "--merge"]) == 0  # a run split over two calls
     record = json.loads((tmp_path / "models.json").read_text())
     assert record["machine"]["torch"] == torch.__version__ and "commit" in record["machine"]
@@ -31,6 +31,7 @@ def test_smoke_run_writes_every_setting(bench, tmp_path):
     for r in rows:
         assert r["impl"] == "ours" and r["tokens_per_s"] > 0 and r["optimizer_ms"] > 0 and r["params"] > 0
         assert r["batch"] * r["seq_len"] == 64  # equal tokens per step in every setting
+        assert r["warmup_s"] is not None and r["warmup_s"] >= 0
     assert next(r for r in rows if r["setting"] == "packed")["documents"] > 1
     table = (tmp_path / "models.md").read_text()
     assert "| gated-deltanet | gated-deltanet | packed |" in table

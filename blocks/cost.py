@@ -244,6 +244,14 @@ def triton_chunk_flops(plan: RecurrencePlan) -> tuple[float, float, float]:
     if delta and plain:  # rwkv7: the write keys enter the UT transform too
         fwd += mm(L, K, L) + mm(L, L, L)
         bwd += 3 * mm(L, K, L) + 2 * mm(L, L, V)
+    # the backward forms P, X, Y and the chunk states again (it keeps only Tinv): prepare
+    # (P, X; RWKV-7's Z from its write keys) and the state pass (Y = X - P S_0, E~^T Y, W~^T U)
+    if delta:
+        bwd += mm(L, L, K) + mm(L, L, V) + 2 * mm(L, K, V)
+    if delta and plain:
+        bwd += mm(L, K, L) + mm(L, L, L)
+    if plain:
+        bwd += mm(L, K, V)
     return fwd, solve, bwd
 
 

@@ -190,13 +190,9 @@ class ChunkRecurrence(torch.autograd.Function):
                 g, G, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=bkc, TC=p.TC, BQ=p.BQ,
                 CHANNEL=channel, IS_VARLEN=varlen, ACC=p.tl_acc,
             )
-        TN = p.T * n_h
-        Tinv = P = X = Y = None
+        Tinv = None
         if p.mode != Mode.DIAGONAL:
             Tinv = torch.empty(p.n_chunks, p.H, p.BT, p.BT, device=dev, dtype=p.acc)
-            P = torch.empty(p.B, TN, p.H, p.K, device=dev, dtype=p.op)
-            X = torch.empty(p.B, TN, p.H, p.V, device=dev, dtype=p.op)
-            Y = torch.empty_like(X)
             # a channel gate: the chunks within decay.py's bound first, marking the others in `slow`
             slow = torch.empty(p.n_chunks * p.H, device=dev, dtype=torch.int8) if channel else dummy
             for channel_pass in channel_passes(p.gate):
@@ -210,24 +206,9 @@ class ChunkRecurrence(torch.autograd.Function):
                     CHANNEL_PASS=channel_pass.value, num_warps=run.inverse_warps_within_bound if within else run.inverse_warps,
                     num_stages=run.inverse_stages,
                 )
-            prepare_kernel[(p.n_chunks, p.H)](
-                k, w, dummy if beta is None else beta, v, dummy if G is None else G,
-                Tinv, P, X, cu_seqlens, table, p.T, p.NT, BKP=p.BK if channel else min(p.BK, PREPARE_BK), SC=p.SC,
-                MODE=p.mode.value, GATE=p.gate.value, HAS_BETA=p.has_beta, IS_VARLEN=varlen, num_warps=run.prepare_warps,
-                num_stages=run.prepare_stages, **_common(p),
-            )
-        h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=dev, dtype=p.op)
+        initial_state = None if initial_state is None else initial_state.contiguous()
         final = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if output_final_state else None
-        bvf = p.state_forward_bv
-        state_forward_kernel[(_cdiv(p.V, bvf), p.n_seq * p.H)](
-            k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
-            dummy if P is None else P, dummy if X is None else X, dummy if Y is None else Y,
-            h_all, dummy if initial_state is None else initial_state.contiguous(), dummy if final is None else final,
-            cu_seqlens, offsets, p.T, p.NT, MODE=p.mode.value, GATE=p.gate.value, HAS_BETA=p.has_beta,
-            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=varlen,
-            num_warps=run.state_forward_warps, num_stages=run.state_forward_stages,
-            **{**_common(p, state=True), "BV": bvf},
-        )
+        _, Y, h_all = _chunk_states(p, k, w, e, beta, v, G, Tinv, initial_state, final, cu_seqlens, table, offsets)
         o = torch.empty(p.B, p.T, p.H, p.V, device=dev, dtype=v.dtype)
         for channel_pass in channel_passes(p.gate):
             within = channel_pass == channel_pass.WITHIN_BOUND
@@ -238,7 +219,10 @@ class ChunkRecurrence(torch.autograd.Function):
                 CHANNEL_PASS=channel_pass.value, num_warps=run.output_warps_within_bound if within else run.output_warps,
                 num_stages=run.output_stages, **_common(p),
             )
-        ctx.save_for_backward(q, k, v, beta, w, e, G, Tinv, P, Y, h_all, cu_seqlens, table, offsets)
+        # P, Y and the chunk states (K x V per chunk and head, as much as P and Y together)
+        # are not kept: the backward forms them again from Tinv, as fla's kernels recompute
+        # theirs from their A
+        ctx.save_for_backward(q, k, v, beta, w, e, G, Tinv, initial_state, cu_seqlens, table, offsets)
         ctx.plan, ctx.scale, ctx.tied = p, scale, write_key is None
         ctx.has_h0 = initial_state is not None
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, None if g is None else g.dtype, None if beta is None else beta.dtype,
@@ -249,7 +233,7 @@ class ChunkRecurrence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        q, k, v, beta, w, e, G, Tinv, P, Y, h_all, cu_seqlens, table, offsets = ctx.saved_tensors
+        q, k, v, beta, w, e, G, Tinv, initial_state, cu_seqlens, table, offsets = ctx.saved_tensors
         p, scale = ctx.plan, ctx.scale
         run = p.launch
         varlen = cu_seqlens is not None
@@ -257,6 +241,7 @@ class ChunkRecurrence(torch.autograd.Function):
         do = do.contiguous()
         TN = p.T * p.n_h
         dev = q.device
+        P, Y, h_all = _chunk_states(p, k, w, e, beta, v, G, Tinv, initial_state, None, cu_seqlens, table, offsets)
         dY = torch.empty(p.B, TN, p.H, p.V, device=dev, dtype=p.acc) if p.mode != Mode.DIAGONAL else None
         dU = torch.empty(p.B, TN, p.H, p.V, device=dev, dtype=p.acc) if p.mode != Mode.HOUSEHOLDER else None
         e_ = dummy if e is None else e
@@ -302,6 +287,40 @@ class ChunkRecurrence(torch.autograd.Function):
                 cu_seqlens, table, p.T, p.NT, scale, TIED=ctx.tied, **flags,
             )
         return (dq, dk, dv, dg, None, dbeta, dw, de, None if dh0 is None else dh0.to(th), None, None, None, None, None, None)
+
+
+def _chunk_states(p: Plan, k, w, e, beta, v, G, Tinv, initial_state, final, cu_seqlens, table,
+                  offsets) -> tuple[Tensor | None, Tensor | None, Tensor]:
+    """`(P, Y, chunk start states)`: for a delta rule `prepare` (`P = Tinv diag(c) K~`,
+    `X = Tinv Z`) and then the sequential state pass (`Y = X - P S_0`, every chunk's
+    starting state, and the final state where `final` is given). The forward runs both,
+    and the backward again instead of keeping their outputs."""
+    dummy = k
+    varlen = cu_seqlens is not None
+    TN = p.T * p.n_h
+    P = X = Y = None
+    if p.mode != Mode.DIAGONAL:
+        P = torch.empty(p.B, TN, p.H, p.K, device=k.device, dtype=p.op)
+        X = torch.empty(p.B, TN, p.H, p.V, device=k.device, dtype=p.op)
+        Y = torch.empty_like(X)
+        prepare_kernel[(p.n_chunks, p.H)](
+            k, w, dummy if beta is None else beta, v, dummy if G is None else G,
+            Tinv, P, X, cu_seqlens, table, p.T, p.NT, BKP=p.BK if p.gate == Gate.CHANNEL else min(p.BK, PREPARE_BK),
+            SC=p.SC, MODE=p.mode.value, GATE=p.gate.value, HAS_BETA=p.has_beta, IS_VARLEN=varlen,
+            num_warps=p.launch.prepare_warps, num_stages=p.launch.prepare_stages, **_common(p),
+        )
+    h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=k.device, dtype=p.op)
+    bvf = p.state_forward_bv
+    state_forward_kernel[(_cdiv(p.V, bvf), p.n_seq * p.H)](
+        k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,
+        dummy if P is None else P, dummy if X is None else X, dummy if Y is None else Y,
+        h_all, dummy if initial_state is None else initial_state, dummy if final is None else final,
+        cu_seqlens, offsets, p.T, p.NT, MODE=p.mode.value, GATE=p.gate.value, HAS_BETA=p.has_beta,
+        USE_H0=initial_state is not None, STORE_HT=final is not None, IS_VARLEN=varlen,
+        num_warps=p.launch.state_forward_warps, num_stages=p.launch.state_forward_stages,
+        **{**_common(p, state=True), "BV": bvf},
+    )
+    return P, Y, h_all
 
 
 def _channel_backward(p: Plan, args: tuple, grads: tuple, cu_seqlens, table, scale: float, tied: bool,

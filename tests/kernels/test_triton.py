@@ -315,3 +315,29 @@ def test_padded_heads_equal_the_unpadded_recurrence(gate: str) -> None:
                                   True, None, 16)
 
     _assert_close(_run(padded, inputs), _naive(inputs), tol=1e-5)
+
+
+@pytest.mark.parametrize("case", [Case(gate="none", transition="householder"),
+                                  Case(gate="channel", transition="rwkv7", n_h=2, write_key="untied", initial_state=True)],
+                         ids=lambda c: c.id)
+def test_the_backward_keeps_only_the_inputs_and_tinv(case: Case) -> None:
+    """Activation memory: besides its inputs (and the cumulative gate) the kernel keeps only
+    `Tinv` for the backward, not P, Y or the chunk start states, which it forms again
+    (V = 32 and n_h = 2 give each of them a shape of its own)."""
+    B, T, H, K, V, BT = 2, 40, 2, 16, 32, 16
+    inputs = make_inputs(case, B=B, T=T, H=H, K=K, V=V, dtype=torch.float32)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o, s = linear_recurrence_triton(**inputs, output_final_state=True, chunk_size=BT)
+    given = {t.data_ptr() for t in tensor_args(inputs).values()}
+    kept = {tuple(t.shape) for t in saved if t.data_ptr() not in given}
+    allowed = {(B * -(-T // (BT // case.n_h)), H, BT, BT)}  # Tinv
+    if case.gate == "channel":
+        allowed.add((B, T, H, K))  # the cumulative gate G
+    assert kept and kept <= allowed, kept
+    (o.sum() + s.sum()).backward()  # and the backward runs from them

@@ -3,7 +3,7 @@ flash-linear-attention's model of the same design.
 
     python benchmarks/decode.py [--out DIR] [--specs a,b] [--batches 1,64] [--prompt 2048]
                                 [--new-tokens 256] [--no-fla] [--rounds N] [--budget-s S]
-                                [--merge] [--smoke]
+                                [--warm-workers N] [--merge] [--smoke]
 
 Each spec in `specs/models` is compiled at the whole-model benchmark's size
 (`benchmarks/models.py`: d_model 1024, 8 layers, 8 heads of 128, vocabulary 32,000,
@@ -30,6 +30,10 @@ written and an attention layer's KV cache at the prompt's length read
 (`blocks.cost.layer_state_bytes`), over the device's copy bandwidth measured here;
 `ours / floor` is the measured step over it. Hybrid stacks run ours alone.
 
+As in `models.py`, every design's kernels are first compiled in `--warm-workers` spawned
+processes at once (each generates two tokens at every batch size; fla's autotune configs
+shared out among `--fla-shards` of them), and `--budget-s` counts the timing only.
+
 Results: `DIR/decode.json` (machine, versions, commit, every row) and `DIR/decode.md`,
 written after every design (`--budget-s` keeps what finished; `--merge` keeps an earlier
 file's rows of the specs not run now). `--smoke` runs ours only, tiny, on the CPU (the
@@ -51,7 +55,8 @@ from typing import Any, Callable
 import torch
 
 from common import first_line, machine
-from models import ISSUE_SIZE, SMOKE_SIZE, SPECS, Size, beside_fla, build_fla, fla_design, load_plan, refusal_text
+from models import (ISSUE_SIZE, SMOKE_SIZE, SPECS, Size, WarmJob, beside_fla, build_fla, fla_design, load_plan,
+                    refusal_text, warm_caches)
 
 ROOT = Path(__file__).resolve().parents[1]
 # The issue's targets first (a run cut short by its budget keeps them), then the rest.
@@ -162,6 +167,18 @@ def theirs(plan, run: Decode, params: int) -> Contender:
                                   min_new_tokens=n, do_sample=False, use_cache=True)
 
     return Contender("fla", model, call)
+
+
+def _warm(job: WarmJob) -> str:
+    """This benchmark's warm-up: a prefill and one decoding step at every batch size."""
+    from archspec.blocks import count_params
+
+    run = job.setup
+    plan = load_plan(SPECS / f"{job.spec}.yaml", run.size)
+    gen = ours(plan, run) if job.impl == "ours" else theirs(plan, run, count_params(plan))
+    for batch in run.batches:
+        gen.call(torch.randint(run.size.vocab, (batch, run.prompt), device=run.size.device), 2)
+    return "ok"
 
 
 def time_side_by_side(gens: list[Contender], prompt: torch.Tensor, run: Decode, rounds: int, rows: dict[str, Row]) -> None:
@@ -318,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fla", action="store_true", help="ours only")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per batch size (alternating)")
     ap.add_argument("--budget-s", type=float, default=None, help="start no design after this many seconds")
+    ap.add_argument("--warm-workers", type=int, default=None,
+                    help="processes that compile every design first (default 8 on CUDA, 0 with --smoke; 0: none)")
+    ap.add_argument("--fla-shards", type=int, default=3, help="warm-up jobs that share one fla model's autotune configs")
     ap.add_argument("--smoke", action="store_true", help="ours only, tiny size, on the CPU")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of specs not run now from an earlier decode.json in --out (runs split over calls)")
@@ -360,8 +380,12 @@ def main(argv: list[str] | None = None) -> int:
         record["rows"] = [r for r in earlier.get("rows", []) if r["spec"] not in names]
         record["failed"] = {k: v for k, v in earlier.get("failed", {}).items() if k not in names}
         record["earlier_machines"] = [earlier.get("machine"), *earlier.get("earlier_machines", [])]
+    workers = args.warm_workers if args.warm_workers is not None else 0 if args.smoke else 8
+    if workers > 0:
+        warm_caches(names, run.size, run, _warm, with_fla=with_fla, workers=workers, fla_shards=args.fla_shards, log=log)
+    timing_began = time.perf_counter()  # the budget is the timing's own: warming is not counted
     for i, name in enumerate(names):
-        spent = time.perf_counter() - started
+        spent = time.perf_counter() - timing_began
         if args.budget_s is not None and i and spent + spent / i > args.budget_s:
             record["skipped"] = names[i:]
             log(f"budget: {spent:.0f} s spent, skipping {', '.join(names[i:])}")

@@ -430,49 +430,58 @@ def time_side_by_side(trainees: list[Trainee], batch: Batch, rounds: int, warmup
 
 @dataclass(frozen=True)
 class WarmJob:
-    """One design's model (ours or fla's) trained one step per setting in a worker, so that
-    its kernels are compiled into Triton's disk cache before the timing; fla's autotuners
-    compile only the configs of `shard` `(j, n)`, `configs[j::n]` (`common._worker_init`)."""
+    """One design's model (ours or fla's) run once in a worker, so that its kernels are
+    compiled into Triton's disk cache before the timing: `setup` says what is run (a
+    `Size` here, a `decode.Decode` there); fla's autotuners compile only the configs of
+    `shard` `(j, n)`, `configs[j::n]` (`common._worker_init`)."""
 
     spec: str
     impl: str
-    size: Size
+    setup: Any
     shard: tuple[int, int] | None = None
 
 
 def _warm(job: WarmJob) -> str:
+    """This benchmark's warm-up: one training step per setting."""
     from archspec.blocks import count_params
 
+    size = job.setup
+    plan = load_plan(SPECS / f"{job.spec}.yaml", size)
+    trainee = ours(plan, size) if job.impl == "ours" else theirs(plan, size, count_params(plan))
+    for setting, B, T in size.settings():
+        trainee.forward_backward(make_batch(size, B, T, packed=setting == "packed"))
+        trainee.optimizer_step()
+    return "ok"
+
+
+def _run_warm_job(job_and_work: tuple[WarmJob, Callable[[WarmJob], str]]) -> str:
+    job, work = job_and_work
     common._SHARD = job.shard
     try:
-        plan = load_plan(SPECS / f"{job.spec}.yaml", job.size)
-        trainee = ours(plan, job.size) if job.impl == "ours" else theirs(plan, job.size, count_params(plan))
-        for setting, B, T in job.size.settings():
-            trainee.forward_backward(make_batch(job.size, B, T, packed=setting == "packed"))
-            trainee.optimizer_step()
-        _sync(job.size.device)
-        return "ok"
+        return work(job)
     except Exception as exc:  # noqa: BLE001  (fla's refusal is recorded by the timing)
         return first_line(exc)
     finally:
-        if job.size.device.startswith("cuda"):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
 
-def warm_caches(names: list[str], size: Size, *, with_fla: bool, workers: int, fla_shards: int,
-                log: Callable[[str], None]) -> None:
+def warm_caches(names: list[str], size: Size, setup: Any, work: Callable[[WarmJob], str], *, with_fla: bool,
+                workers: int, fla_shards: int, log: Callable[[str], None]) -> None:
     """Compile every design's kernels in `workers` spawned processes at once (each holds
-    one model, about 10 GB at the issue's size). On a cold H200 the first DeltaNet setting
-    took 370 s in one process, fla's autotuning most of it; in workers the designs, and
-    the shares of fla's configs, compile side by side."""
+    one model, about 10 GB at the issue's size): ours in one job, fla's in `fla_shards`
+    jobs that share out its autotune configs. On a cold H200 the first DeltaNet setting
+    of this benchmark took 370 s in one process, fla's autotuning most of it. `work` is a
+    module-level function (it is pickled to the workers)."""
     jobs = []
     for name in names:
-        jobs.append(WarmJob(name, "ours", size))
+        jobs.append(WarmJob(name, "ours", setup))
         if with_fla and fla_design(load_plan(SPECS / f"{name}.yaml", size)) is not None:
-            jobs += [WarmJob(name, "fla", size, (j, fla_shards)) for j in range(fla_shards)]
+            jobs += [WarmJob(name, "fla", setup, (j, fla_shards)) for j in range(fla_shards)]
     began = time.perf_counter()
     with mp.get_context("spawn").Pool(workers, initializer=common._worker_init, maxtasksperchild=1) as pool:
-        statuses = pool.map(_warm, jobs, chunksize=1)
+        statuses = pool.map(_run_warm_job, [(job, work) for job in jobs], chunksize=1)
     failed = [f"{j.spec}/{j.impl}: {s}" for j, s in zip(jobs, statuses) if s != "ok"]
     log(f"warmed {len(jobs) - len(failed)} of {len(jobs)} jobs in {time.perf_counter() - began:.0f} s"
         + ("" if not failed else "; not warmed: " + "; ".join(failed)))
@@ -611,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         record["earlier_machines"] = [earlier.get("machine"), *earlier.get("earlier_machines", [])]
     workers = args.warm_workers if args.warm_workers is not None else 0 if args.smoke else 8
     if workers > 0:
-        warm_caches(names, size, with_fla=with_fla, workers=workers, fla_shards=args.fla_shards, log=log)
+        warm_caches(names, size, size, _warm, with_fla=with_fla, workers=workers, fla_shards=args.fla_shards, log=log)
     timing_began = time.perf_counter()  # the budget is the timing's own: warming is not counted
     for i, name in enumerate(names):
         spent = time.perf_counter() - timing_began

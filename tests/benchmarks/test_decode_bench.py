@@ -22,7 +22,7 @@ def bench():
 
 def test_smoke_run_writes_every_batch(bench, tmp_path):
     quick = ["--smoke", "--out", str(tmp_path), "--rounds", "1"]
-    assert bench.main([*quick, "--specs", "gated-deltanet"]) == 0
+    assert bench.main([*quick, "--specs", "gated-deltanet", "--warm-workers", "1"]) == 0  # warmed in a worker
     assert bench.main([*quick, "--specs", "osdn-apf", "--merge"]) == 0  # a run split over two calls
     record = json.loads((tmp_path / "decode.json").read_text())
     assert record["machine"]["torch"] == torch.__version__ and record["bandwidth_gb_s"] > 0

@@ -40,9 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -93,46 +90,14 @@ seed: 0
 # --------------------------------------------------------------------------- a Ray head
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def ray_head(gpus: int, cpus: int, real_gpus: bool) -> Iterator[str]:
     """`ray start --head --num-gpus GPUS` on loopback (the first GPUS devices visible to it
-    when they are real); yields its address; stops it (Ctrl-C: `--block` then stops all)."""
-    port = _free_port()
-    temp = Path(tempfile.gettempdir()) / f"ss-{os.getpid()}-{port}"  # short: Ray's socket paths are limited
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    if real_gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
-    head = subprocess.Popen(
-        [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-         "--port", str(port), "--num-cpus", str(cpus), "--num-gpus", str(gpus), "--include-dashboard", "false",
-         "--temp-dir", str(temp)],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.time() > deadline or head.poll() is not None:
-                    raise RuntimeError(f"the Ray head (--num-gpus {gpus}) did not start") from None
-                time.sleep(0.3)
-        yield f"127.0.0.1:{port}"
-    finally:
-        head.send_signal(signal.SIGINT)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
+    when they are real); yields its address; stops it."""
+    from archspec.search.ray_head import local_ray_head
+
+    with local_ray_head(cpus=cpus, gpus=gpus, pythonpath=ROOT, visible_gpus=real_gpus) as address:
+        yield address
 
 
 # --------------------------------------------------------------------------- trials per hour

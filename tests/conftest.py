@@ -41,39 +41,10 @@ def ray_head_4_gpus():
     the CPU), shared by the tests that place trials on GPUs; its workers import `tests`.
     Yields its address. Skipped without Ray."""
     pytest.importorskip("ray")
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    temp = Path("/tmp") / f"ah4-{os.getpid()}-{port}"  # short: Ray's socket paths are limited
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    head = subprocess.Popen(
-        [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-         "--port", str(port), "--num-cpus", "4", "--num-gpus", "4", "--include-dashboard", "false", "--temp-dir", str(temp)],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.time() < deadline and head.poll() is None, "the Ray head did not start"
-                time.sleep(0.3)
-        yield f"127.0.0.1:{port}"
-    finally:
-        head.send_signal(signal.SIGINT)  # `ray start --block` stops its processes on Ctrl-C
-        try:
-            head.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
+    from archspec.search.ray_head import local_ray_head
+
+    with local_ray_head(cpus=4, gpus=4, pythonpath=Path(__file__).resolve().parents[1], start_timeout_s=60,
+                        stop_timeout_s=30) as address:
+        yield address

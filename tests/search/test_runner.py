@@ -30,6 +30,7 @@ cloudpickle = pytest.importorskip("ray.cloudpickle")
 import tests.search.cheap as cheap
 from archspec.search.cli import main
 from archspec.search.pareto import nondominated_mask, read_run
+from archspec.search.ray_head import free_port
 from archspec.search.rundir import RunDir, TrialRecord
 from archspec.search.space import load_search_spec
 from archspec.search.trial import TrialSetup, compose_spec, cost_metrics, execute_trial, make_task
@@ -408,39 +409,18 @@ def test_starting_over_an_existing_run_is_refused(tmp_path, capsys):
 # --------------------------------------------------------------------------- cluster
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cluster_mode_places_gpu_trials_on_the_head(tmp_path):
     """`ray start --head` on loopback declaring one (fake) GPU; trials that reserve a GPU
     run there, one at a time, each assigned GPU 0."""
-    port = free_port()
-    temp = Path("/tmp") / f"asr-{os.getpid()}-{port}"  # short: Ray's socket paths are limited
-    ray_bin = str(Path(PYTHON).with_name("ray"))
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(REPO)}
-    head = subprocess.Popen(
-        [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-         "--num-cpus", "2", "--num-gpus", "1", "--include-dashboard", "false", "--temp-dir", str(temp)],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    from archspec.search.ray_head import local_ray_head
+    from archspec.search.runner import run_search
+
     body = RESUMABLE.replace("budget: {trials: 6, steps: 3}", "budget: {trials: 2, steps: 3}").replace(
         "resources: {cpu: 1}", "resources: {cpu: 1, gpu: 1}")
     path = write_spec(tmp_path, body)
-    try:
-        from archspec.search.runner import run_search
-
-        deadline = time.time() + 60
-        while True:  # wait for the head to accept connections
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.time() < deadline and head.poll() is None, "the Ray head did not start"
-                time.sleep(0.5)
-        outcome = run_search(load_search_spec(path), tmp_path / "run", address=f"127.0.0.1:{port}",
+    with local_ray_head(cpus=2, gpus=1, pythonpath=REPO, start_timeout_s=60, stop_timeout_s=30) as address:
+        port = address.rsplit(":", 1)[1]
+        outcome = run_search(load_search_spec(path), tmp_path / "run", address=address,
                              train_fn=cheap.cheap_train, live=False)
         assert outcome.complete
         records = [r for r in RunDir(tmp_path / "run").read_trials() if r.status == "ok"]
@@ -452,13 +432,6 @@ def test_cluster_mode_places_gpu_trials_on_the_head(tmp_path):
         # One GPU, one trial at a time: their runs do not overlap.
         first, second = sorted(records, key=lambda r: r.started_at)
         assert first.finished_at <= second.started_at + 0.5
-    finally:
-        head.send_signal(signal.SIGINT)  # `ray start --block` stops its processes on Ctrl-C (SIGTERM takes ~30 s)
-        try:
-            head.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
 
 
 def test_an_address_where_no_ray_answers_is_refused_at_once(tmp_path, capsys):

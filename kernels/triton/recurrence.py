@@ -52,7 +52,6 @@ MAX_HEAD_DIM = 256
 # right in both (`test_small_heads_on_cuda`). Slices of 16 inside a wider block are not
 # affected (`INVERSE_BK_WITHIN_BOUND`, `SUB_CHUNK` pass the GPU check at K = 128).
 MIN_BLOCK = 32
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 GATE_CUMSUM_BK = 32  # a channel gate's columns per program of the cumulative sum (`gate.py`)
 PREPARE_BK = 64  # P's columns per slice in `prepare_kernel` without a channel gate
 INVERSE_BK = 32  # K columns per slice of the inverse's scores (16 in a channel gate's first pass)
@@ -386,7 +385,7 @@ def linear_recurrence_triton(
         # digits (1.8e-8 off at K = 48 on the H200). In float64 the queries take it here.
         q, scale = q * scale, 1.0
     K, V = q.shape[-1], v.shape[-1]
-    if q.is_cuda and q.dtype in HALF_DTYPES and (K != pow2(K) or V != pow2(V)):
+    if q.is_cuda and launch.Precision.of(q.dtype) == launch.Precision.HALF and (K != pow2(K) or V != pow2(V)):
         return _with_padded_heads(q, k, v, g, gate, beta, write_key, erase, n_h, scale, initial_state,
                                   output_final_state, cu_seqlens, chunk_size)
     return ChunkRecurrence.apply(

@@ -87,3 +87,20 @@ def test_a_refusing_peer_is_recorded_and_ours_still_timed(bench):
     assert rows["fla"].refused == "RuntimeError: the gated backward refuses on this machine"
     assert rows["fla"].tokens_per_s is None
     assert rows["ours"].refused is None and rows["ours"].tokens_per_s > 0
+
+
+def test_a_compile_worker_launches_each_config_once_and_times_nothing(monkeypatch):
+    """The warm-up workers replace the autotuner's benchmarker; Triton calls what the
+    `do_bench` property returns as `do_bench(kernel_call, quantiles=...)`, with no `self`
+    (a `self` parameter made every fla warm-up job fail with a TypeError on the H200)."""
+    from triton.runtime.autotuner import Autotuner
+
+    with benchmark_module("common") as common:
+        for name in ("prune_configs", "run", "do_bench"):
+            monkeypatch.setattr(Autotuner, name, Autotuner.__dict__[name])  # restored after the test
+        monkeypatch.delenv("FLA_CACHE_RESULTS", raising=False)  # _worker_init sets it
+        common._worker_init()
+        benchmarker = Autotuner.__dict__["do_bench"].fget(object.__new__(Autotuner))
+        launches = []
+        assert benchmarker(lambda: launches.append(1), quantiles=(0.5, 0.2, 0.8)) == [0.0, 0.0, 0.0]
+        assert launches == [1]

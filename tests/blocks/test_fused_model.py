@@ -61,22 +61,30 @@ def test_model_on_triton_pieces_equals_torch(name, packed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gdn-scalar", "kda-channel", "rwkv7-nh2-b2-channel"])
 def test_gpu_model_in_autocast_triton_equals_torch(name):
-    """bf16 autocast with float32 weights on CUDA: the fused model against plain torch."""
+    """bf16 autocast with float32 weights on CUDA: the fused model against plain torch.
+
+    Both autocast runs are compared with the same model in float32 without autocast (torch
+    path): per parameter, the fused path's gradient error (relative Frobenius) must be at
+    most twice plain torch's, plus 1e-2. Two bfloat16 computations differ by their own
+    roundings: on the H200 the embedding's gradient of gdn-scalar was 3.3e-2 apart between
+    the two, which says nothing about which is off; a wrong kernel is off by O(1)."""
     torch.manual_seed(4)
     plan = model_plan(COMBINATIONS[name], layers=2, d_model=256, vocab_size=1000)
     model = build_model(plan).cuda()
     ids = torch.randint(0, 1000, (2, 512), device="cuda")
     labels = torch.roll(ids, -1, 1)
     results = {}
-    for backend in ("torch", "triton"):
+    for run, backend, autocast in (("float32", "torch", False), ("torch", "torch", True), ("triton", "triton", True)):
         model.set_backend(backend)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(ids, labels=labels)
-        results[backend] = [loss, *torch.autograd.grad(loss, list(model.parameters()))]
-    torch.testing.assert_close(results["triton"][0], results["torch"][0], atol=2e-2, rtol=2e-2)
-    # relative Frobenius error per parameter's gradient, the GPU check's bfloat16 bound; the
-    # largest element's difference over the largest element was 0.0504 on the H200 for
-    # gdn-scalar (two bfloat16 computations, each off by its own rounding)
-    for (pname, _), a, b in zip(model.named_parameters(), results["triton"][1:], results["torch"][1:]):
-        err = ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12)).item()
-        assert err < 2e-2, f"{pname}: gradient {err:.2e} off"
+        results[run] = [loss, *torch.autograd.grad(loss, list(model.parameters()))]
+    torch.testing.assert_close(results["triton"][0], results["float32"][0], atol=2e-2, rtol=2e-2)
+
+    def error(run: str, i: int) -> float:
+        a, ref = results[run][i].double(), results["float32"][i].double()
+        return ((a - ref).norm() / ref.norm().clamp(min=1e-12)).item()
+
+    for i, (pname, _) in enumerate(model.named_parameters(), start=1):
+        fused, plain = error("triton", i), error("torch", i)
+        assert fused <= 2 * plain + 1e-2, f"{pname}: gradient {fused:.2e} off float32, plain torch's {plain:.2e}"

@@ -62,13 +62,18 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(plan.d_model, eps=plan.norm_eps) if plan.mlp != "none" else None
         self.mlp = MLP(plan.mlp, plan.d_model, plan.mlp_ratio) if plan.mlp != "none" else None
 
-    def forward(self, x: Tensor, state: LayerState | None, return_state: bool,
-                cu_seqlens: Tensor | None = None) -> tuple[Tensor, LayerState | None]:
-        h, state = self.mixer(self.mixer_norm(x), state, return_state, cu_seqlens=cu_seqlens)
-        x = x + h
-        if self.mlp is not None:
-            x = x + self.mlp(self.mlp_norm(x))
-        return x, state
+    def forward(self, x: Tensor, state: LayerState | None, return_state: bool, cu_seqlens: Tensor | None = None,
+                pending: Tensor | None = None) -> tuple[Tensor, Tensor, LayerState | None]:
+        """(residual stream, this block's last output, layer state). `pending` is the block
+        before's last output, not yet added to the stream `x`: every addition to the stream
+        is fused into the norm that reads the sum (`RMSNorm.add`), as fla's models do, so
+        the caller adds the returned output with its next norm."""
+        y, x = self.mixer_norm.add(x, pending)
+        h, state = self.mixer(y, state, return_state, cu_seqlens=cu_seqlens)
+        if self.mlp is None:
+            return x, h, state
+        y, x = self.mlp_norm.add(x, h)
+        return x, self.mlp(y), state
 
     def step(self, x: Tensor, state: DecodeState) -> Tensor:
         """One token `[B, 1, d_model]`, the layer's state updated in place."""
@@ -155,12 +160,12 @@ class LanguageModel(nn.Module):
         prompt's last token only."""
         if cu_seqlens is not None:
             _check_packed(input_ids, cu_seqlens)
-        x = self.embed(input_ids)
+        x, pending = self.embed(input_ids), None
         new_state = []
         for i, block in enumerate(self.blocks):
-            x, layer_state = block(x, None if state is None else state[i], return_state, cu_seqlens)
+            x, pending, layer_state = block(x, None if state is None else state[i], return_state, cu_seqlens, pending)
             new_state.append(layer_state)
-        return self.norm(x), new_state
+        return self.norm.add(x, pending)[0], new_state
 
     def decode_state(self, state: list, capacity: int | None = None) -> list[DecodeState]:
         """A copy of `state` that `step` updates in place (tensors of its own, contiguous):

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from archspec.kernels import rms_norm
+from archspec.kernels import add_rms_norm, rms_norm
 from archspec.kernels.fused import compute_dtype
 
 Tensor = torch.Tensor
@@ -35,6 +35,11 @@ class RMSNorm(nn.RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, eps=self.eps, out_dtype=compute_dtype(x), backend=self.fused_backend)
+
+    def add(self, x: Tensor, h: Tensor | None) -> tuple[Tensor, Tensor]:
+        """A pre-norm's residual step: `(self(x + h), x + h)` (`h` None: `(self(x), x)`),
+        the addition fused into the norm's kernels on CUDA."""
+        return add_rms_norm(x, h, self.weight, eps=self.eps, out_dtype=compute_dtype(x), backend=self.fused_backend)
 
 
 class GatedRMSNorm(nn.Module):

@@ -2,21 +2,24 @@
 
 Imports only torch (and triton, lazily, for the Triton backend): no pydantic, so this
 package runs on a bare GPU machine. Beside the recurrence, the fused pieces of a training
-step (`kernels/fused.py`): linear cross-entropy, gated RMSNorm, short conv.
+step (`kernels/fused.py`): linear cross-entropy, gated RMSNorm, short conv, SwiGLU.
 """
 
 from .api import BACKENDS, decode_step, linear_recurrence, osdn_write_keys, register_backend, resolve_backend
 from .linear_ce import IGNORE_INDEX, linear_cross_entropy
 from .naive import decode_step_naive, linear_recurrence_naive, osdn_write_keys_naive, recurrence_step
-from .rms_norm import rms_norm
+from .rms_norm import add_rms_norm, rms_norm
 from .short_conv import conv_tails, short_conv
+from .swiglu import swiglu_linear
 
 __all__ = [
     "IGNORE_INDEX",
     "conv_tails",
     "linear_cross_entropy",
     "rms_norm",
+    "add_rms_norm",
     "short_conv",
+    "swiglu_linear",
     "BACKENDS",
     "linear_recurrence",
     "decode_step",

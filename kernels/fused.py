@@ -5,6 +5,7 @@
 - `short_conv.short_conv`: the causal depthwise convolution with its SiLU (and the
   per-head L2 normalisation of the streams that need unit keys), packed documents and
   carried tails.
+- `swiglu.swiglu_linear`: SwiGLU's down projection, the product recomputed in the backward.
 
 Each has a plain torch path (the definition, and what runs on the CPU) and a Triton path
 in `kernels/triton/`; `backend="auto"` takes Triton on CUDA tensors and torch elsewhere,

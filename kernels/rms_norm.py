@@ -6,6 +6,9 @@ DeltaNet's read-out) or `sigmoid` (KDA's), as flash-linear-attention's `FusedRMS
 `rms_norm(..., backend="auto")` runs `kernels/triton/rms_norm.py`, one kernel forward and
 one backward that recomputes the normalised rows instead of saving them.
 
+`add_rms_norm` is a pre-norm block's residual step, `(RMSNorm(x + h), x + h)`, the
+addition fused into the same kernels (forward and backward) on CUDA.
+
 The output dtype is the caller's (`out_dtype`): under bfloat16 autocast the norm writes
 bfloat16 rows for the projection that reads them, so the float32 residual stream is read
 once and no float32 copy of the normalised rows is kept for the backward.
@@ -44,7 +47,7 @@ class _RMSNormTriton(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
         g2 = None if gate is None else gate.reshape(-1, shape[-1]).contiguous()
-        y, rstd = rms_norm_forward_triton(x2, weight.contiguous(), g2, eps, activation, out_dtype)
+        y, rstd, _ = rms_norm_forward_triton(x2, weight.contiguous(), g2, eps, activation, out_dtype)
         ctx.save_for_backward(x2, weight, g2, rstd)
         ctx.activation, ctx.shape = activation, shape
         return y.reshape(shape)
@@ -54,7 +57,7 @@ class _RMSNormTriton(torch.autograd.Function):
         from .triton.rms_norm import rms_norm_backward_triton
 
         x2, weight, g2, rstd = ctx.saved_tensors
-        dx, dgate, dw = rms_norm_backward_triton(
+        dx, dgate, dw, _ = rms_norm_backward_triton(
             x2, weight.contiguous(), g2, rstd, dy.reshape(x2.shape).contiguous(), ctx.activation
         )
         shape = ctx.shape
@@ -79,3 +82,51 @@ def rms_norm(x: Tensor, weight: Tensor, gate: Tensor | None = None, *, eps: floa
     if resolve_fused_backend(backend, x.device) == "triton":
         return _RMSNormTriton.apply(x, weight, gate, eps, activation, out_dtype)
     return rms_norm_ref(x, weight, gate, eps=eps, activation=activation, out_dtype=out_dtype)
+
+
+class _AddRMSNormTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, h: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype):
+        from .triton.rms_norm import rms_norm_forward_triton
+
+        shape = x.shape
+        residual_dtype = torch.promote_types(x.dtype, h.dtype)
+        y, rstd, r = rms_norm_forward_triton(x.reshape(-1, shape[-1]).contiguous(), weight.contiguous(), None, eps,
+                                             "none", out_dtype, h=h.reshape(-1, shape[-1]).contiguous(),
+                                             residual_dtype=residual_dtype)
+        ctx.save_for_backward(r, weight, rstd)
+        ctx.shape, ctx.x_dtype, ctx.h_dtype = shape, x.dtype, h.dtype
+        return y.reshape(shape), r.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor | None, d_residual: Tensor | None):
+        from .triton.rms_norm import rms_norm_backward_triton
+
+        r, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros(r.shape, device=r.device, dtype=r.dtype)
+        dr = None if d_residual is None else d_residual.reshape(r.shape).to(r.dtype).contiguous()
+        dx, _, dw, dh = rms_norm_backward_triton(r, weight.contiguous(), None, rstd, dy.reshape(r.shape).contiguous(),
+                                                 "none", d_residual=dr, h_dtype=ctx.h_dtype)
+        shape = ctx.shape
+        return dx.to(ctx.x_dtype).reshape(shape), dh.reshape(shape), dw.to(weight.dtype), None, None
+
+
+def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, *, eps: float = 1e-6,
+                 out_dtype: torch.dtype | None = None, backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """A pre-norm block's residual step: `(rms_norm(x + h), x + h)`, or `(rms_norm(x), x)`
+    without `h`. `x + h` takes torch's promoted dtype (float32 for a float32 stream and a
+    bfloat16 `h`); `y` is in `out_dtype` (default that dtype). On CUDA the addition is fused
+    into the norm, forward and backward."""
+    if h is None:
+        return rms_norm(x, weight, eps=eps, out_dtype=out_dtype, backend=backend), x
+    if h.shape != x.shape:
+        raise ValueError(f"add_rms_norm: h must have x's shape {tuple(x.shape)}, got {tuple(h.shape)}")
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"add_rms_norm: weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
+    residual_dtype = torch.promote_types(x.dtype, h.dtype)
+    out_dtype = out_dtype or residual_dtype
+    if resolve_fused_backend(backend, x.device) == "triton":
+        return _AddRMSNormTriton.apply(x, h, weight, eps, out_dtype)
+    r = x + h
+    return rms_norm_ref(r, weight, eps=eps, out_dtype=out_dtype), r

@@ -180,12 +180,22 @@ RMS_NORM_LAUNCH = RMSNormLaunch()
 
 
 @dataclass(frozen=True)
+class SwiGLULaunch:
+    """Elements per program of SwiGLU's elementwise kernels: 4 warps with 8 elements a
+    thread, one 16-byte load of bfloat16 per tensor and thread."""
+
+    block: int = 1024
+    num_warps: int = 4
+
+
+SWIGLU_LAUNCH = SwiGLULaunch()
+
+
+@dataclass(frozen=True)
 class ShortConvLaunch:
-    """Tokens and channels per program. The backward holds several `[BT, BC]` float32
-    tiles at once (z, dy, dz and a shifted one), so it takes half the forward's tokens."""
+    """Tokens and channels per program, forward and both backward passes alike."""
 
     block_t: int = 64
-    backward_block_t: int = 32
     block_c: int = 64  # without normalisation; with it, one head (the next power of two)
     num_warps: int = 4
 

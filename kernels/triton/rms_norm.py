@@ -6,6 +6,12 @@ one head's features, or the model width); the backward recomputes `x * rstd` and
 gate's activation from `x`, the gate and the saved `rstd` (one float per row) instead of
 saving the normalised rows, and sums the weight's gradient per program (a `[programs, D]`
 float32 buffer that the host reduces).
+
+A block's pre-norm also takes the residual stream's addition (`ADD`): it reads `x` and the
+sub-block output `h`, writes `x + h` (the stream, float32 under autocast) and its
+normalised rows; the backward adds the stream's own gradient to the norm's and writes it
+again in `h`'s dtype, as flash-linear-attention's fused add-and-norm does. Unfused, that
+is a float32 add forward, and an add and a cast backward, each a pass over the stream.
 """
 
 from __future__ import annotations
@@ -37,14 +43,19 @@ def _gate_act(gate, ACT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def rms_norm_forward_kernel(
-    x, gate, w, y, rstd, M, eps,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, ACT: tl.constexpr, ACC: tl.constexpr,
+    x, h, residual, gate, w, y, rstd, M, eps,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, ACT: tl.constexpr, ADD: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < M) & (cols[None, :] < D)
     offs = rows[:, None].to(tl.int64) * D + cols[None, :]
     xr = tl.load(x + offs, mask=mask, other=0.0).to(ACC)
+    if ADD:  # the residual stream's sum `x + h`, written out and normalised
+        xr += tl.load(h + offs, mask=mask, other=0.0).to(ACC)
+        xr = xr.to(residual.dtype.element_ty).to(ACC)
+        tl.store(residual + offs, xr.to(residual.dtype.element_ty), mask=mask)
     r = 1.0 / tl.sqrt(tl.sum(xr * xr, 1) / D + eps)
     wr = tl.load(w + cols, mask=cols < D, other=0.0).to(ACC)
     out = xr * r[:, None] * wr[None, :]
@@ -57,8 +68,9 @@ def rms_norm_forward_kernel(
 
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def rms_norm_backward_kernel(
-    x, gate, w, rstd, dy, dx, dgate, dw_partial, M, rows_per_program,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, ACT: tl.constexpr, ACC: tl.constexpr,
+    x, gate, w, rstd, dy, d_residual, dx, dh, dgate, dw_partial, M, rows_per_program,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, ACT: tl.constexpr, ADD_GRAD: tl.constexpr,
+    H_GRAD: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -90,7 +102,12 @@ def rms_norm_backward_kernel(
         dxhat = dyr * wr[None, :]
         # d/dx of x * rstd(x): rstd * (dxhat - xhat * mean(dxhat * xhat))
         c = tl.sum(dxhat * xhat, 1) / D
-        tl.store(dx + offs, (r[:, None] * (dxhat - xhat * c[:, None])).to(dx.dtype.element_ty), mask=mask)
+        dxr = r[:, None] * (dxhat - xhat * c[:, None])
+        if ADD_GRAD:  # the residual stream's own gradient joins the norm's
+            dxr += tl.load(d_residual + offs, mask=mask, other=0.0).to(ACC)
+        tl.store(dx + offs, dxr.to(dx.dtype.element_ty), mask=mask)
+        if H_GRAD:  # `x + h`: h's gradient is x's, in h's dtype
+            tl.store(dh + offs, dxr.to(dh.dtype.element_ty), mask=mask)
     tl.store(dw_partial + pid * D + cols, dw_acc, mask=col_ok)
 
 
@@ -106,32 +123,38 @@ def _block_rows(D: int, launch: RMSNormLaunch) -> tuple[int, int]:
 
 def rms_norm_forward_triton(
     x: Tensor, weight: Tensor, gate: Tensor | None, eps: float, activation: str, out_dtype: torch.dtype,
-    launch: RMSNormLaunch = RMS_NORM_LAUNCH,
-) -> tuple[Tensor, Tensor]:
-    """`x`, `gate` `[M, D]` contiguous, `weight` `[D]` -> (`y` `[M, D]` in `out_dtype`, `rstd` `[M]`
-    float32, float64 for float64 `x`)."""
+    launch: RMSNormLaunch = RMS_NORM_LAUNCH, h: Tensor | None = None, residual_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`x`, `gate`, `h` `[M, D]` contiguous, `weight` `[D]` -> (`y` `[M, D]` in `out_dtype`,
+    `rstd` `[M]` float32 (float64 for float64 `x`), the normalised rows `x + h` in
+    `residual_dtype`, or `x` itself without `h`)."""
     M, D = x.shape
-    acc, acc_tl = _acc(x.dtype)
+    acc, acc_tl = _acc(x.dtype if h is None else residual_dtype)
     y = torch.empty(M, D, device=x.device, dtype=out_dtype)
     rstd = torch.empty(M, device=x.device, dtype=acc)
+    residual = x if h is None else torch.empty(M, D, device=x.device, dtype=residual_dtype)
     if M == 0:
-        return y, rstd
+        return y, rstd, residual
     block_d, block_rows = _block_rows(D, launch)
     act = ACTIVATIONS[activation]
     rms_norm_forward_kernel[(triton.cdiv(M, block_rows),)](
-        x, x if gate is None else gate, weight, y, rstd, M, float(eps),
-        D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, ACT=act, ACC=acc_tl, num_warps=launch.num_warps,
+        x, x if h is None else h, residual, x if gate is None else gate, weight, y, rstd, M, float(eps),
+        D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, ACT=act, ADD=h is not None, ACC=acc_tl, num_warps=launch.num_warps,
     )
-    return y, rstd
+    return y, rstd, residual
 
 
 def rms_norm_backward_triton(
     x: Tensor, weight: Tensor, gate: Tensor | None, rstd: Tensor, dy: Tensor, activation: str,
-    launch: RMSNormLaunch = RMS_NORM_LAUNCH,
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """(`dx` like `x`, `dgate` like `gate` or None, `dweight` `[D]` in the accumulation dtype)."""
+    launch: RMSNormLaunch = RMS_NORM_LAUNCH, d_residual: Tensor | None = None, h_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+    """(`dx` like `x`, `dgate` like `gate` or None, `dweight` `[D]` in the accumulation
+    dtype, `dh` in `h_dtype` or None). `x` is the normalised rows; `d_residual` (like `x`),
+    the gradient that reaches them from elsewhere (the residual stream), is added to `dx`;
+    with `h_dtype`, `dh` is that sum again in `h_dtype` (the rows were `x + h`)."""
     M, D = x.shape
     dx = torch.empty_like(x)
+    dh = None if h_dtype is None else torch.empty(M, D, device=x.device, dtype=h_dtype)
     dgate = None if gate is None else torch.empty_like(gate)
     if x.device.type == "cuda":
         programs = torch.cuda.get_device_properties(x.device).multi_processor_count * launch.backward_programs_per_sm
@@ -143,7 +166,9 @@ def rms_norm_backward_triton(
     dw_partial = torch.empty(programs, D, device=x.device, dtype=acc)
     block_d, block_rows = _block_rows(D, launch)
     rms_norm_backward_kernel[(programs,)](
-        x, x if gate is None else gate, weight, rstd, dy, dx, dx if dgate is None else dgate, dw_partial, M, rows_per_program,
-        D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, ACT=ACTIVATIONS[activation], ACC=acc_tl, num_warps=launch.num_warps,
+        x, x if gate is None else gate, weight, rstd, dy, dx if d_residual is None else d_residual, dx,
+        dx if dh is None else dh, dx if dgate is None else dgate, dw_partial, M, rows_per_program,
+        D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, ACT=ACTIVATIONS[activation], ADD_GRAD=d_residual is not None,
+        H_GRAD=dh is not None, ACC=acc_tl, num_warps=launch.num_warps,
     )
-    return dx, dgate, dw_partial.sum(0)
+    return dx, dgate, dw_partial.sum(0), dh

@@ -4,11 +4,13 @@ normalisation that unit keys need), forward and backward, recomputing the pre-ac
 `z[t, c] = sum_j w[c, j] * x[t - (W-1) + j, c]`, reading the sequence's carried tail (or
 zeros) before its first token and never across a document boundary of a packed batch;
 `y = normalize(silu(z))`. The backward recomputes `z` (and the norm) from `x` instead of
-saving it: a program owns a tile of output positions, forms `dz` there for the weight's
-gradient, and `dx[t] = sum_i w[c, W-1-i] * dz[t+i]`, recomputing `dz` at the `W-1`
-positions after the tile (W-1 extra taps of a tile already in cache). The weight's
-gradient is summed per program into a float32 `[programs, C, W]` buffer; the tail's (only
-when decoding with gradients) is left to the caller (`kernels/short_conv.py`).
+saving it, in two passes: the first forms `dz` at each tile of positions (into a float32
+`[B, T, C]` buffer) and the weight's gradient there; the second reads `dz` back for
+`dx[t] = sum_i w[c, W-1-i] * dz[t+i]`. (One pass that recomputed `dz` at the `W-1`
+positions after its tile loaded x W*W + 2W times a tile; on the H200 it took 7x the
+forward's time.) The weight's gradient is summed per program into a float32
+`[programs, C, W]` buffer; the tail's (only when decoding with gradients) is left to the
+caller (`kernels/short_conv.py`).
 
 Layout: `x`, `y` `[B, T, C]` contiguous; with `cu_seqlens` B is 1 and `starts[t]` /
 `docs[t]` give each token's document start and index. With normalisation a program's
@@ -116,30 +118,45 @@ def short_conv_forward_kernel(
 
 
 @triton.jit(do_not_specialize=["T"])
-def short_conv_backward_kernel(
-    x, w, tail, starts, docs, dy, dx, dw_partial, T, C, eps,
+def short_conv_dz_kernel(
+    x, w, tail, starts, docs, dy, dz, dw_partial, T, C, eps,
     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HEAD: tl.constexpr,
     ACT: tl.constexpr, NORM: tl.constexpr, HAS_TAIL: tl.constexpr, VARLEN: tl.constexpr, ACC: tl.constexpr,
 ):
+    """`dz` at this tile (z recomputed from x) into a float32 buffer, and the weight's
+    gradient summed over the tile: tap j meets `dz[t] * input[t - (W-1) + j]`."""
     i_t, i_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     tt, tok_ok, cc, ch_ok, start, doc = _tile(i_t, i_c, b, starts, docs, T, C, BT, BC, HEAD, NORM, VARLEN)
-    dz = _dz_at(x, w, tail, dy, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, eps, W, BT, BC, ACT, NORM, HAS_TAIL, ACC)
-
-    # The weight's gradient from this tile's outputs: tap j meets dz[t] * input[t - (W-1) + j].
+    g = _dz_at(x, w, tail, dy, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, eps, W, BT, BC, ACT, NORM, HAS_TAIL, ACC)
+    m = tok_ok[:, None] & ch_ok[None, :]
+    tl.store(dz + (b * T + tt).to(tl.int64)[:, None] * C + cc[None, :], g, mask=m)
     part = ((b * tl.num_programs(0) + i_t) * C + cc) * W
     for j in tl.static_range(W):
         xj = _tap(x, tail, b, tt, cc, tok_ok, ch_ok, start, doc, T, C, j, W, HAS_TAIL, ACC)
-        tl.store(dw_partial + part + j, tl.sum(dz * xj, 0), mask=ch_ok)
+        tl.store(dw_partial + part + j, tl.sum(g * xj, 0), mask=ch_ok)
 
-    # The input's: x[t] feeds z[t + i] through tap W-1-i, within its own sequence.
-    acc = dz * tl.load(w + cc * W + (W - 1), mask=ch_ok, other=0.0).to(ACC)[None, :]
-    for i in tl.static_range(1, W):
+
+@triton.jit(do_not_specialize=["T"])
+def short_conv_dx_kernel(
+    w, starts, dz, dx, T, C,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, VARLEN: tl.constexpr, ACC: tl.constexpr,
+):
+    """`dx[t] = sum_i w[W-1-i] * dz[t+i]` over the positions `t+i` of x's own sequence."""
+    i_t, i_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tt = i_t * BT + tl.arange(0, BT)
+    cc = i_c * BC + tl.arange(0, BC)
+    tok_ok, ch_ok = tt < T, cc < C
+    if VARLEN:
+        start = tl.load(starts + tt, mask=tok_ok, other=0)
+    acc = tl.zeros([BT, BC], dtype=ACC)
+    for i in tl.static_range(W):
         t2 = tt + i
         ok2 = tok_ok & (t2 < T)
         if VARLEN:
             ok2 = ok2 & (tl.load(starts + t2, mask=ok2, other=-1) == start)
-        dz2 = _dz_at(x, w, tail, dy, b, t2, cc, ok2, ch_ok, start, doc, T, C, eps, W, BT, BC, ACT, NORM, HAS_TAIL, ACC)
-        acc += dz2 * tl.load(w + cc * W + (W - 1 - i), mask=ch_ok, other=0.0).to(ACC)[None, :]
+        d = tl.load(dz + (b * T + t2).to(tl.int64)[:, None] * C + cc[None, :], mask=ok2[:, None] & ch_ok[None, :],
+                    other=0.0).to(ACC)
+        acc += d * tl.load(w + cc * W + (W - 1 - i), mask=ch_ok, other=0.0).to(ACC)[None, :]
     m = tok_ok[:, None] & ch_ok[None, :]
     tl.store(dx + (b * T + tt).to(tl.int64)[:, None] * C + cc[None, :], acc.to(dx.dtype.element_ty), mask=m)
 
@@ -186,13 +203,19 @@ def short_conv_backward_triton(
     dx = torch.empty_like(x)
     if T == 0:
         return dx, torch.zeros(C, W, device=x.device, dtype=_acc(x.dtype)[0])
-    grid, block_c = _grid_shape(T, C, B, head, launch.backward_block_t, launch)
+    grid, block_c = _grid_shape(T, C, B, head, launch.block_t, launch)
     acc, acc_tl = _acc(x.dtype)
+    dz = torch.empty(B, T, C, device=x.device, dtype=acc)
     dw_partial = torch.empty(B * grid[0], C, W, device=x.device, dtype=acc)
-    short_conv_backward_kernel[grid](
-        x, w, x if tail is None else tail, x if starts is None else starts, x if docs is None else docs, dy, dx, dw_partial,
+    short_conv_dz_kernel[grid](
+        x, w, x if tail is None else tail, x if starts is None else starts, x if docs is None else docs, dy, dz, dw_partial,
         T, C, float(eps),
-        W=W, BT=launch.backward_block_t, BC=block_c, HEAD=max(head, 1), ACT=activation, NORM=head > 0,
+        W=W, BT=launch.block_t, BC=block_c, HEAD=max(head, 1), ACT=activation, NORM=head > 0,
         HAS_TAIL=tail is not None, VARLEN=starts is not None, ACC=acc_tl, num_warps=launch.num_warps,
+    )
+    dx_grid, dx_block_c = _grid_shape(T, C, B, 0, launch.block_t, launch)
+    short_conv_dx_kernel[dx_grid](
+        w, x if starts is None else starts, dz, dx, T, C,
+        W=W, BT=launch.block_t, BC=dx_block_c, VARLEN=starts is not None, ACC=acc_tl, num_warps=launch.num_warps,
     )
     return dx, dw_partial.sum(0)

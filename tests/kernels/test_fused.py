@@ -2,9 +2,11 @@
 gradient.
 
 - Linear cross-entropy: against `F.cross_entropy` on the full float64 logits.
-- RMSNorm (plain, SiLU- and sigmoid-gated): against the formula written out in float64.
+- RMSNorm (plain, SiLU- and sigmoid-gated): against the formula written out in float64;
+  with the residual stream's addition fused in, against the sum and the formula.
 - Short conv + SiLU (+ per-head L2 norm): against a loop over each sequence on its own,
   with carried tails and packed documents.
+- SwiGLU's down projection: against `(g * sigmoid(g) * u) @ W^T` written out in float64.
 
 Both paths are compared in float64 (the Triton kernels accumulate in float64 for float64
 inputs, as the chunk kernels do; the interpreter runs them on the CPU at small shapes),
@@ -18,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from archspec.kernels import linear_cross_entropy, rms_norm, short_conv
+from archspec.kernels import add_rms_norm, linear_cross_entropy, rms_norm, short_conv, swiglu_linear
 from archspec.kernels.linear_ce import IGNORE_INDEX, softmax_ce_grad_
 from archspec.kernels.short_conv import conv_tails
 
@@ -128,6 +130,47 @@ def test_rms_norm_equals_definition(backend, dtype, activation, D):
         torch.testing.assert_close(g.double(), r, **_tol(backend, dtype))
 
 
+@pytest.mark.parametrize("backend,dtype", PATHS)
+@pytest.mark.parametrize("residual_used", [True, False])  # the last block's sum feeds only the final norm
+def test_add_rms_norm_equals_the_sum_and_the_definition(backend, dtype, residual_used):
+    gen = torch.Generator().manual_seed(3)
+    x, h = (torch.randn(3, 7, 12, generator=gen, dtype=dtype, requires_grad=True) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(12, generator=gen, dtype=dtype)).requires_grad_()
+    y, r = add_rms_norm(x, h, w, eps=1e-5, backend=backend)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (x, h, w)]
+    ref_r = ref_inputs[0] + ref_inputs[1]
+    ref_y = _rms_norm_definition(ref_r, ref_inputs[2], None, "none", 1e-5)
+    dy = torch.randn(ref_y.shape, generator=gen, dtype=torch.float64)
+    dr = torch.randn(ref_r.shape, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(y.double(), ref_y, **_tol(backend, dtype))
+    torch.testing.assert_close(r.double(), ref_r, **_tol(backend, dtype))
+    outs, ref_outs = ([y, r], [ref_y, ref_r]) if residual_used else ([y], [ref_y])
+    loss = sum((o * d.to(dtype)).sum() for o, d in zip(outs, [dy, dr]))
+    ref_loss = sum((o * d).sum() for o, d in zip(ref_outs, [dy, dr]))
+    for g, want in zip(_grads(loss, [x, h, w]), _grads(ref_loss, ref_inputs)):
+        torch.testing.assert_close(g.double(), want, **_tol(backend, dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_add_rms_norm_keeps_a_float32_stream_beside_a_bfloat16_output(backend):
+    """Under autocast the stream is float32, the sub-block's output and the normalised rows
+    bfloat16: the sum is float32 and each gradient comes back in its input's dtype."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 16, generator=gen, requires_grad=True)
+    h = torch.randn(2, 5, 16, generator=gen).bfloat16().requires_grad_()
+    w = torch.ones(16, requires_grad=True)
+    y, r = add_rms_norm(x, h, w, out_dtype=torch.bfloat16, backend=backend)
+    assert (y.dtype, r.dtype) == (torch.bfloat16, torch.float32)
+    torch.testing.assert_close(r, x.detach() + h.detach().float(), atol=0, rtol=0)
+    grads = _grads(y.float().sum() + r.sum(), [x, h, w])
+    assert [g.dtype for g in grads] == [torch.float32, torch.bfloat16, torch.float32]
+    ref = [x.detach().double().requires_grad_(), h.detach().double().requires_grad_(), w.detach().double().requires_grad_()]
+    ref_r = ref[0] + ref[1]
+    for g, want in zip(grads, _grads(_rms_norm_definition(ref_r, ref[2], None, "none", 1e-6).sum() + ref_r.sum(), ref)):
+        torch.testing.assert_close(g.double(), want, atol=3e-2, rtol=3e-2)
+    assert add_rms_norm(x, None, w, backend=backend)[1] is x  # nothing to add: the stream as it is
+
+
 def test_rms_norm_writes_the_requested_dtype_and_refuses_bad_gates():
     x, w = torch.randn(2, 8), torch.ones(8)
     assert rms_norm(x, w, out_dtype=torch.bfloat16, backend="triton").dtype == torch.bfloat16
@@ -224,6 +267,63 @@ def test_short_conv_refuses_bad_shapes():
 # --------------------------------------------------------------------------- on CUDA
 
 
+# --------------------------------------------------------------------------- SwiGLU
+
+
+def _swiglu_definition(gate, up, weight):
+    return (gate / (1 + torch.exp(-gate)) * up) @ weight.T
+
+
+def _swiglu_inputs(shape, out, dtype, device="cpu", seed=4):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    gate = (2 * torch.randn(*shape, generator=gen, device=device)).to(dtype).requires_grad_()
+    up = torch.randn(*shape, generator=gen, device=device).to(dtype).requires_grad_()
+    weight = (shape[-1] ** -0.5 * torch.randn(out, shape[-1], generator=gen, device=device)).to(dtype).requires_grad_()
+    return [gate, up, weight]
+
+
+@pytest.mark.parametrize("backend,dtype", PATHS)
+def test_swiglu_linear_equals_definition(backend, dtype):
+    inputs = _swiglu_inputs((3, 7, 1100), 5, dtype)  # 1100: more than one block, the last one partial
+    y = swiglu_linear(*inputs, backend=backend)
+    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    ref = _swiglu_definition(*ref_inputs)
+    dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.double(), ref, **_tol(backend, dtype))
+    for g, r in zip(_grads(y, inputs, dy.to(dtype)), _grads(ref, ref_inputs, dy)):
+        torch.testing.assert_close(g.double(), r, **_tol(backend, dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_swiglu_linear_under_autocast_multiplies_in_bfloat16_and_keeps_the_gradients_dtypes(backend):
+    """Under CPU autocast the product and the matmuls are bfloat16 (what autocast's own
+    linear would give), the gradients come back in each input's dtype. (The interpreter
+    rounds float32 to bfloat16 differently from torch: the Triton path is compared within
+    bfloat16's error, the torch path exactly.)"""
+    gate, up, weight = _swiglu_inputs((2, 5, 64), 8, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = swiglu_linear(gate, up, weight, backend=backend)
+    assert y.dtype == torch.bfloat16
+    product = (F.silu(gate.detach()) * up.detach()).bfloat16()
+    want = F.linear(product, weight.detach().bfloat16())
+    if backend == "torch":
+        torch.testing.assert_close(y, want, atol=0, rtol=0)
+    assert ((y.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+    grads = _grads(y.float().sum(), [gate, up, weight])
+    assert [g.dtype for g in grads] == [torch.float32] * 3
+    ref = [t.detach().double().requires_grad_() for t in (gate, up, weight)]
+    for g, r in zip(grads, _grads(_swiglu_definition(*ref).sum(), ref)):
+        torch.testing.assert_close(g.double(), r, atol=3e-2 * r.abs().max().item(), rtol=3e-2)
+
+
+def test_swiglu_linear_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match="gate .* and up .* must match"):
+        swiglu_linear(torch.randn(2, 4), torch.randn(2, 5), torch.randn(3, 4))
+    with pytest.raises(ValueError, match="weight's 4 columns"):
+        swiglu_linear(torch.randn(2, 5), torch.randn(2, 5), torch.randn(3, 4))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_linear_cross_entropy_kernel_equals_torch(dtype):
@@ -280,6 +380,37 @@ def test_gpu_short_conv_kernel_equals_torch(dtype, packed, with_tail, head_dim, 
     for a, b in zip(*results):
         # The weight's gradient sums over B*T tokens: compare relative to its size.
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2 * max(1.0, b.float().abs().max().item() / 10), rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_swiglu_kernel_equals_torch(dtype):
+    inputs = _swiglu_inputs((8, 2048, 2730), 1024, dtype, device="cuda")  # the issue's MLP: 16,384 tokens
+    dy = torch.randn(8, 2048, 1024, device="cuda", dtype=dtype, generator=torch.Generator(device="cuda").manual_seed(1))
+    results = []
+    for backend in BACKENDS:
+        y = swiglu_linear(*inputs, backend=backend)
+        results.append([y, *_grads(y, inputs, dy)])
+    for a, b in zip(*results):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < (1e-2 if dtype == torch.bfloat16 else 1e-5), rel
+
+
+@pytest.mark.gpu
+def test_gpu_add_rms_norm_kernel_equals_torch():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8, 2048, 1024, device="cuda", generator=gen).requires_grad_()
+    h = torch.randn(8, 2048, 1024, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = (1 + 0.1 * torch.randn(1024, device="cuda", generator=gen)).requires_grad_()
+    dy = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dr = torch.randn(x.shape, device="cuda", generator=gen)
+    results = []
+    for backend in BACKENDS:
+        y, r = add_rms_norm(x, h, w, out_dtype=torch.bfloat16, backend=backend)
+        results.append([y, r, *_grads((y.float() * dy).sum() + (r * dr).sum(), [x, h, w])])
+    for a, b in zip(*results):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 1e-2, rel
 
 
 def test_linear_cross_entropy_without_grad_gives_the_loss_alone():

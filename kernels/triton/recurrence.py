@@ -385,26 +385,44 @@ def linear_recurrence_triton(
         # digits (1.8e-8 off at K = 48 on the H200). In float64 the queries take it here.
         q, scale = q * scale, 1.0
     K, V = q.shape[-1], v.shape[-1]
-    if q.is_cuda and launch.Precision.of(q.dtype) == launch.Precision.HALF and (K != pow2(K) or V != pow2(V)):
+    padded = half_precision_head_dims(K, V)
+    if q.is_cuda and launch.Precision.of(q.dtype) == launch.Precision.HALF and padded != (K, V):
         return _with_padded_heads(q, k, v, g, gate, beta, write_key, erase, n_h, scale, initial_state,
-                                  output_final_state, cu_seqlens, chunk_size)
+                                  output_final_state, cu_seqlens, chunk_size, padded)
     return ChunkRecurrence.apply(
         q, k, v, g, gate, beta, write_key, erase, initial_state, scale, n_h, output_final_state, cu_seqlens, chunk_size
     )
 
 
-def _with_padded_heads(q, k, v, g, gate: Gate, beta, write_key, erase, n_h: int, scale: float, initial_state,
-                       output_final_state: bool, cu_seqlens, chunk_size) -> tuple[Tensor, Tensor | None]:
-    """The recurrence with K and V zero-padded to powers of two, the padding cut off again.
+# Half-precision heads narrower than this in one of K, V and wider in the other are padded.
+MIXED_HEAD_MIN = 64
 
-    On the H200 (Triton 3.6) bfloat16 heads of K = 24, V = 40 gave wrong values (relative
-    errors 1.0 and 3.7 against float64 for RWKV-7 and DeltaNet, no error raised) where
-    float32 at the same shape and bfloat16 heads of 8, 16 and 32 were right. Zero key
-    channels add nothing to any product, zero value columns give zero outputs, and the
-    gradients of the padding are dropped by the cut; the scale stays that of the real K.
-    """
+
+def half_precision_head_dims(K: int, V: int) -> tuple[int, int]:
+    """The head sizes a bfloat16 / float16 call runs at on CUDA (`(K, V)` when unpadded).
+
+    On the H200 (Triton 3.6), against float64, DeltaNet forward and backward in bfloat16:
+    right at K x V = 8x8, 16x16, 32x32, 64x64, 64x128, 128x64, 128x128, 128x256 (and 8x32,
+    32x8, whose blocks are 32x32); silently wrong, no error raised, at 24x40 (relative
+    error 3.7), 32x64 (3.4 in dk) and 64x32 (1.1 in the output). float32 was right at
+    every one. So sizes go up to powers of two, and a head below `MIXED_HEAD_MIN` in one
+    dimension and above it in the other is raised to it (32x64 runs as 64x64)."""
+    k, v = pow2(K), pow2(V)
+    if k != v and min(k, v) < MIXED_HEAD_MIN:
+        floor = min(max(k, v), MIXED_HEAD_MIN)
+        k, v = max(k, floor), max(v, floor)
+    return k, v
+
+
+def _with_padded_heads(q, k, v, g, gate: Gate, beta, write_key, erase, n_h: int, scale: float, initial_state,
+                       output_final_state: bool, cu_seqlens, chunk_size, padded: tuple[int, int]
+                       ) -> tuple[Tensor, Tensor | None]:
+    """The recurrence with K and V zero-padded to `padded` (`half_precision_head_dims`),
+    the padding cut off again. Zero key channels add nothing to any product, zero value
+    columns give zero outputs, and the gradients of the padding are dropped by the cut; the
+    scale stays that of the real K."""
     K, V = q.shape[-1], v.shape[-1]
-    pad_k, pad_v = (0, pow2(K) - K), (0, pow2(V) - V)
+    pad_k, pad_v = (0, padded[0] - K), (0, padded[1] - V)
 
     def keys(t: Tensor | None) -> Tensor | None:
         return None if t is None else F.pad(t, pad_k)

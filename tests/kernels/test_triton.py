@@ -281,7 +281,7 @@ def test_oversized_head_dim_is_refused() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dims", [(64, 64), (32, 32), (16, 16), (8, 8), (24, 40)],  # largest first
+@pytest.mark.parametrize("head_dims", [(64, 64), (32, 32), (16, 16), (8, 8), (24, 40), (32, 64), (64, 32)],
                          ids=lambda d: f"K{d[0]}V{d[1]}")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", [Case(gate="none", transition="householder"),  # DeltaNet: its backward
@@ -291,8 +291,8 @@ def test_small_heads_on_cuda(case: Case, dtype: torch.dtype, tol: float, head_di
     """Heads below the 128 of the GPU check, on tensor cores (float32 and bfloat16; float64
     takes no MMA), at the default chunk, against float64. On the H200 (Triton 3.6) blocks 16
     wide faulted in float32 and gave wrong bfloat16 values (hence `MIN_BLOCK`), and bfloat16
-    heads of 24 x 40 gave wrong values (hence the padding to powers of two; docs/kernel.md,
-    "Tests")."""
+    heads of 24 x 40, 32 x 64 and 64 x 32 gave wrong values (hence the padding,
+    `half_precision_head_dims`; docs/kernel.md, "Tests")."""
     K, V = head_dims
     inputs = make_inputs(case, B=2, T=100, H=2, K=K, V=V, dtype=dtype, device="cuda", seed=3)
     _assert_close(_triton(inputs, chunk_size=None), _naive(inputs), tol=tol)
@@ -312,9 +312,24 @@ def test_padded_heads_equal_the_unpadded_recurrence(gate: str) -> None:
     def padded(a: dict) -> tuple:
         return _with_padded_heads(a["q"], a["k"], a["v"], a.get("g"), Gate.named(gate), a.get("beta"),
                                   a.get("write_key"), a.get("erase"), a["n_h"], 12 ** -0.5, a.get("initial_state"),
-                                  True, None, 16)
+                                  True, None, 16, (16, 32))
 
     _assert_close(_run(padded, inputs), _naive(inputs), tol=1e-5)
+
+
+def test_half_precision_heads_are_padded_where_the_h200_was_wrong() -> None:
+    """Powers of two; one side below 64 and the other above it raised to 64; the shapes
+    measured right on the H200 unchanged."""
+    from archspec.kernels.triton.recurrence import half_precision_head_dims
+
+    for right in [(8, 8), (16, 16), (32, 32), (64, 64), (64, 128), (128, 64), (128, 128), (128, 256)]:
+        assert half_precision_head_dims(*right) == right
+    assert half_precision_head_dims(24, 40) == (64, 64)
+    assert half_precision_head_dims(32, 64) == (64, 64)
+    assert half_precision_head_dims(64, 32) == (64, 64)
+    assert half_precision_head_dims(16, 128) == (64, 128)
+    assert half_precision_head_dims(8, 32) == (32, 32)
+    assert half_precision_head_dims(48, 48) == (64, 64)
 
 
 @pytest.mark.parametrize("case", [Case(gate="none", transition="householder"),

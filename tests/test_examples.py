@@ -114,7 +114,7 @@ def dp2_learns_s3(cwd: Path, out: str) -> None:
     m = record["metrics"]
     assert record["status"] == "ok" and record["train"]["early_stopped"] and record["train"]["steps_done"] <= 1000
     assert m["seq_acc@32"] >= 0.99 and m["token_acc@64"] >= 0.98 and m["seq_acc@64"] >= 0.85, m
-    assert m["params"] == 58_704
+    assert m["params"] == 59_856
     for png in ("accuracy.png", "training.png"):
         assert is_png(cwd / "runs/dp2-s3" / png)
     assert "deltaproduct-2 on s3: step 100/1500  loss " in out  # plain progress lines: the output is not a terminal

@@ -6,7 +6,7 @@
 # process fails with the same error, hiding which kernel made it. Here each function runs
 # alone (its parametrized cases in order, stopping at the first failure) with
 # CUDA_LAUNCH_BLOCKING=1, so the error is raised at the launch that made it. Full logs go
-# to $LOGS (default $OUT when set, else /tmp/gpu-tests).
+# to $LOGS (default $OUT when set, else /tmp/gpu-tests), the lines so far to $LOGS/summary.txt.
 #
 #   bash scripts/gpu-tests.sh [pytest selection, default: tests]    # e.g. tests/kernels
 #
@@ -30,4 +30,7 @@ one() {
   echo "$name | $summary | $where| $error"
 }
 export -f one
-xargs -P "${JOBS:-8}" -I{} bash -c 'one "$@"' _ {} < "$LOGS/functions.txt" | sort
+# Each line also goes to $LOGS/summary.txt as it finishes: a run killed by an outer time
+# limit keeps the functions it finished (the sorted table is printed only at the end).
+: > "$LOGS/summary.txt"
+xargs -P "${JOBS:-8}" -I{} bash -c 'one "$@"' _ {} < "$LOGS/functions.txt" | tee -a "$LOGS/summary.txt" | sort

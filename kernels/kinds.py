@@ -9,7 +9,6 @@ the backends, and their integer values are what the Triton kernels specialize on
 
 from __future__ import annotations
 
-import os
 from enum import IntEnum
 
 import torch
@@ -55,7 +54,12 @@ class Mode(IntEnum):
 
 
 def triton_interpreter_on() -> bool:
-    """Whether Triton runs kernels under its CPU interpreter (`TRITON_INTERPRET=1`, Triton's
-    own switch, set before its kernels are defined). Not a launch setting: the one place
-    this project reads it (the backend check and the Triton plan)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether Triton runs kernels under its CPU interpreter (`TRITON_INTERPRET=1`), as
+    Triton's own setting says (`triton.knobs`; the project reads no environment variable
+    for it). Not a launch setting: the backend check and the Triton plan ask it. False
+    where Triton is not installed."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    return bool(triton.knobs.runtime.interpret)

@@ -102,9 +102,9 @@ def test_overrides_refuse_unknown_names_and_bad_values(settings):
 
 
 def test_no_environment_variable_changes_a_kernel():
-    """`kernels/` reads the environment for one thing: whether Triton runs its interpreter
-    (`TRITON_INTERPRET`, Triton's own switch). The SASS dump of `compile_report` is an
-    argument, not a variable."""
+    """`kernels/` reads no environment variable (whether Triton runs its interpreter comes
+    from Triton's own `triton.knobs`; `TRITON_INTERPRET` is the one name allowed). The SASS
+    dump of `compile_report` is an argument, not a variable."""
     root = Path(__file__).resolve().parents[2] / "kernels"
     reads = []
     for path in sorted(root.rglob("*.py")):

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kinds import accumulation
 from .launch import CROSS_ENTROPY_LAUNCH, CrossEntropyLaunch
 
 Tensor = torch.Tensor
@@ -71,6 +72,6 @@ def softmax_ce_grad_triton(
     block_v = min(launch.block_v, triton.next_power_of_2(V))
     softmax_ce_grad_kernel[(N,)](
         logits, logits.stride(0), targets, loss, V, ignore_index, torch.full((1,), scale, device=logits.device, dtype=acc),
-        BLOCK_V=block_v, ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=launch.num_warps,
+        BLOCK_V=block_v, ACC=accumulation(acc)[1], num_warps=launch.num_warps,
     )
     return loss

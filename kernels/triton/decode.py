@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..kinds import Gate, Mode
-from .kinds import CHANNEL_GATE, DIAGONAL, HOUSEHOLDER, SCALAR_GATE
+from .kinds import CHANNEL_GATE, DIAGONAL, HOUSEHOLDER, SCALAR_GATE, accumulation
 from .launch import DECODE_LAUNCH, SHORT_CONV_LAUNCH, DecodeLaunch, ShortConvLaunch, pow2
 
 Tensor = torch.Tensor
@@ -152,7 +152,7 @@ def decode_step_triton(
     contiguous = [None if t is None else t.contiguous() for t in (q, k, v, g, beta, write_key, erase, retain)]
     q, k, v, g, beta, write_key, erase, retain = contiguous
     mode = Mode.of(beta, erase)
-    acc = tl.float64 if state.dtype == torch.float64 else tl.float32
+    acc = accumulation(state.dtype)[1]
     grid = (triton.cdiv(V, BV), B * H)
     decode_step_kernel[grid](
         q, k, v, q if g is None else g, q if beta is None else beta, q if write_key is None else write_key,
@@ -212,7 +212,7 @@ def short_conv_step_triton(x: Tensor, w: Tensor, tail: Tensor, *, activation: bo
     else:
         block_c = min(launch.block_c, pow2(C))
         grid = (triton.cdiv(C, block_c), B)
-    acc = tl.float64 if x.dtype == torch.float64 else tl.float32
+    acc = accumulation(x.dtype)[1]
     short_conv_step_kernel[grid](x, w, tail, y, C, float(eps), W=W, BC=block_c, HEAD=max(head, 1), ACT=activation,
                                  NORM=head > 0, ACC=acc, num_warps=launch.num_warps)
     return y

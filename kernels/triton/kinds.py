@@ -1,4 +1,5 @@
-"""The kinds of `..kinds` as `tl.constexpr`s, for the kernels' specializing branches.
+"""The kinds of `..kinds` as `tl.constexpr`s, for the kernels' specializing branches, and
+the accumulation dtype every kernel takes from its inputs' (`accumulation`).
 
 A kernel takes `GATE`, `MODE` and `CHANNEL_PASS` as constexpr arguments (each value
 compiles its own specialization) and compares them with these names, never with bare
@@ -9,9 +10,17 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+import torch
 import triton.language as tl
 
 from ..kinds import Gate, Mode
+
+
+def accumulation(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype]:
+    """The arithmetic of a kernel whose inputs (or accumulator) are `dtype`, as a torch and a
+    Triton dtype: float64 for float64, float32 for everything else."""
+    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
+
 
 NO_GATE = tl.constexpr(int(Gate.NONE))
 SCALAR_GATE = tl.constexpr(int(Gate.SCALAR))

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from . import launch
+from .kinds import accumulation
 
 Tensor = torch.Tensor
 
@@ -322,7 +323,7 @@ class OsdnScan(torch.autograd.Function):
         scan = launch.scan_settings()
         meta = dict(H=H, K=K, BK=max(16, triton.next_power_of_2(K)), NH=n_h, BETA_AWARE=beta_aware,
                     HAS_RETAIN=retain is not None, IS_VARLEN=cu_seqlens is not None,
-                    ACC=tl.float64 if acc == torch.float64 else tl.float32, PREFETCH=scan.scan_prefetch)
+                    ACC=accumulation(acc)[1], PREFETCH=scan.scan_prefetch)
         k_words, meta["PACKED"] = _packed(k)
         stats = torch.empty(B, TN, H, 2, device=k.device, dtype=acc)  # |k|^2 and <d, s> per step
         osdn_forward_kernel[(n_seq * H,)](

@@ -35,7 +35,7 @@ from .backward import chunk_backward_kernel
 from .backward_channel import chunk_channels_kernel, chunk_pairs_kernel
 from .chunks import chunk_tables
 from .gate import gate_cumsum_kernel
-from .kinds import channel_passes
+from .kinds import accumulation, channel_passes
 from .launch import Launch, pow2
 from .output import output_backward_kernel, output_kernel
 from .prepare import inverse_kernel, prepare_kernel
@@ -88,7 +88,7 @@ class Plan:
 
     @property
     def tl_acc(self):
-        return tl.float64 if self.acc == torch.float64 else tl.float32
+        return accumulation(self.acc)[1]
 
     @property
     def tl_op(self):

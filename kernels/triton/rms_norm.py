@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kinds import accumulation
 from .launch import RMS_NORM_LAUNCH, RMSNormLaunch
 
 Tensor = torch.Tensor
@@ -111,11 +112,6 @@ def rms_norm_backward_kernel(
     tl.store(dw_partial + pid * D + cols, dw_acc, mask=col_ok)
 
 
-def _acc(dtype: torch.dtype) -> tuple[torch.dtype, object]:
-    """Float32 arithmetic, float64 for float64 inputs (as the chunk kernels)."""
-    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
-
-
 def _block_rows(D: int, launch: RMSNormLaunch) -> tuple[int, int]:
     block_d = triton.next_power_of_2(D)
     return block_d, max(1, launch.row_elements // block_d)
@@ -129,7 +125,7 @@ def rms_norm_forward_triton(
     `rstd` `[M]` float32 (float64 for float64 `x`), the normalised rows `x + h` in
     `residual_dtype`, or `x` itself without `h`)."""
     M, D = x.shape
-    acc, acc_tl = _acc(x.dtype if h is None else residual_dtype)
+    acc, acc_tl = accumulation(x.dtype if h is None else residual_dtype)
     y = torch.empty(M, D, device=x.device, dtype=out_dtype)
     rstd = torch.empty(M, device=x.device, dtype=acc)
     residual = x if h is None else torch.empty(M, D, device=x.device, dtype=residual_dtype)
@@ -162,7 +158,7 @@ def rms_norm_backward_triton(
         programs = launch.cpu_programs
     programs = max(1, min(programs, M))
     rows_per_program = triton.cdiv(max(M, 1), programs)
-    acc, acc_tl = _acc(x.dtype)
+    acc, acc_tl = accumulation(x.dtype)
     dw_partial = torch.empty(programs, D, device=x.device, dtype=acc)
     block_d, block_rows = _block_rows(D, launch)
     rms_norm_backward_kernel[(programs,)](

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kinds import accumulation
 from .launch import SHORT_CONV_LAUNCH, ShortConvLaunch
 
 Tensor = torch.Tensor
@@ -161,11 +162,6 @@ def short_conv_dx_kernel(
     tl.store(dx + (b * T + tt).to(tl.int64)[:, None] * C + cc[None, :], acc.to(dx.dtype.element_ty), mask=m)
 
 
-def _acc(dtype: torch.dtype) -> tuple[torch.dtype, object]:
-    """Float32 arithmetic, float64 for float64 inputs (as the chunk kernels)."""
-    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
-
-
 def _grid_shape(T: int, C: int, B: int, head: int, block_t: int, launch: ShortConvLaunch) -> tuple[tuple[int, int, int], int]:
     if head:
         return (triton.cdiv(T, block_t), C // head, B), triton.next_power_of_2(head)
@@ -188,7 +184,7 @@ def short_conv_forward_triton(
     short_conv_forward_kernel[grid](
         x, w, x if tail is None else tail, x if starts is None else starts, x if docs is None else docs, y, T, C, float(eps),
         W=W, BT=launch.block_t, BC=block_c, HEAD=max(head, 1), ACT=activation, NORM=head > 0,
-        HAS_TAIL=tail is not None, VARLEN=starts is not None, ACC=_acc(x.dtype)[1], num_warps=launch.num_warps,
+        HAS_TAIL=tail is not None, VARLEN=starts is not None, ACC=accumulation(x.dtype)[1], num_warps=launch.num_warps,
     )
     return y
 
@@ -202,9 +198,9 @@ def short_conv_backward_triton(
     W = w.shape[1]
     dx = torch.empty_like(x)
     if T == 0:
-        return dx, torch.zeros(C, W, device=x.device, dtype=_acc(x.dtype)[0])
+        return dx, torch.zeros(C, W, device=x.device, dtype=accumulation(x.dtype)[0])
     grid, block_c = _grid_shape(T, C, B, head, launch.block_t, launch)
-    acc, acc_tl = _acc(x.dtype)
+    acc, acc_tl = accumulation(x.dtype)
     dz = torch.empty(B, T, C, device=x.device, dtype=acc)
     dw_partial = torch.empty(B * grid[0], C, W, device=x.device, dtype=acc)
     short_conv_dz_kernel[grid](

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kinds import accumulation
 from .launch import SWIGLU_LAUNCH, SwiGLULaunch
 
 Tensor = torch.Tensor
@@ -44,10 +45,6 @@ def swiglu_backward_kernel(gate, up, dh, d_gate, d_up, product, N, BLOCK: tl.con
     tl.store(product + offs, (silu * u).to(product.dtype.element_ty), mask=mask)
 
 
-def _acc(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 def swiglu_forward_triton(gate: Tensor, up: Tensor, out_dtype: torch.dtype,
                           launch: SwiGLULaunch = SWIGLU_LAUNCH) -> Tensor:
     """`silu(gate) * up` in `out_dtype`; `gate`, `up` contiguous, of one shape."""
@@ -55,7 +52,7 @@ def swiglu_forward_triton(gate: Tensor, up: Tensor, out_dtype: torch.dtype,
     N = gate.numel()
     if N:
         swiglu_forward_kernel[(triton.cdiv(N, launch.block),)](
-            gate, up, product, N, BLOCK=launch.block, ACC=_acc(gate.dtype), num_warps=launch.num_warps)
+            gate, up, product, N, BLOCK=launch.block, ACC=accumulation(gate.dtype)[1], num_warps=launch.num_warps)
     return product
 
 
@@ -68,6 +65,6 @@ def swiglu_backward_triton(gate: Tensor, up: Tensor, dh: Tensor, out_dtype: torc
     N = gate.numel()
     if N:
         swiglu_backward_kernel[(triton.cdiv(N, launch.block),)](
-            gate, up, dh, d_gate, d_up, product, N, BLOCK=launch.block, ACC=_acc(gate.dtype),
+            gate, up, dh, d_gate, d_up, product, N, BLOCK=launch.block, ACC=accumulation(gate.dtype)[1],
             num_warps=launch.num_warps)
     return d_gate, d_up, product

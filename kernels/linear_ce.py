@@ -64,6 +64,17 @@ def chunk_rows_for(n_rows: int, d: int, vocab: int) -> int:
     return max(1, min(n_rows, 1 << (rows - 1).bit_length()))
 
 
+def _accumulate_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """`acc += a @ b` with `acc` in float32 and `a`, `b` in half precision. On CUDA the
+    matmul adds into `acc` itself (`out_dtype`); elsewhere the product is rounded to the
+    half dtype first and added by a second kernel, which on the H200 cost 1.9 ms per
+    166M-model step over 16 row chunks, a separate read and write of the whole buffer."""
+    if acc.is_cuda and acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += a @ b
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, chunk_rows: int,
@@ -94,7 +105,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if grad_h is not None:
                     grad_h[lo:hi] = logits @ w
                 if grad_w is not None:
-                    grad_w += logits.T @ h[lo:hi]
+                    _accumulate_product(grad_w, logits.T, h[lo:hi])
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return loss_rows.sum() * scale

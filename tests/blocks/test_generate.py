@@ -193,11 +193,21 @@ def test_bad_generation_arguments_are_named():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [*COMBINATIONS, *HYBRIDS])
 def test_prefill_and_triton_steps_equal_the_forward_on_cuda(name):
+    """float32 on CUDA, 40 tokens. Both sides are measured against the float64 model on the
+    CPU: the steps may be off it by the float32 tolerance plus the forward's own float32
+    error. At 40 tokens that error is not negligible for the worst-conditioned plans: on the
+    CPU, householder-nh3-b2-none's float32 forward is 2.2e-5 off float64 at logits of 1.95
+    (the weights are scaled up tenfold, and beta reaches 2)."""
     model = _model(name, torch.float32, backend="auto", device="cuda")
-    ids = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1)).cuda()
+    ids = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        want = model(ids)
-    _close(_prefill_then_steps(model, ids, 33), want, torch.float32)
+        exact = _model(name, torch.float64)(ids)
+        want = model(ids.cuda()).cpu().double()
+    got = _prefill_then_steps(model, ids.cuda(), 33).cpu().double()
+    scale = max(1.0, exact.abs().max().item())
+    forward_error, steps_error = ((x - exact).abs().max().item() for x in (want, got))
+    assert steps_error <= TOL[torch.float32] * scale + forward_error, \
+        f"steps {steps_error:.2e} off float64, the forward {forward_error:.2e}, at scale {scale:.2f}"
 
 
 @pytest.mark.gpu

@@ -341,6 +341,22 @@ def test_gpu_linear_cross_entropy_kernel_equals_torch(dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_linear_cross_entropy_weight_gradient_over_many_chunks():
+    """bfloat16 on CUDA, 64 row chunks each added into the float32 weight gradient by the
+    matmul itself: the gradients against float64 on the same rounded inputs."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    hidden = torch.randn(2048, 128, device="cuda", generator=gen).bfloat16().requires_grad_()
+    weight = (0.1 * torch.randn(5000, 128, device="cuda", generator=gen)).bfloat16().requires_grad_()
+    targets = torch.randint(5000, (2048,), device="cuda", generator=gen)
+    loss = linear_cross_entropy(hidden, weight, targets, chunk_rows=32, backend="triton")
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref = F.cross_entropy(h64 @ w64.T, targets)
+    for got, want in zip(_grads(loss, [hidden, weight]), _grads(ref, [h64, w64])):
+        error = ((got.double() - want).norm() / want.norm()).item()
+        assert error < 1e-2, f"relative error {error:.2e}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["none", "silu", "sigmoid"])
 def test_gpu_rms_norm_kernel_equals_torch(dtype, activation):

@@ -230,8 +230,10 @@ def machine() -> dict:
     info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                             "date": datetime.date.today().isoformat()}
     try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=ROOT, check=False).stdout.strip() or None
+        git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT, check=False).stdout.strip()  # noqa: E731
+        info["commit"] = git("rev-parse", "--short", "HEAD") or None
+        if info["commit"] and git("status", "--porcelain", "--untracked-files=no"):
+            info["commit"] += "+uncommitted"  # the measured tree is not that commit: kernels_sha1 tells which
     except OSError:
         info["commit"] = None
     sources = sorted((ROOT / "kernels").rglob("*.py"))

@@ -274,7 +274,7 @@ def markdown(record: dict[str, Any]) -> str:
         "# Decoding: ours against flash-linear-attention",
         "",
         f"{m.get('device', 'CPU')}, torch {m['torch']}, Triton {m['triton']}, fla {m['fla'] or 'not installed'}, "
-        f"commit {(m['commit'] or '?')[:12]}, {m['date']}.",
+        f"commit {m['commit'] or '?'}, {m['date']}.",
         f"d_model {s['d_model']}, {s['layers']} layers, {s['heads']} heads of {s['head_dim']}, vocabulary {s['vocab']}; "
         f"{d['dtype']} weights, float32 state; prompts of {d['prompt']} random tokens, {d['new_tokens']} new tokens, "
         f"greedy, through each model's `generate`. tokens/s and ms/token: the decoding time (the call with every new "

@@ -534,7 +534,7 @@ def markdown(record: dict[str, Any]) -> str:
         "# Whole-model training step: ours against flash-linear-attention",
         "",
         f"{m.get('device', 'CPU')}, torch {m['torch']}, Triton {m['triton']}, fla {m['fla'] or 'not installed'}, "
-        f"commit {(m['commit'] or '?')[:12]}, {m['date']}.",
+        f"commit {m['commit'] or '?'}, {m['date']}.",
         f"d_model {s['d_model']}, {s['layers']} layers, {s['heads']} heads of {s['head_dim']}, vocabulary "
         f"{s['vocab']}; float32 weights{' under bfloat16 autocast' if s['device'] == 'cuda' else ''}; {s['batch'] * s['seq_len']:,} tokens a step in "
         f"every setting (T={s['long_seq_len']} with B={max(1, s['batch'] * s['seq_len'] // s['long_seq_len'])}; "

@@ -200,7 +200,7 @@ def markdown(record: dict[str, Any]) -> str:
         "# One search across the GPUs of a host",
         "",
         f"{m.get('device', 'CPU (smoke: declared GPUs, gloo)')} x{m.get('gpus', 0)}, torch {m['torch']}, "
-        f"Ray {m.get('ray')}, commit {(m.get('commit') or '?')[:12]}, {m['date']}.",
+        f"Ray {m.get('ray')}, commit {m.get('commit') or '?'}, {m['date']}.",
         "",
         f"Trials per hour: {record['rounds']} alike trials per GPU (target: efficiency >= {TARGET_SEARCH}).",
         "",

@@ -30,6 +30,8 @@ import math
 import torch
 import torch.nn as nn
 
+from archspec.kernels.packed import check_offsets
+
 from .attention import Attention, AttentionState, KVCache
 from .loss import next_token_loss
 from .mixer import Mixer, MixerState, decode_state
@@ -197,8 +199,4 @@ def _check_packed(input_ids: Tensor, cu_seqlens: Tensor) -> None:
     B, T = input_ids.shape
     if B != 1:
         raise ValueError(f"cu_seqlens packs documents in one row: input_ids must be [1, T], got {tuple(input_ids.shape)}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor of N+1 token offsets, got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
-    first, last, decreasing = torch.stack([cu_seqlens[0], cu_seqlens[-1], (cu_seqlens[1:] < cu_seqlens[:-1]).sum()]).tolist()
-    if first != 0 or last != T or decreasing:
-        raise ValueError(f"cu_seqlens must rise from 0 to T = {T} without decreasing, got {cu_seqlens.tolist()}")
+    check_offsets(cu_seqlens, T, "LanguageModel")  # reads the offsets once for every layer

@@ -13,6 +13,7 @@ import torch
 
 from .kinds import Gate, triton_interpreter_on
 from .naive import decode_step_naive, linear_recurrence_naive, osdn_write_keys_naive
+from .packed import check_offsets
 
 Tensor = torch.Tensor
 
@@ -178,9 +179,7 @@ def check_recurrence_inputs(
     N = B
     if cu_seqlens is not None:
         _check(B == 1, f"with cu_seqlens the batch must be 1 (packed), got B={B}")
-        _check(cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 2, "cu_seqlens must be a 1-D tensor of N+1 offsets")
-        _check(int(cu_seqlens[0]) == 0 and int(cu_seqlens[-1]) == T, f"cu_seqlens must start at 0 and end at T={T}")
-        _check(bool((cu_seqlens[1:] >= cu_seqlens[:-1]).all()), "cu_seqlens must be non-decreasing")
+        check_offsets(cu_seqlens, T, "linear_recurrence")
         N = cu_seqlens.numel() - 1
     if initial_state is not None:
         _check(
@@ -290,8 +289,9 @@ def osdn_write_keys(
         raise ValueError(f"osdn_write_keys: n_h={n_h} does not fit k's {TN} sub-steps" + ("" if retain is None else f" and retain's {retain.shape[1]} tokens"))
     rows = B
     if cu_seqlens is not None:
-        if B != 1 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) * n_h != TN:
-            raise ValueError(f"osdn_write_keys: with cu_seqlens the batch must be 1 and the offsets run from 0 to T = {TN // n_h} tokens")
+        if B != 1:
+            raise ValueError(f"osdn_write_keys: with cu_seqlens the batch must be 1 (packed), got B={B}")
+        check_offsets(cu_seqlens, TN // n_h, "osdn_write_keys")
         rows = cu_seqlens.numel() - 1
         if retain is None and n_h > 1:
             # Backends read n_h from `retain`; without it they count sub-steps, so the

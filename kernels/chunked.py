@@ -155,6 +155,7 @@ from .kinds import Gate
 from .decay_scores import score_matrices, score_matrices_and_ends
 from .naive import accumulation_dtype
 from .osdn_scan import osdn_write_keys_scan
+from .packed import host_offsets
 
 Tensor = torch.Tensor
 
@@ -666,7 +667,7 @@ def linear_recurrence_chunked(
         return o.to(v.dtype), (final if output_final_state else None)
 
     # Packed variable-length batch (B == 1): each sequence alone, from its own state.
-    offsets = [int(x) for x in cu_seqlens.tolist()]
+    offsets = host_offsets(cu_seqlens)
     outs, finals = [], []
     for n, (start, end) in enumerate(itertools.pairwise(offsets)):
         tok, sub = slice(start, end), slice(start * n_h, end * n_h)

@@ -37,6 +37,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .naive import accumulation_dtype
+from .packed import host_offsets
 
 Tensor = torch.Tensor
 
@@ -186,7 +187,7 @@ def osdn_write_keys_scan(
         w, d_final = run(slice(0, TN), initial_d(B))
         return w.to(k.dtype), d_final
 
-    offsets = [int(x) for x in cu_seqlens.tolist()]
+    offsets = host_offsets(cu_seqlens)
     keys, finals = [], []
     for n, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
         w, d_final = run(slice(start * n_h, end * n_h), initial_d(1, n))

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .fused import resolve_fused_backend
+from .packed import check_offsets
 
 Tensor = torch.Tensor
 
@@ -171,8 +172,9 @@ def short_conv(x: Tensor, weight: Tensor, *, tail: Tensor | None = None, cu_seql
     W = weight.numel() // C
     rows = B
     if cu_seqlens is not None:
-        if B != 1 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens[[0, -1]].tolist() != [0, T]:
-            raise ValueError(f"short_conv: with cu_seqlens the batch must be 1 and the offsets run from 0 to T = {T}")
+        if B != 1:
+            raise ValueError(f"short_conv: with cu_seqlens the batch must be 1 (packed), got B={B}")
+        check_offsets(cu_seqlens, T, "short_conv")
         rows = cu_seqlens.numel() - 1
     if tail is not None and tuple(tail.shape) != (rows, W - 1, C):
         raise ValueError(f"short_conv: tail must be [{rows}, {W - 1}, {C}], got {tuple(tail.shape)}")

@@ -17,13 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ..packed import host_offsets, per_offsets_tensor
 
+
+@per_offsets_tensor
 def chunk_tables(cu_seqlens: torch.Tensor, tokens_per_chunk: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """`(chunk_table [NCH, 2] int32, chunk_offsets [N + 1] int32, NCH)` for a packed batch."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()  # one host sync, as any varlen kernel needs
+    """`(chunk_table [NCH, 2] int32, chunk_offsets [N + 1] int32, NCH)` for a packed batch,
+    formed once per `cu_seqlens` tensor and chunk length (every layer shares them)."""
+    bounds = host_offsets(cu_seqlens)
     table, offsets = [], [0]
-    for n, length in enumerate(lengths):
-        count = -(-int(length) // tokens_per_chunk)
+    for n, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        count = -(-(end - start) // tokens_per_chunk)
         table.extend((n, c) for c in range(count))
         offsets.append(offsets[-1] + count)
     device = cu_seqlens.device

@@ -13,6 +13,7 @@ import hashlib
 import json
 import platform
 import subprocess
+import time
 import multiprocessing as mp
 import os
 from collections.abc import Callable
@@ -344,13 +345,34 @@ def _compile(job: CompileJob) -> str:
         torch.cuda.empty_cache()  # an idle worker must not hold its peak while the others compile
 
 
+def _indexed(task: tuple[Callable[[Any], str], int, Any]) -> tuple[int, str]:
+    fn, index, item = task
+    return index, fn(item)
+
+
+def map_in_workers(fn: Callable[[Any], str], items: list, workers: int, *, fresh_process: bool, label: Callable[[Any], str],
+                   log: Callable[[str], None] = print) -> list[str]:
+    """`fn` (a module-level function returning a status) over `items` in `workers` spawned
+    processes set up by `_worker_init`; `fresh_process`: one process per item, so that a
+    kernel fault in one cannot poison the CUDA context of the next. Each item is logged as
+    it finishes, so a run cut off while compiling shows how far it got. The statuses, in
+    the items' order."""
+    statuses = [""] * len(items)
+    began = time.perf_counter()
+    with mp.get_context("spawn").Pool(workers, initializer=_worker_init, maxtasksperchild=1 if fresh_process else None) as pool:
+        tasks = [(fn, i, item) for i, item in enumerate(items)]
+        for done, (i, status) in enumerate(pool.imap_unordered(_indexed, tasks), start=1):
+            statuses[i] = status
+            log(f"[{time.perf_counter() - began:6.1f}s] {done}/{len(items)} {label(items[i])}: {status}")
+    return statuses
+
+
 def compile_in_workers(jobs: list[CompileJob], workers: int, fla_shards: int = 1, fresh_process: bool = False) -> list[str]:
     """Compile every job's kernels in `workers` spawned processes (fla's jobs split into
-    `fla_shards` shares of their autotune configs); `fresh_process`: one process per job, so
-    that a kernel fault in one cannot poison the CUDA context of the next. The statuses."""
+    `fla_shards` shares of their autotune configs). The statuses."""
     from dataclasses import replace
 
     expanded = [replace(job, shard=(j, fla_shards)) if job.impl == "fla" else job
                 for job in jobs for j in range(fla_shards if job.impl == "fla" else 1)]
-    with mp.get_context("spawn").Pool(workers, initializer=_worker_init, maxtasksperchild=1 if fresh_process else None) as pool:
-        return pool.map(_compile, expanded, chunksize=1)
+    return map_in_workers(_compile, expanded, workers, fresh_process=fresh_process,
+                          label=lambda job: f"compiled {job.bench.name}/{job.impl}/{job.gates}/{job.dtype}")

@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -480,8 +479,8 @@ def warm_caches(names: list[str], size: Size, setup: Any, work: Callable[[WarmJo
         if with_fla and fla_design(load_plan(SPECS / f"{name}.yaml", size)) is not None:
             jobs += [WarmJob(name, "fla", setup, (j, fla_shards)) for j in range(fla_shards)]
     began = time.perf_counter()
-    with mp.get_context("spawn").Pool(workers, initializer=common._worker_init, maxtasksperchild=1) as pool:
-        statuses = pool.map(_run_warm_job, [(job, work) for job in jobs], chunksize=1)
+    statuses = common.map_in_workers(_run_warm_job, [(job, work) for job in jobs], workers, fresh_process=True,
+                                     label=lambda item: f"warmed {item[0].spec}/{item[0].impl}", log=log)
     failed = [f"{j.spec}/{j.impl}: {s}" for j, s in zip(jobs, statuses) if s != "ok"]
     log(f"warmed {len(jobs) - len(failed)} of {len(jobs)} jobs in {time.perf_counter() - began:.0f} s"
         + ("" if not failed else "; not warmed: " + "; ".join(failed)))

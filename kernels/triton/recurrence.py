@@ -402,12 +402,15 @@ def half_precision_head_dims(K: int, V: int) -> tuple[int, int]:
     """The head sizes a bfloat16 / float16 call runs at on CUDA (`(K, V)` when unpadded).
 
     On the H200 (Triton 3.6), against float64, DeltaNet forward and backward in bfloat16:
-    right at K x V = 8x8, 16x16, 32x32, 64x64, 64x128, 128x64, 128x128, 128x256 (and 8x32,
-    32x8, whose blocks are 32x32); silently wrong, no error raised, at 24x40 (relative
-    error 3.7), 32x64 (3.4 in dk) and 64x32 (1.1 in the output). float32 was right at
-    every one. So sizes go up to powers of two, and a head below `MIXED_HEAD_MIN` in one
-    dimension and above it in the other is raised to it (32x64 runs as 64x64)."""
-    k, v = pow2(K), pow2(V)
+    right at K x V = 8x8, 16x16, 32x32, 64x64, 64x128, 128x64, 128x128, 128x256; silently
+    wrong, no error raised, at 24x40 (relative error 3.7), 32x64 (3.4 in dk) and 64x32 (1.1
+    in the output). float32 was right at every one. With a channel gate, models of heads
+    4 x 6 run at 8 x 8 had gradients up to 42 times further from float32 than plain
+    torch's under bfloat16 autocast, where the CPU interpreter's were as close as torch's.
+    So sizes go up to powers of two of at least `MIN_BLOCK` (the kernels' blocks are that
+    wide anyway: the padding adds no tensor-core work), and a head below `MIXED_HEAD_MIN`
+    in one dimension and above it in the other is raised to it (32x64 runs as 64x64)."""
+    k, v = max(pow2(K), MIN_BLOCK), max(pow2(V), MIN_BLOCK)
     if k != v and min(k, v) < MIXED_HEAD_MIN:
         floor = min(max(k, v), MIXED_HEAD_MIN)
         k, v = max(k, floor), max(v, floor)

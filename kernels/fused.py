@@ -6,6 +6,7 @@
   per-head L2 normalisation of the streams that need unit keys), packed documents and
   carried tails.
 - `swiglu.swiglu_linear`: SwiGLU's down projection, the product recomputed in the backward.
+- `log_decay.mamba_log_decay`: the decay gates' `-exp(A_log) * softplus(proj + dt_bias)`.
 
 Each has a plain torch path (the definition, and what runs on the CPU) and a Triton path
 in `kernels/triton/`; `backend="auto"` takes Triton on CUDA tensors and torch elsewhere,

@@ -192,6 +192,20 @@ SWIGLU_LAUNCH = SwiGLULaunch()
 
 
 @dataclass(frozen=True)
+class LogDecayLaunch:
+    """Tokens and channels per program of the gates' log-decay kernels: a 64 x 128 tile is
+    64 float32 values a thread at 4 warps, and a channel gate of 1,024 channels at 16k
+    tokens gives 256 x 8 programs."""
+
+    rows: int = 64
+    block_c: int = 128
+    num_warps: int = 4
+
+
+LOG_DECAY_LAUNCH = LogDecayLaunch()
+
+
+@dataclass(frozen=True)
 class ShortConvLaunch:
     """Tokens and channels per program, forward and both backward passes alike."""
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from archspec.kernels import add_rms_norm, linear_cross_entropy, rms_norm, short_conv, swiglu_linear
+from archspec.kernels import add_rms_norm, linear_cross_entropy, mamba_log_decay, rms_norm, short_conv, swiglu_linear
 from archspec.kernels.linear_ce import IGNORE_INDEX, softmax_ce_grad_
 from archspec.kernels.short_conv import conv_tails
 
@@ -317,6 +317,50 @@ def test_swiglu_linear_under_autocast_multiplies_in_bfloat16_and_keeps_the_gradi
         torch.testing.assert_close(g.double(), r, atol=3e-2 * r.abs().max().item(), rtol=3e-2)
 
 
+# --------------------------------------------------------------------------- gates' log decay
+
+LOG_DECAY_SHAPES = {  # (A_log, proj, dt_bias): a channel gate (KDA), a scalar gate (Gated DeltaNet)
+    "channel": ((3, 1), (2, 70, 3, 5), (3, 5)),
+    "scalar": ((3,), (2, 70, 3), (3,)),
+}
+
+
+def _log_decay_inputs(shapes, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    a_shape, p_shape, b_shape = shapes
+    A_log = torch.randn(a_shape, generator=gen, dtype=torch.float64).requires_grad_()
+    proj = (4 * torch.randn(p_shape, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()  # softplus's both tails
+    dt_bias = torch.randn(b_shape, generator=gen, dtype=torch.float64).requires_grad_()
+    return A_log, proj, dt_bias
+
+
+@pytest.mark.parametrize("backend,dtype", [*PATHS, ("triton", torch.bfloat16)])
+@pytest.mark.parametrize("gate", LOG_DECAY_SHAPES)
+def test_log_decay_equals_the_formula(backend, dtype, gate):
+    """Against `-exp(A_log) * softplus(proj + dt_bias)` in float64 on the same (rounded)
+    inputs: the decay and the gradients of all three inputs, with a random cotangent."""
+    A_log, proj, dt_bias = _log_decay_inputs(LOG_DECAY_SHAPES[gate], dtype)
+    g = mamba_log_decay(A_log, proj, dt_bias, backend=backend)
+    assert g.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and g.shape == proj.shape
+    refs = [t.detach().double().requires_grad_() for t in (A_log, proj, dt_bias)]
+    want = -torch.exp(refs[0]) * torch.log1p(torch.exp(refs[1] + refs[2]))
+    dg = torch.randn(g.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    tol = _tol(backend, torch.float32 if dtype == torch.bfloat16 else dtype)  # float32 arithmetic on bf16 inputs
+    torch.testing.assert_close(g.double(), want, **tol)
+    got = _grads(g, [A_log, proj, dt_bias], dg.to(g.dtype))
+    for name, a, b in zip(("A_log", "proj", "dt_bias"), got, _grads(want, refs, dg)):
+        assert a.dtype == {"proj": dtype}.get(name, torch.float64)
+        b = b.to(dtype).double() if name == "proj" else b  # d proj is stored in proj's dtype
+        torch.testing.assert_close(a.double(), b, **(_tol(backend, dtype) if name == "proj" else tol), msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_log_decay_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"must end in dt_bias's shape \(3, 5\)"):
+        mamba_log_decay(torch.zeros(3, 1), torch.zeros(2, 4, 3, 6), torch.zeros(3, 5))
+    with pytest.raises(ValueError, match="A_log"):
+        mamba_log_decay(torch.zeros(4), torch.zeros(2, 4, 3), torch.zeros(3))
+
+
 def test_swiglu_linear_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="gate .* and up .* must match"):
         swiglu_linear(torch.randn(2, 4), torch.randn(2, 5), torch.randn(3, 4))
@@ -338,6 +382,23 @@ def test_gpu_linear_cross_entropy_kernel_equals_torch(dtype):
         results.append([loss, *_grads(loss, [hidden, weight])])
     for a, b in zip(*results):
         torch.testing.assert_close(a.float(), b.float(), **_tol("triton", dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_log_decay_kernel_equals_torch():
+    """A KDA layer's channel gate at the whole-model benchmark's size, bfloat16 logits."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    A_log = torch.log(torch.empty(8, 1, device="cuda").uniform_(1, 16, generator=gen)).requires_grad_()
+    proj = torch.randn(8, 2048, 8, 128, device="cuda", generator=gen).bfloat16().requires_grad_()
+    dt_bias = torch.randn(8, 128, device="cuda", generator=gen).requires_grad_()
+    dg = torch.randn(proj.shape, device="cuda", generator=gen)
+    results = []
+    for backend in BACKENDS:
+        g = mamba_log_decay(A_log, proj, dt_bias, backend=backend)
+        results.append([g, *_grads(g, [A_log, proj, dt_bias], dg)])
+    for name, a, b in zip(("g", "A_log", "proj", "dt_bias"), *results):  # d proj: bf16, one rounding apart
+        tol = _tol("triton", torch.bfloat16) if name == "proj" else dict(atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.gpu

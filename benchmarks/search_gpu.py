@@ -224,12 +224,16 @@ def kill_and_resume(c: int, *, smoke: bool, timeout_s: float, folder: Path, fini
     proc = subprocess.Popen(search_command(str(spec), "--out", str(out)), cwd=ROOT, env=environment(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     before: dict[int, Any] = {}
+    running: list[int] = []
     while time.time() - started < timeout_s / 2 and proc.poll() is None:
         with_records = run.read_trials() if run.trials_dir.is_dir() else []
         done = [r for r in with_records if r.status in TRAINED_STATUSES]
-        if len(done) >= finished_before_kill and any(r.status is None for r in with_records):
+        running = sorted(r.number for r in with_records if r.status is None)
+        if len(done) >= finished_before_kill and running:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+            # A trial running at the kill may still record its end before its worker goes:
+            # what was running is this snapshot's, what is kept is what the disk holds now.
             before = {r.number: r for r in run.read_trials() if r.status is not None}
             break
         time.sleep(0.2)
@@ -241,7 +245,7 @@ def kill_and_resume(c: int, *, smoke: bool, timeout_s: float, folder: Path, fini
                           "another ran; nothing was killed")
         return result
     result["finished_at_kill"] = sorted(before)
-    result["running_at_kill"] = sorted(r.number for r in run.read_trials() if r.status is None)
+    result["running_at_kill"] = running
     wall, ended = run_search(["--resume", "--out", str(out)], timeout_s - (time.time() - started))
     after = {r.number: r for r in run.read_trials()}
     lost = [n for n, r in before.items() if n not in after or after[n].status != r.status or after[n].metrics != r.metrics]

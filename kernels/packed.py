@@ -36,6 +36,8 @@ def per_offsets_tensor(fn: Callable[..., Result]) -> Callable[..., Result]:
 
     @functools.wraps(fn)
     def cached(cu_seqlens: Tensor, *key: Hashable) -> Result:
+        if cu_seqlens.is_inference():  # no version counter to tell an in-place change: formed afresh
+            return fn(cu_seqlens, *key)
         version = cu_seqlens._version
         for i, (tensor, seen, args, value) in enumerate(entries):
             if tensor is cu_seqlens and seen == version and args == key:

@@ -23,6 +23,16 @@ def test_a_tensor_changed_in_place_is_read_again():
     assert host_offsets(torch.tensor([0, 2, 7])) == (0, 2, 7)  # equal shape, other values
 
 
+def test_an_inference_tensor_is_read_every_time():
+    """Tensors made under `torch.inference_mode` keep no version counter, so an in-place
+    change could not be told: they are not cached."""
+    with torch.inference_mode():
+        cu = torch.tensor([0, 3, 7])
+        assert host_offsets(cu) == (0, 3, 7)
+        cu[1] = 5
+        assert host_offsets(cu) == (0, 5, 7)
+
+
 def test_the_cache_forms_each_result_once_and_keeps_the_last_few():
     calls = []
 

@@ -97,3 +97,31 @@ def test_a_packed_step_reads_nothing_on_the_host_per_layer(backend, monkeypatch)
     one, three = (_host_reads_of_a_packed_step(backend, layers, monkeypatch) for layers in (1, 3))
     assert one == three
     assert len(one) <= 3, one
+
+
+@pytest.mark.gpu
+def test_a_packed_step_on_cuda_syncs_the_same_at_any_depth():
+    """On CUDA, with torch's sync debugging: one packed forward and backward on the Triton
+    path syncs as often at three layers as at one (the offsets' read, the chunk tables'
+    copies and the loss's target check, once each)."""
+    import warnings
+
+    def syncs(layers: int) -> int:
+        torch.manual_seed(0)
+        model = build_model(model_plan(COMBINATIONS["kda-channel"], layers=layers)).cuda()
+        ids = torch.randint(0, 13, (1, 300), device="cuda")
+        cu = torch.tensor([0, 100, 101, 300], device="cuda")
+        labels = packed_labels(ids, cu)
+        model(ids, labels=labels, cu_seqlens=cu).backward()  # compiled before counting
+        cu = cu.clone()  # a new tensor: its offsets are read again, as in a new step
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model(ids, labels=labels, cu_seqlens=cu).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    one, three = syncs(1), syncs(3)
+    assert one == three and one <= 5, (one, three)

@@ -48,7 +48,6 @@ def per_offsets_tensor(fn: Callable[..., Result]) -> Callable[..., Result]:
         del entries[:-CACHED_TENSORS]
         return value
 
-    cached.cache_clear = entries.clear  # type: ignore[attr-defined]
     return cached
 
 
@@ -73,5 +72,7 @@ def check_offsets(cu_seqlens: Tensor, total: int, where: str) -> tuple[int, ...]
 
 
 def _shown(offsets: tuple[int, ...], most: int = 12) -> str:
-    return str(list(offsets)) if len(offsets) <= most else f"{list(offsets[:most])[:-1]} ... {offsets[-1]}] ({len(offsets)} offsets)"
+    if len(offsets) <= most:
+        return str(list(offsets))
+    return f"{str(list(offsets[:most]))[:-1]}, ..., {offsets[-1]}] ({len(offsets)} offsets)"
 

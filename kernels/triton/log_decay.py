@@ -24,7 +24,7 @@ Tensor = torch.Tensor
 
 @triton.jit
 def _tile(proj, a_log, bias, N, C, ROWS: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
-    """(offsets, mask, rate, z) of this program's tile; masked entries have z = 0."""
+    """(columns, offsets, mask, rate, z) of this program's tile; masked entries have z = 0."""
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     col_ok = cols < C
@@ -32,7 +32,7 @@ def _tile(proj, a_log, bias, N, C, ROWS: tl.constexpr, BC: tl.constexpr, ACC: tl
     offs = rows[:, None] * C + cols[None, :]
     rate = tl.exp(tl.load(a_log + cols, mask=col_ok, other=0.0).to(ACC))
     z = tl.load(proj + offs, mask=mask, other=0.0).to(ACC) + tl.load(bias + cols, mask=col_ok, other=0.0).to(ACC)[None, :]
-    return offs, mask, rate, z
+    return cols, offs, mask, rate, z
 
 
 @triton.jit
@@ -42,18 +42,17 @@ def _softplus(z):
 
 @triton.jit
 def log_decay_forward_kernel(proj, a_log, bias, g, N, C, ROWS: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
-    offs, mask, rate, z = _tile(proj, a_log, bias, N, C, ROWS, BC, ACC)
+    _, offs, mask, rate, z = _tile(proj, a_log, bias, N, C, ROWS, BC, ACC)
     tl.store(g + offs, (-rate[None, :] * _softplus(z)).to(g.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def log_decay_backward_kernel(proj, a_log, bias, dg, d_proj, d_rate_part, d_bias_part, N, C,
                               ROWS: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
-    offs, mask, rate, z = _tile(proj, a_log, bias, N, C, ROWS, BC, ACC)
+    cols, offs, mask, rate, z = _tile(proj, a_log, bias, N, C, ROWS, BC, ACC)
     d = tl.load(dg + offs, mask=mask, other=0.0).to(ACC)  # masked entries: d = 0, so they add nothing
     d_logits = -rate[None, :] * tl.sigmoid(z) * d
     tl.store(d_proj + offs, d_logits.to(d_proj.dtype.element_ty), mask=mask)
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)
     part = tl.program_id(0).to(tl.int64) * C + cols
     tl.store(d_rate_part + part, tl.sum(-rate[None, :] * _softplus(z) * d, axis=0), mask=cols < C)
     tl.store(d_bias_part + part, tl.sum(d_logits, axis=0), mask=cols < C)

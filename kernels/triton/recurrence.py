@@ -394,27 +394,23 @@ def linear_recurrence_triton(
     )
 
 
-# Half-precision heads narrower than this in one of K, V and wider in the other are padded.
-MIXED_HEAD_MIN = 64
+# The narrowest head a bfloat16 / float16 call runs at on CUDA (`half_precision_head_dims`).
+HALF_PRECISION_MIN_HEAD = 64
 
 
 def half_precision_head_dims(K: int, V: int) -> tuple[int, int]:
-    """The head sizes a bfloat16 / float16 call runs at on CUDA (`(K, V)` when unpadded).
+    """The head sizes a bfloat16 / float16 call runs at on CUDA (`(K, V)` when unpadded):
+    powers of two of at least `HALF_PRECISION_MIN_HEAD`.
 
-    On the H200 (Triton 3.6), against float64, DeltaNet forward and backward in bfloat16:
-    right at K x V = 8x8, 16x16, 32x32, 64x64, 64x128, 128x64, 128x128, 128x256; silently
+    On the H200 (Triton 3.6), against float64, in bfloat16 (float32 was right at every
+    shape): DeltaNet was right at 64x64, 64x128, 128x64, 128x128 and 128x256, and silently
     wrong, no error raised, at 24x40 (relative error 3.7), 32x64 (3.4 in dk) and 64x32 (1.1
-    in the output). float32 was right at every one. With a channel gate, models of heads
-    4 x 6 run at 8 x 8 had gradients up to 42 times further from float32 than plain
-    torch's under bfloat16 autocast, where the CPU interpreter's were as close as torch's.
-    So sizes go up to powers of two of at least `MIN_BLOCK` (the kernels' blocks are that
-    wide anyway: the padding adds no tensor-core work), and a head below `MIXED_HEAD_MIN`
-    in one dimension and above it in the other is raised to it (32x64 runs as 64x64)."""
-    k, v = max(pow2(K), MIN_BLOCK), max(pow2(V), MIN_BLOCK)
-    if k != v and min(k, v) < MIXED_HEAD_MIN:
-        floor = min(max(k, v), MIXED_HEAD_MIN)
-        k, v = max(k, floor), max(v, floor)
-    return k, v
+    in the output). At 32x32 DeltaNet, RWKV-7 and KDA were right, but RWKV-7 with n_h = 2,
+    beta up to 2 and a channel gate was wrong at heads of 4x6, 8x8 and 16x16 run at 32x32,
+    and right at 24x40 run at 64x64 (`test_small_channel_gated_heads_on_cuda`). So every
+    half-precision head below 64 runs at 64: the cost falls only on heads that small, whose
+    layers are launch-bound anyway."""
+    return max(pow2(K), HALF_PRECISION_MIN_HEAD), max(pow2(V), HALF_PRECISION_MIN_HEAD)
 
 
 def _with_padded_heads(q, k, v, g, gate: Gate, beta, write_key, erase, n_h: int, scale: float, initial_state,

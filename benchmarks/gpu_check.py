@@ -6,12 +6,17 @@
    and OSDN write keys; channel gates mild and strong) at B=2 T=2048 H=16 K=V=128 in
    bfloat16, float16 and float32, with an initial and a final state: outputs, final state
    and every input gradient (random cotangents) against our `torch` backend in float64 on
-   the same rounded inputs. Error = ||ours - ref|| / ||ref|| per tensor, under `TOL`.
+   the same rounded inputs. Error = ||ours - ref|| / ||ref|| per tensor, under `TOL`; for a
+   gate also its sums over tokens, `sum dg` and `sum g dg` (per channel or head: the
+   gradients of a Mamba-style gate's `dt_bias` and `A_log` are of that form, and a sum
+   amplifies dg's errors wherever its terms cancel).
 2. `naive`: four plans at T=512 in float32 against the token loop in float64 (the
    definition; at 2048 tokens it would take minutes).
 3. `packed`: packed batches (`cu_seqlens`; sequences of 1500, 0, 37, 2048 and 511 tokens)
    against float64, and each sequence run alone equal to its slice of the packed run.
-4. `stability`: beta = 2 (every factor a reflection) over 65,536 tokens in bfloat16, for
+4. `heads64`: the channel-gated plans of `HEADS64_PLANS` at K=V=64 in bfloat16, strong
+   gates (heads that small ran wrong on the H200 where 128 ran right; docs/kernel.md).
+5. `stability`: beta = 2 (every factor a reflection) over 65,536 tokens in bfloat16, for
    DeltaNet and Gated DeltaNet: finite, the final state against float64.
 
 Every specialization is compiled first in worker processes (one per job: a kernel fault
@@ -57,6 +62,7 @@ CHECK_PLANS = [
 NAIVE_PLANS = ("deltanet", "gated-deltaproduct-3", "kda", "rwkv7")
 PACKED_PLANS = ("gated-deltaproduct-3", "kda", "rwkv7", "gla", "osgdn-apf")
 PACKED_LENGTHS = (1500, 0, 37, 2048, 511)  # odd lengths and an empty sequence: no chunk aligns
+HEADS64_PLANS = ("kda", "rwkv7")
 DIMS = {"H": 16, "K": 128}
 
 
@@ -77,6 +83,13 @@ def _errors(got: dict, want: dict) -> dict[str, float]:
     return {name: err(got[name], w) for name, w in want.items()}
 
 
+def _gate_sums(x: dict, grads: dict) -> dict[str, torch.Tensor]:
+    """The gate gradient's sums over tokens: per channel (`sum dg`, as `dt_bias`'s gradient)
+    and per head (`sum g dg`, as `A_log`'s)."""
+    g, dg = x["g"].detach().double(), grads["d_g"].double()
+    return {"sum dg": dg.sum((0, 1)), "sum g dg": (g * dg).sum((0, 1)).reshape(g.shape[2], -1).sum(1)}
+
+
 def _float64(x: dict) -> dict:
     return {k: v.detach().double().requires_grad_() if v.is_floating_point() else v for k, v in x.items()}
 
@@ -94,13 +107,14 @@ def _sequence(x: dict, n: int, start: int, end: int, n_h: int) -> dict:
     return out
 
 
-def check(kind: str, bench: Bench, gates: str, dtype: str, B: int, T: int, lengths: tuple | None, device: str) -> dict:
-    x = make_inputs(bench.plan, B, T, DIMS["H"], DIMS["K"], DIMS["K"], getattr(torch, dtype), device, gates=gates,
+def check(kind: str, bench: Bench, gates: str, dtype: str, B: int, T: int, lengths: tuple | None, device: str,
+          K: int) -> dict:
+    x = make_inputs(bench.plan, B, T, DIMS["H"], K, K, getattr(torch, dtype), device, gates=gates,
                     seed=zlib.crc32(bench.name.encode()) % 1000, states=True, lengths=None if lengths is None else list(lengths))
     gen = torch.Generator().manual_seed(5)
     rows = x["initial_state"].shape[0]
-    d_o = torch.randn(B, T, DIMS["H"], DIMS["K"], generator=gen, dtype=torch.float64).to(device)
-    d_s = torch.randn(rows, DIMS["H"], DIMS["K"], DIMS["K"], generator=gen, dtype=torch.float64).to(device)
+    d_o = torch.randn(B, T, DIMS["H"], K, generator=gen, dtype=torch.float64).to(device)
+    d_s = torch.randn(rows, DIMS["H"], K, K, generator=gen, dtype=torch.float64).to(device)
     got = _with_grads(bench, x, "triton", d_o, d_s)
     reference = "naive" if kind == "naive" else "torch"
     if reference == "torch" and bench.plan.gate == "channel" and B > 1:  # per row: float64 channel decays are large
@@ -110,6 +124,8 @@ def check(kind: str, bench: Bench, gates: str, dtype: str, B: int, T: int, lengt
     else:
         want = _with_grads(bench, _float64(x), reference, d_o, d_s)
     errors = _errors(got, want)
+    if "d_g" in want and lengths is None:
+        errors.update(_errors(_gate_sums(x, got), _gate_sums(x, want)))
     if lengths is not None:  # each sequence alone equals its slice of the packed run
         offsets = x["cu_seqlens"].tolist()
         for n, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
@@ -165,32 +181,35 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         DIMS.update(H=1, K=16)
         (B, T), T_naive, lengths, T_long = ((1, 40), 24, (20, 0, 3, 17), 128)
-    checks = []  # (kind, bench, gates, dtype, B, T, lengths)
+    checks = []  # (kind, bench, gates, dtype, B, T, lengths, K)
     for bench in CHECK_PLANS:
         if bench.name not in names:
             continue
         regimes = ("mild", "strong") if bench.plan.gate == "channel" else ("mild",)
-        checks += [("path", bench, g, d, B, T, None) for g in regimes for d in dtypes]
+        K = DIMS["K"]
+        checks += [("path", bench, g, d, B, T, None, K) for g in regimes for d in dtypes]
         if bench.name in NAIVE_PLANS:
-            checks.append(("naive", bench, "mild", "float32", 1, T_naive, None))
+            checks.append(("naive", bench, "mild", "float32", 1, T_naive, None, K))
         if bench.name in PACKED_PLANS:
-            checks += [("packed", bench, "mild", d, 1, sum(lengths), lengths) for d in dtypes if d != "float16"]
+            checks += [("packed", bench, "mild", d, 1, sum(lengths), lengths, K) for d in dtypes if d != "float16"]
+        if bench.name in HEADS64_PLANS and "bfloat16" in dtypes:
+            checks.append(("heads64", bench, "strong", "bfloat16", B, T, None, min(K, 64)))
     faults: dict[int, str] = {}
     if device == "cuda" and args.workers > 0:  # compile every specialization first, a process per job
-        jobs = [CompileJob(c[1], "ours", c[2], c[3], (c[4], c[5], DIMS["H"], DIMS["K"], DIMS["K"]), True, c[6]) for c in checks]
+        jobs = [CompileJob(c[1], "ours", c[2], c[3], (c[4], c[5], DIMS["H"], c[7], c[7]), True, c[6]) for c in checks]
         statuses = compile_in_workers(jobs, args.workers, fresh_process=True)
         faults = {i: s for i, s in enumerate(statuses) if "CUDA" in s or "AcceleratorError" in s}  # would poison this process
         print(f"[{time.monotonic() - start:6.1f}s] compiled {len(jobs)} specializations, {len(faults)} faulted", flush=True)
     start = time.monotonic()  # the budget is the checks' own
     results: dict = {"machine": machine(), "dims": dict(DIMS), "tolerance": TOL, "checks": [], "not_run": [], "stability": []}
-    for i, (kind, bench, gates, dtype, b, t, lens) in enumerate(checks):
+    for i, (kind, bench, gates, dtype, b, t, lens, k) in enumerate(checks):
         label = f"{kind}:{bench.name}/{gates}/{dtype}"
         if time.monotonic() - start > args.budget_s:
             results["not_run"].append(label)
             continue
         try:
             r = {"error": faults[i], "worst": float("inf"), "pass": False} if i in faults else \
-                check(kind, bench, gates, dtype, b, t, lens, device)
+                check(kind, bench, gates, dtype, b, t, lens, device, k)
         except Exception as err:  # noqa: BLE001  (a failed check is a result)
             r = {"error": first_line(err), "worst": float("inf"), "pass": False}
         results["checks"].append({"check": label, **r})

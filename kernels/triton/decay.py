@@ -90,6 +90,29 @@ def mm(a, b, OP: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
+def mm_fine(a, b, OP: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
+    """`a @ b` as `mm`, with `b` (a decayed operand) carried to about 16 bits of mantissa
+    when the operands are half precision: `b = hi + lo`, both halves rounded to `OP`, two
+    tensor-core products. Why: a channel gate's gradient `dg` sums `q * dq - k * dk ...`
+    over the chunk, where each pair of rows adds its decayed product once with each sign;
+    `apply_left` and `apply_right` form the two signs from differently decayed operands
+    (`k exp(-Gb)` and `q exp(Ga)`), so rounding those to bfloat16 (8 bits) leaves every
+    pair's two terms unequal by ~2^-9 of the pair, and the sums of `dg` over tokens (the
+    gradients of `A_log` and `dt_bias`), which cancel to a few percent of their terms, were
+    5e-2 to 1e-1 off on the H200 (fla's KDA: 3e-3; with this, 2e-3 to 5e-3). `m`, rounded
+    once, is the same on both sides and cancels. The cost: a second product per decayed
+    product of the backward (KDA forward+backward 1.06x with mild gates, 1.24x strong).
+    The interpreter cannot show any of this: it widens bfloat16 operands to float32."""
+    if OP == tl.bfloat16 or OP == tl.float16:
+        a_op = a.to(OP)
+        hi = b.to(OP)
+        lo = (b - hi.to(ACC)).to(OP)
+        return tl.dot(a_op, lo, tl.dot(a_op, hi, input_precision=PREC, out_dtype=ACC), input_precision=PREC, out_dtype=ACC)
+    else:
+        return mm(a, b, OP, PREC, ACC)
+
+
+@triton.jit
 def causal_mask(pos_a, valid_a, pos_b, valid_b, STRICT: tl.constexpr):
     """`[RA, BT]`: the pairs that interact (b before a, or up to a's position)."""
     if STRICT:
@@ -292,7 +315,7 @@ def _sub_chunk_left(
             if s > 0:
                 carry = carry * _step_decay(p_g, s - 1, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)[None, :]
             carry = tl.where(((pos_b // SC) == s)[:, None], fb, carry)
-            out += tl.where(((pos_a // SC) == s)[:, None], mm(m, carry, OP, PREC, ACC), 0.0)
+            out += tl.where(((pos_a // SC) == s)[:, None], mm_fine(m, carry, OP, PREC, ACC), 0.0)
         out = out * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, stride_g, offs_k, SC, NH, K, ACC),
                                     float("-inf")))
     else:
@@ -301,7 +324,7 @@ def _sub_chunk_left(
                                                  SC, NH, K, ACC)
             m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
             xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
-            part = mm(m_s, xb_s, OP, PREC, ACC)
+            part = mm_fine(m_s, xb_s, OP, PREC, ACC)
             out += part * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
         for jj in range(SC):
             b_of_a = (pos_a // SC) * SC + jj
@@ -333,7 +356,7 @@ def _sub_chunk_right(
             if i > 0:
                 carry = carry * _step_decay(p_g, t, t + 1, n_sub, stride_g, offs_k, SC, NH, K, ACC)[None, :]
             carry = tl.where(((pos_a // SC) == t)[:, None], fa, carry)
-            out += tl.where(((pos_b // SC) == t)[:, None], mm(tl.trans(m), carry, OP, PREC, ACC), 0.0)
+            out += tl.where(((pos_b // SC) == t)[:, None], mm_fine(tl.trans(m), carry, OP, PREC, ACC), 0.0)
         out = out * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
     else:
         for s in tl.static_range(0, BT // SC):
@@ -341,7 +364,7 @@ def _sub_chunk_right(
                                                  SC, NH, K, ACC)
             m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
             xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
-            part = mm(tl.trans(m_s), xa_s, OP, PREC, ACC)
+            part = mm_fine(tl.trans(m_s), xa_s, OP, PREC, ACC)
             out += part * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
         # inside a sub-chunk: for each row b, its partners a of the same sub-chunk, one at a time
         for aa in range((SC + A_STEP - 1) // A_STEP):
@@ -400,9 +423,9 @@ def apply_left(
         return mm(m * decay, xb, OP, PREC, ACC)
     else:  # as in `scores` (one assignment per branch: Triton returns once, after a runtime branch)
         if CHUNK_ONLY:  # noqa: SIM114 (a constexpr branch: the other paths are not compiled)
-            out = _start_decay(mm(m, _start_decay(xb, -gb, valid_b), OP, PREC, ACC), ga, valid_a)
+            out = _start_decay(mm_fine(m, _start_decay(xb, -gb, valid_b), OP, PREC, ACC), ga, valid_a)
         elif _chunk_within_bound(gb, valid_b, OP):
-            out = _start_decay(mm(m, _start_decay(xb, -gb, valid_b), OP, PREC, ACC), ga, valid_a)
+            out = _start_decay(mm_fine(m, _start_decay(xb, -gb, valid_b), OP, PREC, ACC), ga, valid_a)
         else:
             out = _sub_chunk_left(m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b, p_xb, stride_xb, p_g, stride_g, n_sub,
                                   NH, BT, SC, K, BK, ACC, OP, PREC, k0)
@@ -430,9 +453,9 @@ def apply_right(
         return mm(tl.trans(m * decay), xa, OP, PREC, ACC)
     else:  # as in `scores`
         if CHUNK_ONLY:  # noqa: SIM114 (a constexpr branch: the other paths are not compiled)
-            out = _start_decay(mm(tl.trans(m), _start_decay(xa, ga, valid_a), OP, PREC, ACC), -gb, valid_b)
+            out = _start_decay(mm_fine(tl.trans(m), _start_decay(xa, ga, valid_a), OP, PREC, ACC), -gb, valid_b)
         elif _chunk_within_bound(gb, valid_b, OP):
-            out = _start_decay(mm(tl.trans(m), _start_decay(xa, ga, valid_a), OP, PREC, ACC), -gb, valid_b)
+            out = _start_decay(mm_fine(tl.trans(m), _start_decay(xa, ga, valid_a), OP, PREC, ACC), -gb, valid_b)
         else:
             out = _sub_chunk_right(m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b, p_xa, stride_xa, p_g, stride_g, n_sub, n_a,
                                    A_STEP, NH, BT, SC, K, BK, ACC, OP, PREC, k0)

@@ -312,6 +312,39 @@ def test_small_channel_gated_heads_on_cuda(case: Case, head_dims: tuple[int, int
     _assert_close(_triton(inputs, chunk_size=None), _naive(inputs), tol=3e-2)
 
 
+# (case, gate strength, T): strong and mild channel gates, and a slow one whose state
+# carries across chunks; a scalar gate at mild strength.
+GATE_SUM_CASES = [
+    (Case(gate="channel", transition="householder"), 10.0, 256),
+    (Case(gate="channel", transition="householder"), 1.0, 256),
+    (Case(gate="channel", transition="householder"), 0.1, 512),
+    (Case(gate="channel", transition="rwkv7", n_h=2, write_key="untied", beta_scale=2.0), 10.0, 256),
+    (Case(gate="scalar", transition="householder"), 1.0, 512),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,strength,T", GATE_SUM_CASES, ids=lambda x: x.id if isinstance(x, Case) else str(x))
+def test_gate_gradient_sums_on_cuda(case: Case, strength: float, T: int) -> None:
+    """A gate's gradient summed over tokens, as a model's `A_log` and `dt_bias` take it
+    (`sum g * dg` per head, `sum dg` per channel), in bfloat16 on tensor cores against
+    float64. These sums cancel to a few percent of their terms, so they expose a
+    consistent bias that `dg` itself hides: with the decayed operands of the backward's
+    products rounded to bfloat16, KDA's `sum g * dg` was 5e-2 to 1e-1 off on the H200 and
+    RWKV-7's 2.7e-2 (fla's KDA: 3e-3), while `dg` was within 3e-3 (`decay.mm_fine`). The
+    interpreter cannot see this: it widens bfloat16 operands to float32."""
+    inputs = make_inputs(case, B=1, T=T, H=2, K=64, V=64, dtype=torch.bfloat16, device="cuda", seed=5,
+                         gate_strength=strength)
+    inputs["g"] = inputs["g"].detach().float().requires_grad_()  # models form g in float32
+    got, want = _triton(inputs, chunk_size=None)["d_g"].double().cpu(), _naive(inputs)["d_g"]
+    g = inputs["g"].detach().double().cpu()
+    over_k = (3,) if case.gate == "channel" else ()
+    for name, a, b in (("sum g dg", (g * got).sum((0, 1) + over_k), (g * want).sum((0, 1) + over_k)),
+                       ("sum dg", got.sum((0, 1)), want.sum((0, 1)))):
+        err = ((a - b).norm() / b.norm()).item()
+        assert err < 1e-2, f"{name}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("gate", ["none", "channel"])
 def test_padded_heads_equal_the_unpadded_recurrence(gate: str) -> None:
     """The padding that half-precision heads which are not powers of two take on CUDA (run

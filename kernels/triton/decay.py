@@ -81,12 +81,32 @@ from .kinds import ALL_CHUNKS, CHANNEL_GATE, NO_GATE, SCALAR_GATE, WITHIN_BOUND
 # bfloat16 and float32 operands (`decay_bound`: e^8 with float16 ones).
 DECAY_BOUND = tl.constexpr(40.0)
 
+# Tests only: the CPU interpreter widens bfloat16 operands to float32
+# (`recurrence._operand_dtype`: its own bfloat16 products are wrong), so it cannot show
+# what rounding the operands of tensor-core products does. With this set (by
+# `tests/kernels/half_rounding.py`, around bfloat16 inputs on the interpreter), `mm` and
+# `mm_fine` round their operands to bfloat16 as the GPU does. The interpreter reads it at
+# each call; a compiled kernel sees False and has no such branch.
+EMULATED_BF16_PRODUCTS = tl.constexpr(False)
+
+
+@triton.jit
+def bf16_rounded(x):
+    """float32 `x` rounded to the nearest bfloat16 (ties to even), kept in float32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
 
 @triton.jit
 def mm(a, b, OP: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
     """`a @ b` with operands in `OP` (the inputs' dtype for half precision: tensor cores at
     full rate) and accumulation in `ACC` (float32)."""
-    return tl.dot(a.to(OP), b.to(OP), input_precision=PREC, out_dtype=ACC)
+    if EMULATED_BF16_PRODUCTS:
+        return tl.dot(bf16_rounded(a.to(tl.float32)), bf16_rounded(b.to(tl.float32)), input_precision="ieee",
+                      out_dtype=ACC)
+    else:
+        return tl.dot(a.to(OP), b.to(OP), input_precision=PREC, out_dtype=ACC)
 
 
 @triton.jit
@@ -103,7 +123,13 @@ def mm_fine(a, b, OP: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
     once, is the same on both sides and cancels. The cost: a second product per decayed
     product of the backward (KDA forward+backward 1.06x with mild gates, 1.24x strong).
     The interpreter cannot show any of this: it widens bfloat16 operands to float32."""
-    if OP == tl.bfloat16 or OP == tl.float16:
+    if EMULATED_BF16_PRODUCTS:
+        a_op = bf16_rounded(a.to(tl.float32))
+        hi = bf16_rounded(b.to(tl.float32))
+        lo = bf16_rounded(b.to(tl.float32) - hi)
+        return tl.dot(a_op, lo, tl.dot(a_op, hi, input_precision="ieee", out_dtype=ACC), input_precision="ieee",
+                      out_dtype=ACC)
+    elif OP == tl.bfloat16 or OP == tl.float16:
         a_op = a.to(OP)
         hi = b.to(OP)
         lo = (b - hi.to(ACC)).to(OP)

@@ -19,9 +19,14 @@ import torch
 
 from archspec.kernels import linear_recurrence
 from tests.kernels.cases import Case, make_inputs, tensor_args
+from tests.kernels.half_rounding import bf16_products
 
 triton = pytest.importorskip("triton")
+from archspec.kernels.kinds import triton_interpreter_on  # noqa: E402
 from archspec.kernels.triton import linear_recurrence_triton  # noqa: E402
+from archspec.kernels.triton.decay import bf16_rounded, mm  # noqa: E402
+
+tl = triton.language
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -323,6 +328,21 @@ GATE_SUM_CASES = [
 ]
 
 
+def _assert_gate_sums_close(case: Case, strength: float, T: int, device: str) -> None:
+    """bfloat16 inputs (g in float32, as models form it), K = V = 64, default chunk: the
+    sums of the triton `dg` within 1e-2 of the naive loop's in float64."""
+    inputs = make_inputs(case, B=1, T=T, H=2, K=64, V=64, dtype=torch.bfloat16, device=device, seed=5,
+                         gate_strength=strength)
+    inputs["g"] = inputs["g"].detach().float().requires_grad_()
+    got, want = _triton(inputs, chunk_size=None)["d_g"].double().cpu(), _naive(inputs)["d_g"]
+    g = inputs["g"].detach().double().cpu()
+    over_k = (3,) if case.gate == "channel" else ()
+    for name, a, b in (("sum g dg", (g * got).sum((0, 1) + over_k), (g * want).sum((0, 1) + over_k)),
+                       ("sum dg", got.sum((0, 1)), want.sum((0, 1)))):
+        err = ((a - b).norm() / b.norm()).item()
+        assert err < 1e-2, f"{name}: relative error {err:.2e}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,strength,T", GATE_SUM_CASES, ids=lambda x: x.id if isinstance(x, Case) else str(x))
 def test_gate_gradient_sums_on_cuda(case: Case, strength: float, T: int) -> None:
@@ -331,18 +351,44 @@ def test_gate_gradient_sums_on_cuda(case: Case, strength: float, T: int) -> None
     float64. These sums cancel to a few percent of their terms, so they expose a
     consistent bias that `dg` itself hides: with the decayed operands of the backward's
     products rounded to bfloat16, KDA's `sum g * dg` was 5e-2 to 1e-1 off on the H200 and
-    RWKV-7's 2.7e-2 (fla's KDA: 3e-3), while `dg` was within 3e-3 (`decay.mm_fine`). The
-    interpreter cannot see this: it widens bfloat16 operands to float32."""
-    inputs = make_inputs(case, B=1, T=T, H=2, K=64, V=64, dtype=torch.bfloat16, device="cuda", seed=5,
-                         gate_strength=strength)
-    inputs["g"] = inputs["g"].detach().float().requires_grad_()  # models form g in float32
-    got, want = _triton(inputs, chunk_size=None)["d_g"].double().cpu(), _naive(inputs)["d_g"]
-    g = inputs["g"].detach().double().cpu()
-    over_k = (3,) if case.gate == "channel" else ()
-    for name, a, b in (("sum g dg", (g * got).sum((0, 1) + over_k), (g * want).sum((0, 1) + over_k)),
-                       ("sum dg", got.sum((0, 1)), want.sum((0, 1)))):
-        err = ((a - b).norm() / b.norm()).item()
-        assert err < 1e-2, f"{name}: relative error {err:.2e}"
+    RWKV-7's 2.7e-2 (fla's KDA: 3e-3), while `dg` was within 3e-3 (`decay.mm_fine`)."""
+    _assert_gate_sums_close(case, strength, T, "cuda")
+
+
+@pytest.mark.skipif(not triton_interpreter_on(), reason="emulates the GPU's bfloat16 products on the interpreter")
+@pytest.mark.parametrize("case,strength,T", GATE_SUM_CASES, ids=lambda x: x.id if isinstance(x, Case) else str(x))
+def test_gate_gradient_sums_with_bf16_products(case: Case, strength: float, T: int) -> None:
+    """The GPU test above on the interpreter with the tensor cores' operand rounding
+    emulated (`half_rounding.bf16_products`). It reproduced the H200's errors to two digits
+    (KDA strong 9.8e-2, mild 5.3e-2, RWKV-7 2.7e-2 before `mm_fine`; 5e-3, 2e-3, 1.2e-3
+    after), so CI sees this class of defect without a GPU."""
+    with bf16_products():
+        _assert_gate_sums_close(case, strength, T, "cpu")
+
+
+@triton.jit
+def _rounding_kernel(x, y, rounded, product, N: tl.constexpr):
+    offs = tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :]
+    a = tl.load(x + offs)
+    tl.store(rounded + offs, bf16_rounded(a))
+    tl.store(product + offs, mm(a, tl.load(y + offs), tl.float32, "ieee", tl.float32))
+
+
+@pytest.mark.skipif(not triton_interpreter_on(), reason="the interpreter's emulation")
+def test_emulated_bf16_products_round_like_tensor_cores() -> None:
+    """`bf16_rounded` is torch's bfloat16 rounding to the bit (ties to even included), and
+    `mm` inside `bf16_products` is the float64 product of the rounded operands (and not the
+    float32 one): the switch reaches the kernels."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 16, generator=gen), torch.randn(16, 16, generator=gen)
+    x[0, :4] = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8), 3.0 * 2.0 ** -9])  # ties
+    rounded, product = torch.empty_like(x), torch.empty_like(x)
+    with bf16_products():
+        _rounding_kernel[(1,)](x, y, rounded, product, N=16)
+    assert torch.equal(rounded, x.bfloat16().float())
+    want = x.bfloat16().double() @ y.bfloat16().double()
+    assert (product.double() - want).abs().max().item() < 1e-5
+    assert (product.double() - x.double() @ y.double()).abs().max().item() > 1e-3
 
 
 @pytest.mark.parametrize("gate", ["none", "channel"])

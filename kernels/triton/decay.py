@@ -85,8 +85,9 @@ DECAY_BOUND = tl.constexpr(40.0)
 # (`recurrence._operand_dtype`: its own bfloat16 products are wrong), so it cannot show
 # what rounding the operands of tensor-core products does. With this set (by
 # `tests/kernels/half_rounding.py`, around bfloat16 inputs on the interpreter), `mm` and
-# `mm_fine` round their operands to bfloat16 as the GPU does. The interpreter reads it at
-# each call; a compiled kernel sees False and has no such branch.
+# `mm_fine` round their operands to bfloat16 as the GPU does, and bfloat16 buffers are
+# written rounded to nearest (`stored`). The interpreter reads it at each call; a compiled
+# kernel sees False and has no such branch (`compile_report` gives the same registers).
 EMULATED_BF16_PRODUCTS = tl.constexpr(False)
 
 
@@ -156,10 +157,24 @@ def load_rows(p, rows, ok, stride, offs_k, K: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
+def stored(x, p):
+    """`x` in the dtype of the buffer `p` points into. Under the emulation (tests only) a
+    bfloat16 buffer's values are rounded to nearest first, as the GPU rounds them: the
+    interpreter's own conversion truncates."""
+    if EMULATED_BF16_PRODUCTS:
+        if p.dtype.element_ty == tl.bfloat16:
+            return bf16_rounded(x.to(tl.float32)).to(tl.bfloat16)
+        else:
+            return x.to(p.dtype.element_ty)
+    else:
+        return x.to(p.dtype.element_ty)
+
+
+@triton.jit
 def store_rows(p, x, rows, ok, stride, offs_k, K: tl.constexpr):
     """Store `[R, BK]` into rows `rows[r]` of a `[*, K]` array where `ok`."""
     ptrs = p + rows[:, None] * stride + offs_k[None, :]
-    tl.store(ptrs, x.to(p.dtype.element_ty), mask=ok[:, None] & (offs_k[None, :] < K))
+    tl.store(ptrs, stored(x, p), mask=ok[:, None] & (offs_k[None, :] < K))
 
 
 @triton.jit

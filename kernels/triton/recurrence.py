@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ..chunking import TRITON_CHUNK_SIZE
 from ..kinds import Gate, Mode, triton_interpreter_on
-from . import launch
+from . import decay, launch
 from .backward import chunk_backward_kernel
 from .backward_channel import chunk_channels_kernel, chunk_pairs_kernel
 from .chunks import chunk_tables
@@ -84,7 +84,8 @@ class Plan:
     acc: torch.dtype
     prec: str
     launch: Launch
-    op: torch.dtype  # dot operands and the stored intermediates P, X, Y and chunk states
+    op: torch.dtype  # dot operands
+    stored: torch.dtype  # the stored intermediates P, X, Y and chunk states (`_stored_dtype`)
 
     @property
     def tl_acc(self):
@@ -113,6 +114,15 @@ def _operand_dtype(dtype: torch.dtype, acc: torch.dtype, interpret: bool) -> tor
     return acc
 
 
+def _stored_dtype(dtype: torch.dtype, acc: torch.dtype, interpret: bool, emulated: bool) -> torch.dtype:
+    """The operands' dtype, except bfloat16 on the interpreter with the GPU's products
+    emulated (`decay.EMULATED_BF16_PRODUCTS`, tests only): the intermediates are then stored
+    in bfloat16 as on the GPU, rounded to nearest as the GPU rounds (`decay.stored`)."""
+    if emulated and dtype == torch.bfloat16:
+        return dtype
+    return _operand_dtype(dtype, acc, interpret)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -124,12 +134,14 @@ def _plan(q, k, v, gate: Gate, beta, erase, n_h, cu_seqlens, chunk_table_count, 
     mode = Mode.of(beta, erase)
     settings = launch.settings(mode, gate, _operand_dtype(q.dtype, acc, interpret), n_h)
     return _plan_of(tuple(q.shape), v.shape[-1], q.dtype, mode, gate, beta is not None, n_h, n_seq,
-                    None if cu_seqlens is None else chunk_table_count, chunk_size, interpret, settings)
+                    None if cu_seqlens is None else chunk_table_count, chunk_size, interpret, settings,
+                    interpret and bool(decay.EMULATED_BF16_PRODUCTS.value))
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_of(shape: tuple, V: int, dtype: torch.dtype, mode: Mode, gate: Gate, has_beta: bool, n_h: int, n_seq: int,
-             chunk_table_count: int | None, chunk_size: int | None, interpret: bool, settings: Launch) -> Plan:
+             chunk_table_count: int | None, chunk_size: int | None, interpret: bool, settings: Launch,
+             emulated: bool = False) -> Plan:
     """The plan of a call, cached: a training step calls with the same shapes every time,
     and building the plan is host time that can leave a short forward waiting on the CPU."""
     B, T, H, K = shape
@@ -149,7 +161,7 @@ def _plan_of(shape: tuple, V: int, dtype: torch.dtype, mode: Mode, gate: Gate, h
         SC=min(SUB_CHUNK, BT), NT=NT, n_seq=n_seq,
         n_chunks=B * NT if chunk_table_count is None else chunk_table_count,
         acc=acc, prec={torch.float64: "ieee", torch.float32: "tf32x3"}.get(dtype, "tf32"),
-        launch=settings, op=_operand_dtype(dtype, acc, interpret),
+        launch=settings, op=_operand_dtype(dtype, acc, interpret), stored=_stored_dtype(dtype, acc, interpret, emulated),
     )
 
 
@@ -252,7 +264,7 @@ class ChunkRecurrence(torch.autograd.Function):
                 BQ=p.BQ, SC=p.SC, MODE=p.mode.value, GATE=p.gate.value, IS_VARLEN=varlen, CHANNEL_PASS=channel_pass.value,
                 num_warps=run.chunk_warps, num_stages=1, **_common(p),
             )
-        dh_all = torch.empty(h_all.shape, device=dev, dtype=p.op)
+        dh_all = torch.empty(h_all.shape, device=dev, dtype=p.stored)
         dh0 = torch.empty(p.n_seq, p.H, p.K, p.V, device=dev, dtype=p.acc) if ctx.has_h0 else None
         state_backward_kernel[(_cdiv(p.V, p.BVS), p.n_seq * p.H)](
             q, w, e_, beta_, G_, dummy if P is None else P, dummy if dY is None else dY, dummy if dU is None else dU, do,
@@ -299,8 +311,8 @@ def _chunk_states(p: Plan, k, w, e, beta, v, G, Tinv, initial_state, final, cu_s
     TN = p.T * p.n_h
     P = X = Y = None
     if p.mode != Mode.DIAGONAL:
-        P = torch.empty(p.B, TN, p.H, p.K, device=k.device, dtype=p.op)
-        X = torch.empty(p.B, TN, p.H, p.V, device=k.device, dtype=p.op)
+        P = torch.empty(p.B, TN, p.H, p.K, device=k.device, dtype=p.stored)
+        X = torch.empty(p.B, TN, p.H, p.V, device=k.device, dtype=p.stored)
         Y = torch.empty_like(X)
         prepare_kernel[(p.n_chunks, p.H)](
             k, w, dummy if beta is None else beta, v, dummy if G is None else G,
@@ -308,7 +320,7 @@ def _chunk_states(p: Plan, k, w, e, beta, v, G, Tinv, initial_state, final, cu_s
             SC=p.SC, MODE=p.mode.value, GATE=p.gate.value, HAS_BETA=p.has_beta, IS_VARLEN=varlen,
             num_warps=p.launch.prepare_warps, num_stages=p.launch.prepare_stages, **_common(p),
         )
-    h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=k.device, dtype=p.op)
+    h_all = torch.empty(p.n_chunks, p.H, p.K, p.V, device=k.device, dtype=p.stored)
     bvf = p.state_forward_bv
     state_forward_kernel[(_cdiv(p.V, bvf), p.n_seq * p.H)](
         k, w, dummy if e is None else e, dummy if beta is None else beta, v, dummy if G is None else G,

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .chunks import sequence_of_program
-from .decay import load_gate, load_rows, mm, store_rows
+from .decay import load_gate, load_rows, mm, store_rows, stored
 from .kinds import CHANNEL_GATE, DIAGONAL, HOUSEHOLDER, SCALAR_GATE
 
 
@@ -107,7 +107,7 @@ def state_forward_kernel(
     if USE_H0:
         h += tl.load(h0 + (n * H + i_h) * K * V + state_offs, mask=state_mask, other=0.0).to(ACC)
     for c in range(count):
-        tl.store(h_all + ((first + c) * H + i_h) * K * V + state_offs, h.to(h_all.dtype.element_ty), mask=state_mask)
+        tl.store(h_all + ((first + c) * H + i_h) * K * V + state_offs, stored(h, h_all), mask=state_mask)
         tok0 = bos + c * TC
         n_tok = tl.minimum(TC, seq_len - c * TC)
         valid = i_sub < n_tok * NH
@@ -160,7 +160,7 @@ def state_backward_kernel(
         dh += tl.load(dht + (n * H + i_h) * K * V + state_offs, mask=state_mask, other=0.0).to(ACC)
     for cc in range(count):
         c = count - 1 - cc
-        tl.store(dh_all + ((first + c) * H + i_h) * K * V + state_offs, dh.to(dh_all.dtype.element_ty), mask=state_mask)
+        tl.store(dh_all + ((first + c) * H + i_h) * K * V + state_offs, stored(dh, dh_all), mask=state_mask)
         tok0 = bos + c * TC
         n_tok = tl.minimum(TC, seq_len - c * TC)
         valid = i_sub < n_tok * NH

@@ -1,6 +1,9 @@
-"""bfloat16 products on the CPU interpreter: `decay.EMULATED_BF16_PRODUCTS` switched on
-for the length of a `with` block, so that `mm` and `mm_fine` round their operands as the
-GPU's tensor cores take them (the stored intermediates stay float32 there)."""
+"""bfloat16 on the CPU interpreter as on the GPU: `decay.EMULATED_BF16_PRODUCTS` switched
+on for the length of a `with` block, so that `mm` and `mm_fine` round their operands as the
+tensor cores take them, and a bfloat16 call stores its intermediates (P, X, Y, the chunk
+states) in bfloat16, rounded to nearest (`decay.stored`; the interpreter's own conversion
+truncates). The fused pieces around the recurrence (RMSNorm, convolution, ...) are not
+covered: their bfloat16 stores still truncate there."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The search on one GPU through Ray Tune: trials per hour when several trials share it,
 GPU utilization, Ray's overhead per trial, and a `kill -9` of the driver mid-search.
 
-    python benchmarks/search_gpu.py [--budget-s S] [--levels 1,2,4,8] [--no-kill]
-                                    [--kill-only] [--merge] [--out DIR] [--smoke]
+    python benchmarks/search_gpu.py [--budget-s S] [--levels 1,2,4,8] [--parts levels,oom,kill]
+                                    [--no-warm] [--merge] [--out DIR] [--smoke]
 
 Each level runs `specs/search/gpu-small.yaml` (eight grid points, a fixed number of steps
 each) as `archspec search` in its own process, with `resources.gpu = 1/c` and
@@ -17,18 +17,24 @@ level it reports:
   building, training, evaluating), as a fraction of the former; and, beside it, the
   worker's time outside training (its span minus the trainer's `train.seconds`).
 
-Then a search at the highest level with twice the trials is killed with SIGKILL once two
-trials have finished while others run, resumed with `archspec search --resume`, and every
-trial recorded before the kill must still be there, unchanged, when the resumed search
-completes its budget.
+Before the levels, an unmeasured warm-up runs every grid point for a few steps, so that
+Triton compiles their kernels into the shared cache (`.triton-cache/`) and the first
+level (one at a time) is not charged for compiling. The part `oom` runs four trials at
+once on a sixteenth of the GPU each, one of them too large for its share: it must be
+recorded failed (`out of memory`, with its peak) while the other three train. The part
+`kill`: a search at the highest level with twice the trials is killed with SIGKILL once
+two trials have finished while others run, resumed with `archspec search --resume`, and
+every trial recorded before the kill must still be there, unchanged, when the resumed
+search completes its budget.
 
 A level that does not finish within the budget left is stopped and reported from what it
-finished (a rate stays a rate). `--merge` keeps an earlier JSON's levels not run now, so
-the benchmark can be split over several calls (`--levels 1,2`, then `--levels 4,8
---merge --no-kill`, then `--kill-only --merge`). Results: `DIR/search_gpu.json` (machine,
-torch / triton / ray versions, commit, levels, kill test) and `DIR/search_gpu.md`,
-written atomically after every level. `--smoke` runs a tiny CPU version (levels 1 and 2,
-two trials of a few steps on S3; the test suite runs it).
+finished (a rate stays a rate). `--merge` keeps an earlier JSON's levels and parts not
+run now, so the benchmark can be split over several calls (`--levels 1,2 --parts
+levels`, then `--levels 4,8 --parts levels,oom --merge`, then `--parts kill --merge`).
+Results: `DIR/search_gpu.json` (machine, torch / triton / ray versions, commit, levels,
+the out-of-memory trials, the kill test) and `DIR/search_gpu.md`, written atomically
+after every part. `--smoke` runs a tiny CPU version (levels 1 and 2, two trials of a few
+steps on S3, and the kill; the test suite runs it).
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ from common import ROOT, machine, write_results
 SPEC = ROOT / "specs" / "search" / "gpu-small.yaml"
 RUNS = ROOT / "runs" / "bench-search"
 NAME = "search_gpu"
+WARM_STEPS = 10  # steps of each grid point in the unmeasured warm-up: enough to compile every kernel
+OOM_STEPS = 200
 # The smoke: S3 at CPU size, a few steps, on the CPU (Ray still places and runs every trial).
 SMOKE = {"task": {"name": "s3", "preset": "cpu", "options": {"train_len": 8, "eval_size": 64}},
          "objectives": [{"token_acc@16": "max"}, {"state_bytes": "min"}],
@@ -64,8 +72,10 @@ SMOKE = {"task": {"name": "s3", "preset": "cpu", "options": {"train_len": 8, "ev
 # ----------------------------------------------------------------------------- the searches
 
 
-def level_spec(c: int, *, smoke: bool, trials: int | None, folder: Path) -> Path:
-    """gpu-small.yaml with `c` trials at once on a share of 1/c of the GPU (CPU in the smoke)."""
+def level_spec(c: int, *, smoke: bool, trials: int | None, folder: Path, name: str | None = None,
+               edit: dict[str, Any] | None = None) -> Path:
+    """gpu-small.yaml with `c` trials at once on a share of 1/c of the GPU (CPU in the smoke);
+    `edit` replaces top-level sections after that."""
     data = yaml.safe_load(SPEC.read_text())
     data["base"] = str((SPEC.parent / data["base"]).resolve())
     if smoke:
@@ -76,7 +86,8 @@ def level_spec(c: int, *, smoke: bool, trials: int | None, folder: Path) -> Path
         data["resources"] = {"cpu": 1, "gpu": round(1 / c, 4), "concurrent": c}
     if trials is not None:
         data["budget"] = {**data["budget"], "trials": trials}
-    path = folder / f"gpu-small-c{c}.yaml"
+    data.update(edit or {})
+    path = folder / f"{name or f'gpu-small-c{c}'}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -206,6 +217,41 @@ def run_level(c: int, *, smoke: bool, timeout_s: float, folder: Path) -> dict[st
             "gpu": gpu.summary(), **measure(out)}
 
 
+def warm_up(c: int, *, smoke: bool, timeout_s: float, folder: Path) -> dict[str, Any]:
+    """Every grid point for a few steps, `c` at once, unmeasured: Triton compiles each
+    point's kernels into the shared cache here, so that no measured level (the first, one
+    at a time, above all) pays for compiling."""
+    base = yaml.safe_load(level_spec(c, smoke=smoke, trials=None, folder=folder).read_text())
+    edit = {"budget": {**base["budget"], "steps": WARM_STEPS},
+            "train": {**base["train"], "eval_every": WARM_STEPS, "measure_throughput": False}}
+    spec = level_spec(c, smoke=smoke, trials=None, folder=folder, name="warm", edit=edit)
+    out = RUNS / "warm"
+    shutil.rmtree(out, ignore_errors=True)
+    wall, ended = run_search([str(spec), "--out", str(out)], timeout_s)
+    return {"concurrent": c, "steps": WARM_STEPS, "wall_s": wall, "ended": ended.splitlines()[0][:200]}
+
+
+def out_of_memory(*, smoke: bool, timeout_s: float, folder: Path) -> dict[str, Any]:
+    """Four trials at once on a sixteenth of the GPU each, one of them (d_model 4096, four
+    layers: about 0.6 B parameters, some 10 GB of weights, gradients and AdamW state) too
+    large for its share: it must be recorded failed, `out of memory` with its peak, and the
+    other three must train. The smoke (no GPU share to outgrow) only runs the four."""
+    from archspec.search.rundir import RunDir
+
+    widths = [64, 128] if smoke else [256, 4096]
+    edit: dict[str, Any] = {"space": {"model.d_model": {"choices": widths}, "model.layers": {"choices": [1, 4]}},
+                            "budget": {"trials": 4, "steps": 4 if smoke else OOM_STEPS, "time_per_trial": 300}}
+    if not smoke:
+        edit["resources"] = {"cpu": 1, "gpu": 1 / 16, "concurrent": 4}
+    spec = level_spec(4, smoke=smoke, trials=None, folder=folder, name="oom", edit=edit)
+    out = RUNS / "oom"
+    shutil.rmtree(out, ignore_errors=True)
+    wall, ended = run_search([str(spec), "--out", str(out)], timeout_s)
+    trials = [{"overrides": r.overrides, "status": r.status, "reason": (r.reason or "")[:300]}
+              for r in sorted(RunDir(out).read_trials(), key=lambda r: r.number)]
+    return {"wall_s": wall, "ended": ended.splitlines()[0][:200], "trials": trials}
+
+
 # ----------------------------------------------------------------------------- kill -9
 
 
@@ -276,6 +322,16 @@ def table(results: dict[str, Any]) -> str:
                      f"{'-' if over is None else f'{over:.1%}'} | {'-' if outside is None else f'{outside:.1%}'} | "
                      f"{r['ended'].splitlines()[0][:60]} |" if rate else
                      f"| {r['concurrent']} | {r.get('trials', 0)} | - | - | {util} | - | - | {r['ended'].splitlines()[0][:60]} |")
+    warm = results.get("warm")
+    if warm:
+        lines += ["", f"warm-up (unmeasured, {warm['steps']} steps per grid point, {warm['concurrent']} at once): "
+                      f"{warm['wall_s']:.0f} s, {warm['ended']}"]
+    oom = results.get("oom")
+    if oom:
+        lines += ["", "one trial too large for its sixteenth of the GPU, four at once:", ""]
+        lines += [f"- {t['overrides']}: {t['status']}{': ' + t['reason'] if t['reason'] else ''}" for t in oom["trials"]]
+        if not oom["trials"]:
+            lines.append(f"- no trial recorded ({oom['ended']})")
     kill = results.get("kill")
     if kill:
         lines += ["", "kill -9 of the driver: " + (
@@ -285,13 +341,17 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+PARTS = ("levels", "oom", "kill")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole run")
     ap.add_argument("--levels", default=None, help="trials at once, comma-separated (default 1,2,4,8; smoke 1,2)")
-    ap.add_argument("--no-kill", action="store_true", help="leave out the kill -9 and resume")
-    ap.add_argument("--kill-only", action="store_true", help="only the kill -9 and resume")
-    ap.add_argument("--merge", action="store_true", help="keep an earlier JSON's levels that are not run now")
+    ap.add_argument("--parts", default=None,
+                    help=f"what to run, comma-separated, of {','.join(PARTS)} (default all; smoke levels,kill)")
+    ap.add_argument("--no-warm", action="store_true", help="leave out the unmeasured warm-up before the levels")
+    ap.add_argument("--merge", action="store_true", help="keep an earlier JSON's levels and parts that are not run now")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--smoke", action="store_true", help="tiny, on the CPU")
     args = ap.parse_args(argv)
@@ -301,15 +361,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA device: run with --smoke on the CPU", file=sys.stderr)
         return 2
+    parts = [p for p in (args.parts or ("levels,kill" if args.smoke else ",".join(PARTS))).split(",") if p]
+    if not parts or any(p not in PARTS for p in parts):
+        print(f"--parts takes some of {','.join(PARTS)} separated by commas, got {args.parts!r}", file=sys.stderr)
+        return 2
     try:
-        levels = [int(x) for x in (args.levels or ("1,2" if args.smoke else "1,2,4,8")).split(",")]
+        levels = [int(x) for x in (args.levels or ("1,2" if args.smoke else "1,2,4,8")).split(",")] if "levels" in parts else []
         if any(c < 1 for c in levels):
             raise ValueError
     except ValueError:
         print(f"--levels takes whole numbers >= 1 separated by commas, got {args.levels!r}", file=sys.stderr)
         return 2
-    if args.kill_only:
-        levels = []
     import ray
 
     info = machine()
@@ -319,20 +381,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge and previous.is_file():
         old = json.loads(previous.read_text())
         results["levels"] = {k: v for k, v in old.get("levels", {}).items() if int(k) not in levels}
-        if "kill" in old and (args.no_kill or levels and not args.kill_only):
-            results["kill"] = old["kill"]
+        results.update({part: old[part] for part in ("warm", "oom", "kill") if part in old and part not in parts})
+        if "levels" in parts and "warm" in old:
+            results.pop("warm", None)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as folder:
+        # Nothing compiles on the CPU (the interpreter runs kernels as Python): no warm-up there.
+        if levels and not args.no_warm and not args.smoke:
+            results["warm"] = warm_up(max(levels), smoke=args.smoke, timeout_s=(deadline - time.time()) / 4, folder=Path(folder))
+            print(f"warm-up: {results['warm']['wall_s']:.0f} s, {results['warm']['ended']}", flush=True)
         for index, c in enumerate(levels):
             left = deadline - time.time()
             if left < 30:
                 print(f"budget spent: level {c} not run", file=sys.stderr)
                 break
             # Share what is left among the levels still to run (more trials at once finish sooner).
-            share = left if index == len(levels) - 1 else left * (1 / c) / sum(1 / x for x in levels[index:])
+            share = left if index == len(levels) - 1 and parts[-1] == "levels" else \
+                left * (1 / c) / (sum(1 / x for x in levels[index:]) + (len(parts) - 1) / max(levels))
             results["levels"][str(c)] = run_level(c, smoke=args.smoke, timeout_s=share, folder=Path(folder))
             write_results(args.out, NAME, results, table(results))
-        if not args.no_kill and deadline - time.time() > 30:
+            print(table(results).splitlines()[-1], flush=True)
+        if "oom" in parts and deadline - time.time() > 30:
+            left = deadline - time.time()
+            results["oom"] = out_of_memory(smoke=args.smoke, timeout_s=left if "kill" not in parts else left / 2, folder=Path(folder))
+            write_results(args.out, NAME, results, table(results))
+        if "kill" in parts and deadline - time.time() > 30:
             c = 2 if args.smoke else max(levels or [8])
             results["kill"] = kill_and_resume(c, smoke=args.smoke, timeout_s=deadline - time.time(), folder=Path(folder),
                                               finished_before_kill=1 if args.smoke else 2)

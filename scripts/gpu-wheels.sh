@@ -14,10 +14,10 @@
 # jsonschema-specifications, msgpack, protobuf, pyarrow, fsspec, pandas with
 # python-dateutil and six, requests with its four; tensorboardX is left out: Tune runs
 # without it). These weigh about 140 MB, more than one transfer to a lent GPU machine carries (64 MiB), so
-# they are packed into one tar cut into parts of RAY_PART_MB (default 60) MB, one folder
+# they are packed into one tar cut into parts of RAY_PART_MB (default 44) MB, one folder
 # per call: .whl-ray/part1, part2, ... Carry each folder in its own call, the calls one
 # right after the other (the machine keeps /tmp only while it stays warm); the last one
-# joins and installs. With three parts:
+# joins and installs. With three parts (today's bundle makes four: the last line names the last part):
 #
 #   carry [".whl-ray/part1"]:  mkdir -p /tmp/ray-parts && cp .whl-ray/part1/* /tmp/ray-parts/
 #   carry [".whl-ray/part2"]:  mkdir -p /tmp/ray-parts && cp .whl-ray/part2/* /tmp/ray-parts/
@@ -40,7 +40,8 @@ download() {  # download DIR PACKAGE...
 }
 if [ "${1:-}" = "--ray" ]; then
   shift
-  part_mb=${RAY_PART_MB:-60}
+  # 44 MB, not 60: a call carries the working tree (about 4 MB) and .whl/ (about 11 MB) beside the part.
+  part_mb=${RAY_PART_MB:-44}
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
   download "$work/wheels" "ray==2.60.*" click filelock jsonschema jsonschema-specifications referencing rpds-py attrs \

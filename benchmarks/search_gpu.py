@@ -22,10 +22,10 @@ Triton compiles their kernels into the shared cache (`.triton-cache/`) and the f
 level (one at a time) is not charged for compiling. The part `oom` runs four trials at
 once on a sixteenth of the GPU each, one of them too large for its share: it must be
 recorded failed (`out of memory`, with its peak) while the other three train. The part
-`kill`: a search at the highest level with twice the trials is killed with SIGKILL once
-two trials have finished while others run, resumed with `archspec search --resume`, and
-every trial recorded before the kill must still be there, unchanged, when the resumed
-search completes its budget.
+`kill`: the eight grid points, four at once, are killed with SIGKILL once two trials
+have finished while others run (and others wait), resumed with `archspec search
+--resume`, and every trial recorded before the kill must still be there, unchanged, when
+the resumed search has trained all eight.
 
 A level that does not finish within the budget left is stopped and reported from what it
 finished (a rate stays a rate). `--merge` keeps an earlier JSON's levels and parts not
@@ -62,6 +62,7 @@ RUNS = ROOT / "runs" / "bench-search"
 NAME = "search_gpu"
 WARM_STEPS = 10  # steps of each grid point in the unmeasured warm-up: enough to compile every kernel
 OOM_STEPS = 200
+KILL_SHARES = 2  # the kill part's time against one level's: a search and its resume
 # The smoke: S3 at CPU size, a few steps, on the CPU (Ray still places and runs every trial).
 SMOKE = {"task": {"name": "s3", "preset": "cpu", "options": {"train_len": 8, "eval_size": 64}},
          "objectives": [{"token_acc@16": "max"}, {"state_bytes": "min"}],
@@ -223,7 +224,7 @@ def warm_up(c: int, *, smoke: bool, timeout_s: float, folder: Path) -> dict[str,
     at a time, above all) pays for compiling."""
     base = yaml.safe_load(level_spec(c, smoke=smoke, trials=None, folder=folder).read_text())
     edit = {"budget": {**base["budget"], "steps": WARM_STEPS},
-            "train": {**base["train"], "eval_every": WARM_STEPS, "measure_throughput": False}}
+            "train": {**base["train"], "eval_every": WARM_STEPS}}
     spec = level_spec(c, smoke=smoke, trials=None, folder=folder, name="warm", edit=edit)
     out = RUNS / "warm"
     shutil.rmtree(out, ignore_errors=True)
@@ -263,7 +264,8 @@ def kill_and_resume(c: int, *, smoke: bool, timeout_s: float, folder: Path, fini
     out = RUNS / "kill"
     shutil.rmtree(out, ignore_errors=True)
     base_trials = yaml.safe_load(level_spec(c, smoke=smoke, trials=None, folder=folder).read_text())["budget"]["trials"]
-    trials = min(base_trials + 1, 3) if smoke else 2 * base_trials
+    # The grid holds `base_trials` points: a search of more would end when they run out.
+    trials = min(base_trials + 1, 3) if smoke else base_trials
     spec = level_spec(c, smoke=smoke, trials=trials, folder=folder)
     run = RunDir(out)
     started = time.time()
@@ -375,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     info = machine()
+
+    def stamp(part: dict[str, Any]) -> dict[str, Any]:
+        """A part's result with the commit it ran at (--merge keeps parts of earlier runs)."""
+        return {**part, "commit": info.get("commit")}
+
     info["ray"] = ray.__version__
     results: dict[str, Any] = {"machine": info, "spec": str(SPEC.relative_to(ROOT)), "smoke": args.smoke, "levels": {}}
     previous = args.out / f"{NAME}.json"
@@ -388,27 +395,30 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         # Nothing compiles on the CPU (the interpreter runs kernels as Python): no warm-up there.
         if levels and not args.no_warm and not args.smoke:
-            results["warm"] = warm_up(max(levels), smoke=args.smoke, timeout_s=(deadline - time.time()) / 4, folder=Path(folder))
+            results["warm"] = stamp(warm_up(max(levels), smoke=args.smoke, timeout_s=(deadline - time.time()) / 4, folder=Path(folder)))
             print(f"warm-up: {results['warm']['wall_s']:.0f} s, {results['warm']['ended']}", flush=True)
         for index, c in enumerate(levels):
             left = deadline - time.time()
             if left < 30:
                 print(f"budget spent: level {c} not run", file=sys.stderr)
                 break
-            # Share what is left among the levels still to run (more trials at once finish sooner).
-            share = left if index == len(levels) - 1 and parts[-1] == "levels" else \
-                left * (1 / c) / (sum(1 / x for x in levels[index:]) + (len(parts) - 1) / max(levels))
-            results["levels"][str(c)] = run_level(c, smoke=args.smoke, timeout_s=share, folder=Path(folder))
+            # Each level needs a few trial lengths whatever its concurrency (a trial shares the
+            # GPU, so more at once train no faster each): an equal share per level still to run,
+            # the kill twice that (a search and its resume), the out-of-memory trials one.
+            later = len(levels) - index + KILL_SHARES * ("kill" in parts) + ("oom" in parts)
+            share = left / later
+            results["levels"][str(c)] = stamp(run_level(c, smoke=args.smoke, timeout_s=share, folder=Path(folder)))
             write_results(args.out, NAME, results, table(results))
-            print(table(results).splitlines()[-1], flush=True)
+            print(next(line for line in table(results).splitlines() if line.startswith(f"| {c} |")), flush=True)
         if "oom" in parts and deadline - time.time() > 30:
             left = deadline - time.time()
-            results["oom"] = out_of_memory(smoke=args.smoke, timeout_s=left if "kill" not in parts else left / 2, folder=Path(folder))
+            results["oom"] = stamp(out_of_memory(smoke=args.smoke, timeout_s=left / (1 + KILL_SHARES * ("kill" in parts)), folder=Path(folder)))
             write_results(args.out, NAME, results, table(results))
         if "kill" in parts and deadline - time.time() > 30:
-            c = 2 if args.smoke else max(levels or [8])
-            results["kill"] = kill_and_resume(c, smoke=args.smoke, timeout_s=deadline - time.time(), folder=Path(folder),
-                                              finished_before_kill=1 if args.smoke else 2)
+            # Half the grid at once: at the kill some trials have finished, some run, some wait.
+            c = 2 if args.smoke else 4
+            results["kill"] = stamp(kill_and_resume(c, smoke=args.smoke, timeout_s=deadline - time.time(), folder=Path(folder),
+                                                    finished_before_kill=1 if args.smoke else 2))
     write_results(args.out, NAME, results, table(results))
     print(table(results))
     return 0

@@ -626,6 +626,9 @@ def _fit(
         tune_config=tune.TuneConfig(
             search_alg=searcher, num_samples=remaining, max_concurrent_trials=spec.resources.concurrent,
             scheduler=make_scheduler(spec),
+            # A worker trains trial after trial of the same resources: no process start,
+            # imports, CUDA context or kernel loading per trial (search/worker_state.py).
+            reuse_actors=True,
         ),
         run_config=tune.RunConfig(
             name=session, storage_path=str(run.ray_dir), verbose=0,

@@ -284,6 +284,7 @@ def execute_trial(
     import torch
 
     from archspec.search.gpu_share import out_of_memory_reason, peak_bytes
+    from archspec.search.worker_state import begin_trial
 
     run, search = setup.run, setup.search
     record = TrialRecord(number=number, status=None, overrides=dict(overrides), started_at=time.time(),
@@ -291,6 +292,7 @@ def execute_trial(
     folder = run.trial_dir(number)
     try:
         record.device = device_for(setup)
+        begin_trial(record.device)  # a reused worker's peak is the last trial's until reset
         if placement is not None:  # under Ray: the GPUs it assigned are the ones the trial sees
             from archspec.search.placement import placement_problem
 
@@ -437,6 +439,7 @@ def trainable(config: dict[str, Any], setup: TrialSetup) -> None:
     from ray import tune
 
     from archspec.search.placement import trial_placement
+    from archspec.search.worker_state import WorkerRetired, end_trial
 
     context = ray.get_runtime_context()
     share = config.get(GPU_SHARE_KEY)
@@ -445,9 +448,15 @@ def trainable(config: dict[str, Any], setup: TrialSetup) -> None:
         placement["gpu_share"] = share
     record = execute_trial(setup, int(config["trial_number"]), config["overrides"], placement,
                            gpu_share=share, report=tune.report)
+    # Ray may hand this worker the next trial (`reuse_actors`): leave it clean before the
+    # last report, since Ray waits only briefly for the function to return after it.
+    broken = end_trial(record.device)
     search = setup.search
     tune.report(report_payload(record, search.metric_names, step=search.budget.steps * len(search.tasks),
                                scheduler_metric=search.scheduler.metric if search.scheduler else None))
+    if broken:  # the record is reported; an error now makes Ray end this worker instead of reusing it
+        raise WorkerRetired(f"trial {record.number} left this worker's CUDA context unusable ({broken}); "
+                            "the worker is retired")
 
 
 GPU_SHARE_KEY = "gpu_share"  # the trial's config: the fraction of a GPU it reserved

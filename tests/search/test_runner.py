@@ -137,7 +137,8 @@ def test_search_end_to_end_with_constraint_failure_and_divergence(tmp_path):
 
 def test_repeats_are_not_trained_and_the_search_ends_when_the_space_is_exhausted(tmp_path):
     """A space of two points and a budget of five: two trials train, repeats are told to
-    the study as pruned (no trial directory), and the search ends as exhausted."""
+    the study as pruned (no trial directory), and the search ends as exhausted. One trial
+    at a time, both trials train in the same Ray worker (reused, not started again)."""
     body = """\
     space:
       mixer.transition.n_h: {choices: [1, 2]}
@@ -163,6 +164,7 @@ def test_repeats_are_not_trained_and_the_search_ends_when_the_space_is_exhausted
     records = run.read_trials()
     assert sorted(r.overrides["mixer.transition.n_h"] for r in records) == [1, 2]
     assert all(r.status == "ok" for r in records)
+    assert records[0].pid == records[1].pid != os.getpid()
     study = optuna.load_study(study_name="t", storage=run.study_url)
     repeats = [t for t in study.trials if t.user_attrs.get("status") == "duplicate"]
     assert len(repeats) >= 20 and all(t.state == optuna.trial.TrialState.PRUNED for t in repeats)

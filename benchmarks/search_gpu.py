@@ -15,7 +15,11 @@ level it reports:
 - Ray's overhead per trial: the trial's span as the driver sees it (Ray took it ->
   Ray heard it ended: `trial_times.json`) minus its worker's own span (`result.json`:
   building, training, evaluating), as a fraction of the former; and, beside it, the
-  worker's time outside training (its span minus the trainer's `train.seconds`).
+  worker's time outside training (its span minus the trainer's `train.seconds`);
+- Ray's seconds per trial split by worker: a trial whose worker is new pays the process
+  start (imports, CUDA context); one that reuses its worker (`reuse_actors`) does not.
+  Eight trials at eight at once give every trial a new worker, so the level 8 fraction
+  is the worst case; a search of many trials per worker pays the start once per worker.
 
 Before the levels, an unmeasured warm-up runs every grid point for a few steps, so that
 Triton compiles their kernels into the shared cache (`.triton-cache/`) and the first
@@ -188,12 +192,37 @@ def measure(run_dir: Path) -> dict[str, Any]:
         if record.duration_s and seconds:
             trains.append(seconds)
             outside.append((record.duration_s - seconds) / record.duration_s)
+    out.update(worker_costs(records, times))
     if overhead:
         out["ray_overhead_fraction"] = {"median": statistics.median(overhead), "max": max(overhead)}
         out["trial_span_s_median"] = statistics.median(spans)
     if outside:
         out["worker_outside_training_fraction"] = {"median": statistics.median(outside), "max": max(outside)}
         out["train_s_median"] = statistics.median(trains)
+    return out
+
+
+def worker_costs(records: list[Any], times: dict[int, dict[str, float]]) -> dict[str, Any]:
+    """Ray's seconds per trial, split by whether the trial's worker was new (Ray started a
+    process, which imported torch and archspec) or had trained a trial before (reused):
+    placing and starting it, the worker's way into the trial function, and carrying the
+    result back. The first trial of each worker pays the start; a search of many trials
+    per worker pays it once per worker."""
+    seen: set[int | None] = set()
+    fresh: list[float] = []
+    reused: list[float] = []
+    for record in sorted(records, key=lambda r: r.started_at or 0.0):
+        t = times.get(record.number, {})
+        if record.started_at is None or record.finished_at is None or not {"added_at", "started_at", "finished_at"} <= t.keys():
+            continue
+        seconds = (t["started_at"] - t["added_at"]) + (record.started_at - t["started_at"]) + (t["finished_at"] - record.finished_at)
+        (reused if record.pid in seen else fresh).append(seconds)
+        seen.add(record.pid)
+    out: dict[str, Any] = {}
+    if fresh:
+        out["ray_s_new_worker"] = {"median": statistics.median(fresh), "trials": len(fresh)}
+    if reused:
+        out["ray_s_reused_worker"] = {"median": statistics.median(reused), "trials": len(reused)}
     return out
 
 
@@ -307,6 +336,10 @@ def kill_and_resume(c: int, *, smoke: bool, timeout_s: float, folder: Path, fini
 # ----------------------------------------------------------------------------- report
 
 
+def _seconds(cost: dict[str, Any] | None) -> str:
+    return "-" if not cost else f"{cost['median']:.2f} s ({cost['trials']} trials)"
+
+
 def table(results: dict[str, Any]) -> str:
     lines = [f"# search on one GPU ({results['machine'].get('device', 'CPU')}, ray {results['machine'].get('ray')})", "",
              "| at once | trials | trials/h | speed-up | GPU util % (mean/max) | Ray overhead (median) | worker outside training | ended |",
@@ -324,6 +357,10 @@ def table(results: dict[str, Any]) -> str:
                      f"{'-' if over is None else f'{over:.1%}'} | {'-' if outside is None else f'{outside:.1%}'} | "
                      f"{r['ended'].splitlines()[0][:60]} |" if rate else
                      f"| {r['concurrent']} | {r.get('trials', 0)} | - | - | {util} | - | - | {r['ended'].splitlines()[0][:60]} |")
+    split = [(r["concurrent"], r.get("ray_s_new_worker"), r.get("ray_s_reused_worker")) for r in levels]
+    if any(new or reused for _, new, reused in split):
+        lines += ["", "Ray's seconds per trial (placing, starting and reaching the worker, carrying the result back), median:", ""]
+        lines += [f"- {c} at once: new worker {_seconds(new)}, reused worker {_seconds(reused)}" for c, new, reused in split]
     warm = results.get("warm")
     if warm:
         lines += ["", f"warm-up (unmeasured, {warm['steps']} steps per grid point, {warm['concurrent']} at once): "

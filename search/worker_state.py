@@ -34,7 +34,8 @@ def begin_trial(device: str | None) -> None:
     """Reset what a trial measures of the device (its peak allocation)."""
     import torch
 
-    if _on_cuda(device):
+    # A fresh worker has no CUDA context yet (nothing to reset; PyTorch refuses to before one exists).
+    if _on_cuda(device) and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats(device)
 
 

@@ -35,3 +35,21 @@ def test_smoke_measures_a_level_and_survives_a_kill(tmp_path):
     assert kill["ok"] and kill["lost"] == [] and kill["finished_at_kill"] and kill["running_at_kill"]
     assert kill["trained_after_resume"] == kill["trials"] == 3
     assert "| 2 | 2 |" in (tmp_path / "search_gpu.md").read_text()
+
+
+def test_ray_seconds_are_split_between_new_and_reused_workers():
+    """Two workers, three trials: the first trial of each worker paid its start (Ray's
+    times to the worker's and back), the third ran in the first trial's worker."""
+    from archspec.search.rundir import TrialRecord
+
+    def record(number: int, pid: int, start: float, end: float) -> TrialRecord:
+        return TrialRecord(number=number, status="ok", overrides={}, started_at=start, finished_at=end, pid=pid)
+
+    records = [record(2, 11, 31.0, 50.0), record(0, 11, 7.0, 30.0), record(1, 12, 8.0, 29.0)]
+    times = {0: {"added_at": 0.0, "started_at": 4.0, "finished_at": 30.5},   # 4 + 3 + 0.5 = 7.5
+             1: {"added_at": 0.0, "started_at": 5.0, "finished_at": 29.5},   # 5 + 3 + 0.5 = 8.5
+             2: {"added_at": 30.5, "started_at": 30.6, "finished_at": 50.2}}  # 0.1 + 0.4 + 0.2 = 0.7
+    with benchmark_module("search_gpu") as bench:
+        costs = bench.worker_costs(records, times)
+    assert costs["ray_s_new_worker"] == {"median": pytest.approx(8.0), "trials": 2}
+    assert costs["ray_s_reused_worker"] == {"median": pytest.approx(0.7), "trials": 1}

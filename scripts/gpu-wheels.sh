@@ -17,7 +17,7 @@
 # they are packed into one tar cut into parts of RAY_PART_MB (default 44) MB, one folder
 # per call: .whl-ray/part1, part2, ... Carry each folder in its own call, the calls one
 # right after the other (the machine keeps /tmp only while it stays warm); the last one
-# joins and installs. With three parts (today's bundle makes four: the last line names the last part):
+# joins and installs. With three parts (Ray 2.60's bundle makes four; the script prints the lines for its own count):
 #
 #   carry [".whl-ray/part1"]:  mkdir -p /tmp/ray-parts && cp .whl-ray/part1/* /tmp/ray-parts/
 #   carry [".whl-ray/part2"]:  mkdir -p /tmp/ray-parts && cp .whl-ray/part2/* /tmp/ray-parts/

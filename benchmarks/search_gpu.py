@@ -6,8 +6,11 @@ GPU utilization, Ray's overhead per trial, and a `kill -9` of the driver mid-sea
 
 Each level runs `specs/search/gpu-small.yaml` (eight grid points, a fixed number of steps
 each) as `archspec search` in its own process, with `resources.gpu = 1/c` and
-`resources.concurrent = c`, into a fresh run directory under `runs/bench-search/`. Per
-level it reports:
+`resources.concurrent = c`, into a fresh run directory under `runs/bench-search/`. A
+search has many more trials than run at once, so each worker trains several: level `c`
+asks for `TRIALS_PER_WORKER * c` trials (at least the eight), the grid repeated as often
+as that needs with another `model.norm_eps` per copy (a field that changes no cost).
+Per level it reports:
 
 - trials per hour: trials trained / (last trial's end - first trial's placement), and the
   speed-up over one at a time (level 1);
@@ -18,8 +21,8 @@ level it reports:
   worker's time outside training (its span minus the trainer's `train.seconds`);
 - Ray's seconds per trial split by worker: a trial whose worker is new pays the process
   start (imports, CUDA context); one that reuses its worker (`reuse_actors`) does not.
-  Eight trials at eight at once give every trial a new worker, so the level 8 fraction
-  is the worst case; a search of many trials per worker pays the start once per worker.
+  The overhead is given as the mean over a level's trials (the start paid once per
+  worker, spread over its trials) and the median (a reused worker's).
 
 Before the levels, an unmeasured warm-up runs every grid point for a few steps, so that
 Triton compiles their kernels into the shared cache (`.triton-cache/`) and the first
@@ -67,6 +70,9 @@ NAME = "search_gpu"
 WARM_STEPS = 10  # steps of each grid point in the unmeasured warm-up: enough to compile every kernel
 OOM_STEPS = 200
 KILL_SHARES = 2  # the kill part's time against one level's: a search and its resume
+TRIALS_PER_WORKER = 4  # a level's trials per worker, as in a search of many more trials than run at once
+# One norm_eps per copy of the grid: distinct points (a search trains no point twice) of equal work.
+COPY_NORM_EPS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-7, 1e-8, 1e-9, 1e-10)
 # The smoke: S3 at CPU size, a few steps, on the CPU (Ray still places and runs every trial).
 SMOKE = {"task": {"name": "s3", "preset": "cpu", "options": {"train_len": 8, "eval_size": 64}},
          "objectives": [{"token_acc@16": "max"}, {"state_bytes": "min"}],
@@ -194,7 +200,8 @@ def measure(run_dir: Path) -> dict[str, Any]:
             outside.append((record.duration_s - seconds) / record.duration_s)
     out.update(worker_costs(records, times))
     if overhead:
-        out["ray_overhead_fraction"] = {"median": statistics.median(overhead), "max": max(overhead)}
+        out["ray_overhead_fraction"] = {"mean": statistics.fmean(overhead), "median": statistics.median(overhead),
+                                        "max": max(overhead)}
         out["trial_span_s_median"] = statistics.median(spans)
     if outside:
         out["worker_outside_training_fraction"] = {"median": statistics.median(outside), "max": max(outside)}
@@ -240,7 +247,11 @@ def _train_seconds(task_dir: Path) -> float:
 def run_level(c: int, *, smoke: bool, timeout_s: float, folder: Path) -> dict[str, Any]:
     out = RUNS / f"c{c}"
     shutil.rmtree(out, ignore_errors=True)
-    spec = level_spec(c, smoke=smoke, trials=None, folder=folder)
+    base = yaml.safe_load(level_spec(c, smoke=smoke, trials=None, folder=folder).read_text())
+    points = base["budget"]["trials"]  # the grid's points
+    copies = 1 if smoke else min(-(-TRIALS_PER_WORKER * c // points), len(COPY_NORM_EPS))  # the smoke stays two trials
+    edit = {"space": {**base["space"], "model.norm_eps": {"choices": list(COPY_NORM_EPS[:copies])}}} if copies > 1 else None
+    spec = level_spec(c, smoke=smoke, trials=points * copies, folder=folder, edit=edit)
     with GpuSampler() as gpu:
         wall, ended = run_search([str(spec), "--out", str(out)], timeout_s)
     return {"concurrent": c, "gpu_share": 1 / c if not smoke else 0.0, "wall_s": wall, "ended": ended,
@@ -342,7 +353,7 @@ def _seconds(cost: dict[str, Any] | None) -> str:
 
 def table(results: dict[str, Any]) -> str:
     lines = [f"# search on one GPU ({results['machine'].get('device', 'CPU')}, ray {results['machine'].get('ray')})", "",
-             "| at once | trials | trials/h | speed-up | GPU util % (mean/max) | Ray overhead (median) | worker outside training | ended |",
+             "| at once | trials | trials/h | speed-up | GPU util % (mean/max) | Ray overhead (mean / median) | worker outside training | ended |",
              "|---|---|---|---|---|---|---|---|"]
     levels = sorted(results["levels"].values(), key=lambda r: r["concurrent"])
     one = next((r.get("trials_per_hour") for r in levels if r["concurrent"] == 1), None)
@@ -351,10 +362,12 @@ def table(results: dict[str, Any]) -> str:
         speed = f"{rate / one:.2f}x" if rate and one else "-"
         gpu = r.get("gpu", {})
         util = f"{gpu['util_mean_pct']:.0f} / {gpu['util_max_pct']:.0f}" if "util_mean_pct" in gpu else gpu.get("note", "-")
-        over = r.get("ray_overhead_fraction", {}).get("median")
+        fraction = r.get("ray_overhead_fraction", {})
+        over = (f"{fraction['mean']:.1%} / {fraction['median']:.1%}" if "mean" in fraction
+                else f"{fraction['median']:.1%} (median)" if "median" in fraction else "-")
         outside = r.get("worker_outside_training_fraction", {}).get("median")
         lines.append(f"| {r['concurrent']} | {r.get('trials', 0)} | {rate:.0f} | {speed} | {util} | "
-                     f"{'-' if over is None else f'{over:.1%}'} | {'-' if outside is None else f'{outside:.1%}'} | "
+                     f"{over} | {'-' if outside is None else f'{outside:.1%}'} | "
                      f"{r['ended'].splitlines()[0][:60]} |" if rate else
                      f"| {r['concurrent']} | {r.get('trials', 0)} | - | - | {util} | - | - | {r['ended'].splitlines()[0][:60]} |")
     split = [(r["concurrent"], r.get("ray_s_new_worker"), r.get("ray_s_reused_worker")) for r in levels]

@@ -225,6 +225,7 @@ PLANS: dict[str, Plan] = {
     "bash specs/experiments/run-gpu.sh": Plan(skip="needs a CUDA GPU"),
     "bash specs/experiments/run-gpu.sh deltaproduct-s4-nh-gpu": Plan(skip="needs a CUDA GPU"),
     "bash specs/experiments/run-gpu.sh deltaproduct-a5-ladder-gpu": Plan(skip="needs a CUDA GPU"),
+    "bash specs/experiments/run-gpu.sh deltaproduct-a5-len16-gpu deltaproduct-a5-len32-gpu": Plan(skip="needs a CUDA GPU"),
     "bash specs/experiments/run-gpu.sh osdn-mqar-twice-512-gpu": Plan(skip="needs a CUDA GPU"),
     # its --smoke runs in tests/benchmarks/test_search_gpu_bench.py
     "python benchmarks/search_gpu.py --budget-s 540": Plan(skip="needs a CUDA GPU"),

@@ -54,7 +54,9 @@ def bounds_checked() -> Iterator[None]:
 
     def check(ptrs, mask, what: str) -> None:
         addresses = ptrs.data.astype(np.uint64)
-        active = np.broadcast_to(mask.data, addresses.shape) if mask is not None else np.ones(addresses.shape, bool)
+        # The interpreter may hold a mask as 0/1 integers (`(offs < n) & (S < n)` with a scalar
+        # side comes out int32): read as a mask, not as indices.
+        active = np.broadcast_to(mask.data.astype(bool), addresses.shape) if mask is not None else np.ones(addresses.shape, bool)
         addresses = addresses[active]
         if addresses.size == 0:
             return

@@ -50,6 +50,40 @@ def test_the_check_catches_a_read_past_the_end():
         _reads_past_its_end[(1,)](x, y, N=16)
 
 
+@triton.jit
+def _reads_rows_of_a_mask(x, y, n, N: tl.constexpr, ROWS: tl.constexpr):
+    # Row r's load is masked in while r < n: an `&` with a scalar side, which the
+    # interpreter holds as 0/1 integers rather than booleans.
+    offs = tl.arange(0, N)
+    for r in tl.static_range(0, ROWS):
+        row = tl.load(x + r * N + offs, mask=(offs < N) & (r < n), other=0.0)
+        tl.store(y + r * N + offs, row, mask=(offs < N) & (r < n))
+
+
+def test_an_integer_mask_is_read_as_a_mask():
+    x, y = torch.ones(2, 8), torch.zeros(4, 8)  # x holds two of the four rows
+    with bounds_checked():
+        _reads_rows_of_a_mask[(1,)](x, y, 2, N=8, ROWS=4)  # rows 2 and 3 masked out: no error
+    assert y[:2].eq(1).all() and y[2:].eq(0).all()
+    with bounds_checked(), pytest.raises((OutOfBounds, InterpreterError), match="_reads_rows_of_a_mask: a load of 8 element"):
+        _reads_rows_of_a_mask[(1,)](x, y, 3, N=8, ROWS=4)  # row 2 masked in, past x's end
+
+
+STRONG_CHANNEL_CASES = [Case(gate="channel", transition=t, write_key="tied" if t == "householder" else "untied")
+                        for t in ("householder", "diagonal", "rwkv7")]
+
+
+@pytest.mark.parametrize("case", STRONG_CHANNEL_CASES, ids=lambda c: c.id)
+def test_strong_channel_decay_in_a_partial_chunk_stays_within_its_tensors(case: Case):
+    # A last chunk of 16 tokens decaying past the bound takes the sub-chunk paths
+    # (decay.py), whose references to later, empty sub-chunks must stay masked.
+    inputs = make_inputs(case, B=2, T=80, H=2, K=8, V=8, dtype=torch.float32, seed=1, gate_strength=8.0)
+    with bounds_checked():
+        o, final = linear_recurrence(**inputs, output_final_state=True, backend="triton")
+        (o.square().sum() + final.square().sum()).backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in inputs.values() if isinstance(t, torch.Tensor))
+
+
 @pytest.mark.parametrize("head_dim", [8, 24], ids=lambda d: f"K{d}")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_the_chunk_kernel_stays_within_its_tensors(case: Case, head_dim: int):

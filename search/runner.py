@@ -56,6 +56,7 @@ from archspec.search.runcheck import check_resumable
 from archspec.search.searcher import DUPLICATE, ArchspecSearcher, Rejection
 from archspec.search.space import LoadedSearch, SearchSpec, grid_points, load_search_spec, optuna_params, suggest_overrides
 from archspec.search.trial import TrainFn, TrialSetup, make_task, precheck
+from archspec.search.worker_state import quiet_retirements
 
 # Ray reads these when it starts: no auth token file in ~/.ray, no usage reporting.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -638,6 +639,7 @@ def _fit(
     )
     # Ray Tune's warnings on Ctrl-C point to `Tuner.restore`; here `--resume` is the way back.
     logging.getLogger("ray.tune").setLevel(logging.ERROR)
+    quiet_retirements()
     with view:
         tuner.fit()
     return searcher.stopped_because, searcher.exhausted

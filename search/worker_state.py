@@ -22,6 +22,7 @@ the same resources, so its GPUs stay the trial's.
 from __future__ import annotations
 
 import gc
+import logging
 
 
 def _on_cuda(device: str | None) -> bool:
@@ -58,3 +59,25 @@ def end_trial(device: str | None) -> str | None:
 class WorkerRetired(RuntimeError):
     """Raised by a trial's worker after its result is recorded, so that Ray ends the worker
     rather than hand it another trial."""
+
+
+# The logger of Ray Tune's controller, which reports every failed trial task with its traceback.
+TUNE_CONTROLLER_LOGGER = "ray.tune.execution.tune_controller"
+
+
+class QuietRetirements(logging.Filter):
+    """Drops the controller's traceback of a worker that retired itself: its trial is
+    already recorded failed with the reason (the driver prints that line), and the error is
+    the way out Ray offers, not a fault. Any other failed trial task still logs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        # Ray re-raises a worker's error as a RayTaskError that is also an instance of its cause.
+        return not (isinstance(error, WorkerRetired) or isinstance(getattr(error, "cause", None), WorkerRetired))
+
+
+def quiet_retirements() -> None:
+    """Install `QuietRetirements` on Ray Tune's controller logger (once per process)."""
+    logger = logging.getLogger(TUNE_CONTROLLER_LOGGER)
+    if not any(isinstance(f, QuietRetirements) for f in logger.filters):
+        logger.addFilter(QuietRetirements())

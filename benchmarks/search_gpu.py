@@ -244,14 +244,20 @@ def _train_seconds(task_dir: Path) -> float:
         return 0.0
 
 
+def level_search(c: int, *, smoke: bool, folder: Path) -> Path:
+    """The search of level `c`: the grid, repeated (one `model.norm_eps` per copy) until it
+    holds `TRIALS_PER_WORKER` trials for each of the `c` workers; the smoke stays at its two."""
+    base = yaml.safe_load(level_spec(c, smoke=smoke, trials=None, folder=folder).read_text())
+    points = base["budget"]["trials"]  # the grid's points
+    copies = 1 if smoke else min(-(-TRIALS_PER_WORKER * c // points), len(COPY_NORM_EPS))
+    edit = {"space": {**base["space"], "model.norm_eps": {"choices": list(COPY_NORM_EPS[:copies])}}} if copies > 1 else None
+    return level_spec(c, smoke=smoke, trials=points * copies, folder=folder, edit=edit)
+
+
 def run_level(c: int, *, smoke: bool, timeout_s: float, folder: Path) -> dict[str, Any]:
     out = RUNS / f"c{c}"
     shutil.rmtree(out, ignore_errors=True)
-    base = yaml.safe_load(level_spec(c, smoke=smoke, trials=None, folder=folder).read_text())
-    points = base["budget"]["trials"]  # the grid's points
-    copies = 1 if smoke else min(-(-TRIALS_PER_WORKER * c // points), len(COPY_NORM_EPS))  # the smoke stays two trials
-    edit = {"space": {**base["space"], "model.norm_eps": {"choices": list(COPY_NORM_EPS[:copies])}}} if copies > 1 else None
-    spec = level_spec(c, smoke=smoke, trials=points * copies, folder=folder, edit=edit)
+    spec = level_search(c, smoke=smoke, folder=folder)
     with GpuSampler() as gpu:
         wall, ended = run_search([str(spec), "--out", str(out)], timeout_s)
     return {"concurrent": c, "gpu_share": 1 / c if not smoke else 0.0, "wall_s": wall, "ended": ended,

@@ -53,3 +53,28 @@ def test_ray_seconds_are_split_between_new_and_reused_workers():
         costs = bench.worker_costs(records, times)
     assert costs["ray_s_new_worker"] == {"median": pytest.approx(8.0), "trials": 2}
     assert costs["ray_s_reused_worker"] == {"median": pytest.approx(0.7), "trials": 1}
+
+
+@pytest.mark.parametrize("concurrent,trials", [(1, 8), (2, 8), (4, 16), (8, 32)])
+def test_each_level_gives_its_workers_several_trials_of_equal_work(tmp_path, concurrent, trials):
+    """Level c asks for TRIALS_PER_WORKER * c trials (at least the eight grid points): the
+    grid repeated with one norm_eps per copy, every point distinct (a search trains no
+    point twice) and each copy of a point the same model at the same cost."""
+    import archspec
+    from archspec.cost import estimate
+    from archspec.search.space import grid_points, load_search_spec
+
+    with benchmark_module("search_gpu") as bench:
+        path = bench.level_search(concurrent, smoke=False, folder=tmp_path)
+        per_worker = bench.TRIALS_PER_WORKER
+    loaded = load_search_spec(path)
+    assert loaded.spec.budget.trials == trials >= per_worker * concurrent
+    points = grid_points(loaded.spec.space, loaded.base_values)
+    assert len(points) == trials and len({tuple(sorted(map(str, p.items()))) for p in points}) == trials
+    costs: dict[tuple, set] = {}
+    for point in points:
+        spec = archspec.load_spec(loaded.base_file, [*point.items(), ("model.vocab_size", 24)])
+        cost = estimate(spec, device="cuda")  # the FLOPs of the GPU's path
+        architecture = tuple(sorted((k, str(v)) for k, v in point.items() if k != "model.norm_eps"))
+        costs.setdefault(architecture, set()).add((cost.params, cost.flops_per_token, cost.state_bytes))
+    assert len(costs) == 8 and all(len(c) == 1 for c in costs.values())

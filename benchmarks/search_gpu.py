@@ -444,9 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge and previous.is_file():
         old = json.loads(previous.read_text())
         results["levels"] = {k: v for k, v in old.get("levels", {}).items() if int(k) not in levels}
-        results.update({part: old[part] for part in ("warm", "oom", "kill") if part in old and part not in parts})
-        if "levels" in parts and "warm" in old:
-            results.pop("warm", None)
+        # The warm-up belongs to the levels it preceded: kept only when no level runs now.
+        kept = [part for part in ("oom", "kill") if part not in parts] + ([] if "levels" in parts else ["warm"])
+        results.update({part: old[part] for part in kept if part in old})
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as folder:
         # Nothing compiles on the CPU (the interpreter runs kernels as Python): no warm-up there.

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from archspec.kernels import conv_tails, short_conv
-from archspec.kernels.short_conv import short_conv_step
 
 Tensor = torch.Tensor
 
@@ -55,11 +54,3 @@ class ShortConv(nn.Module):
                        head_dim=head_dim, eps=norm_eps, backend=self.fused_backend)
         new_tail = conv_tails(x, tail, cu_seqlens, self.kernel_size) if return_tail else None
         return y, new_tail
-
-    def step(self, x: Tensor, tail: Tensor, *, activation: bool = False, head_dim: int = 0,
-             norm_eps: float = 1e-6) -> Tensor:
-        """One token `x` `[B, 1, C]` of decoding: `forward` of a one-token piece, with the
-        tail `[B, W-1, C]` shifted in place (a captured CUDA graph replays it on the same
-        buffer): `kernels.short_conv.short_conv_step`, one launch on CUDA."""
-        return short_conv_step(x, self.conv.weight, tail, activation=activation, head_dim=head_dim, eps=norm_eps,
-                               backend=self.fused_backend)

@@ -149,12 +149,13 @@ def prefill(model, prompts: list[Tensor], capacity: int | None = None) -> tuple[
 def map_layer(layer, fn):
     """A decoding state of one layer with `fn` applied to each of its tensors."""
     from .attention import KVCache
-    from .mixer import MixerState
+    from .mixer import MixerState, decode_state
 
     if isinstance(layer, KVCache):
         return KVCache(fn(layer.k), fn(layer.v), fn(layer.length))
-    return MixerState(fn(layer.recurrent), {n: fn(t) for n, t in layer.conv.items()},
-                      None if layer.d is None else fn(layer.d))
+    mapped = MixerState(fn(layer.recurrent), {n: fn(t) for n, t in layer.conv.items()},
+                        None if layer.d is None else fn(layer.d))
+    return decode_state(mapped)  # the conv tails joined again, as `Mixer.step` reads them
 
 
 def layer_tensors(layer) -> list[Tensor]:
@@ -227,6 +228,7 @@ def _captured_step(model, state: list) -> CapturedStep:
             cache.pop(next(iter(cache)))
         cache[key] = CapturedStep(model, model.decode_state(state))
     captured = cache[key]
+    model.refresh_step_weights()  # the joined weights the graph reads, if a weight changed since
     captured.load(state)
     return captured
 

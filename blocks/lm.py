@@ -77,12 +77,16 @@ class Block(nn.Module):
         y, x = self.mlp_norm.add(x, h)
         return x, self.mlp(y), state
 
-    def step(self, x: Tensor, state: DecodeState) -> Tensor:
-        """One token `[B, 1, d_model]`, the layer's state updated in place."""
-        x = x + self.mixer.step(self.mixer_norm(x), state)
-        if self.mlp is not None:
-            x = x + self.mlp(self.mlp_norm(x))
-        return x
+    def step(self, x: Tensor, state: DecodeState, pending: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """One token `[B, 1, d_model]`, the layer's state updated in place: `forward`'s
+        (residual stream, this block's last output) of a one-token piece, the additions
+        fused into the norms as there."""
+        y, x = self.mixer_norm.add(x, pending)
+        h = self.mixer.step(y, state)
+        if self.mlp is None:
+            return x, h
+        y, x = self.mlp_norm.add(x, h)
+        return x, self.mlp.step(y)
 
 
 class LanguageModel(nn.Module):
@@ -176,15 +180,24 @@ class LanguageModel(nn.Module):
         return [mixer.decode_state(layer, capacity) if isinstance(mixer, Attention) else decode_state(layer)
                 for mixer, layer in zip(self.sequence_mixers(), state)]
 
+    def refresh_step_weights(self) -> None:
+        """Bring the decoding step's joined weight copies (`joined.py`) up to the
+        parameters now; a captured step graph reads them without Python running."""
+        for module in self.modules():
+            joined = getattr(module, "_step_inputs", None), getattr(module, "_step_conv", None)
+            for weights in joined:
+                if weights is not None:
+                    weights.current()
+
     @torch.no_grad()
     def step(self, tokens: Tensor, state: list[DecodeState]) -> Tensor:
         """Decode one token for every row: `tokens` `[B]` -> next-token logits `[B, vocab]`,
         `state` (from `decode_state`) advanced in place. Equal to `forward` of the one-token
         piece; on fixed buffers, so that a CUDA graph can capture it."""
-        x = self.embed(tokens[:, None])
+        x, pending = self.embed(tokens[:, None]), None
         for block, layer_state in zip(self.blocks, state):
-            x = block.step(x, layer_state)
-        return self.head(self.norm(x))[:, 0]
+            x, pending = block.step(x, layer_state, pending)
+        return self.head(self.norm.add(x, pending)[0])[:, 0]
 
     def generate(self, input_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos: int | list[int] | None = None, **options):

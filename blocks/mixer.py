@@ -42,9 +42,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from archspec.kernels import decode_step, linear_recurrence
+from archspec.kernels.short_conv import stream_step
 
 from .conv import ShortConv
 from .gates import ChannelGate, ScalarGate
+from .joined import JoinedWeights
 from .lowrank import LowRankLinear
 from .norm import GatedRMSNorm, RMSNorm
 from .plan import RecurrencePlan
@@ -62,13 +64,21 @@ class MixerState:
     recurrent: Tensor  # S [B, H, K, V]; float32 (float64 in a float64 model)
     conv: dict[str, Tensor] = field(default_factory=dict)  # stream -> tail [B, W-1, C]
     d: Tensor | None = None  # OSDN's preconditioner [B, H, K]
+    # In a decoding state, the streams' tails side by side `[B, W-1, sum C]`: `conv`'s
+    # tensors are its column slices, and `Mixer.step` shifts all of them in one launch.
+    tails: Tensor | None = None
 
 
 def decode_state(state: MixerState) -> MixerState:
-    """A copy of `state` that `Mixer.step` may update in place: contiguous tensors of its
-    own, OSDN's `d` in the matrix state's dtype."""
+    """A copy of `state` that `Mixer.step` may update in place: tensors of its own, the
+    conv tails joined (`MixerState.tails`), OSDN's `d` in the matrix state's dtype."""
     d = None if state.d is None else state.d.to(state.recurrent.dtype).contiguous().clone()
-    return MixerState(state.recurrent.contiguous().clone(), {k: t.contiguous().clone() for k, t in state.conv.items()}, d)
+    recurrent = state.recurrent.contiguous().clone()
+    if not state.conv:
+        return MixerState(recurrent, {}, d)
+    tails = torch.cat(list(state.conv.values()), dim=-1)
+    views = tails.split([t.shape[-1] for t in state.conv.values()], dim=-1)
+    return MixerState(recurrent, dict(zip(state.conv, views)), d, tails)
 
 
 def check_plan(plan: RecurrencePlan) -> None:
@@ -135,6 +145,29 @@ class Mixer(nn.Module):
             self.o_norm = GatedRMSNorm(V, "sigmoid", eps=norm_eps)
             self.g_proj = LowRankLinear(d_model, V, H * V, bias=True)
         self.o_proj = nn.Linear(H * V, d_model, bias=False)
+        self.fused_backend = "auto"  # the decoding step's streams; `LanguageModel.set_backend` sets it
+        self._step_inputs = self._joined_inputs()
+        self._step_conv = JoinedWeights([c.conv for c in self.conv.values()]) if self.conv is not None else None
+
+    def _joined_inputs(self) -> JoinedWeights:
+        """Every projection of the token that the decoding step reads, as one matrix: the
+        streams (q, k, v, w, in `stream_widths` order), then beta's, the gate's and the output
+        gate's (their first stage where low rank), RWKV-7's erase and APF's retain."""
+        sources: dict[str, nn.Module] = dict(self.proj)
+        if self.b_proj is not None:
+            sources["beta"] = self.b_proj
+        if isinstance(self.gate, ScalarGate):
+            sources["gate"] = self.gate.a_proj
+        elif isinstance(self.gate, ChannelGate):
+            sources["gate"] = self.gate.f_proj.down
+        if self.g_proj is not None:
+            sources["out_gate"] = self.g_proj.down if isinstance(self.g_proj, LowRankLinear) else self.g_proj
+        if self.a_proj is not None:
+            sources["erase"] = self.a_proj.down
+        if self.preconditioner is not None and self.preconditioner.retain_proj is not None:
+            sources["retain"] = self.preconditioner.retain_proj
+        self._step_names = list(sources)
+        return JoinedWeights(list(sources.values()))
 
     @property
     def scale(self) -> float:
@@ -220,61 +253,69 @@ class Mixer(nn.Module):
         o, final = linear_recurrence(**kwargs, backend=self.backend)
         if self.capture:
             self._store_capture(kwargs, osdn_inputs)
-        return self._output(x, o, final, tails, d_final, return_state)
+        y = self._read_out(o, None if self.g_proj is None else self.g_proj(x))
+        return y, (MixerState(final, tails, d_final) if return_state else None)
 
-    def _output(self, x: Tensor, o: Tensor, final: Tensor | None, tails: dict, d_final: Tensor | None,
-                return_state: bool) -> tuple[Tensor, MixerState | None]:
-        """The backbone's output of the recurrence's `o`, and the state to carry on."""
+    def _read_out(self, o: Tensor, out_gate: Tensor | None) -> Tensor:
+        """The backbone's output of the recurrence's `o` `[B, T, H, V]`: the output norm
+        (gated by `out_gate` `[B, T, H*V]` for Gated DeltaNet and KDA), then `o_proj`."""
         B, T, H, V = o.shape
-        if self.g_proj is None:
-            o = self.o_norm(o)
-        else:
-            o = self.o_norm(o, self.g_proj(x).reshape(B, T, H, V))
-        y = self.o_proj(o.reshape(B, T, H * V))
-        if not return_state:
-            return y, None
-        return y, MixerState(final, tails, d_final)
-
-    def _stream_step(self, name: str, x: Tensor, state: MixerState, unit: bool) -> Tensor:
-        """`_stream` of one token, the conv's tail shifted in place."""
-        h = self.proj[name](x)
-        head_dim = self.plan.head_dim if unit else 0
-        if self.conv is not None:
-            return self.conv[name].step(h, state.conv[name], activation=True, head_dim=head_dim, norm_eps=L2_EPS)
-        h = F.silu(h)
-        if unit:
-            h = F.normalize(h.unflatten(-1, (-1, head_dim)), dim=-1, eps=L2_EPS).flatten(-2)
-        return h
+        o = self.o_norm(o) if out_gate is None else self.o_norm(o, out_gate.reshape(B, T, H, V))
+        return self.o_proj(o.reshape(B, T, H * V))
 
     def step(self, x: Tensor, state: MixerState) -> Tensor:
         """One token `x` `[B, 1, d_model]` -> `[B, 1, d_model]`, continuing `state` in place
         (S, the conv tails and OSDN's d; each row one sequence): what `forward` gives for
-        a one-token piece, through the decoding step. `state`'s tensors must be its own
-        (`decode_state` makes them so), since they are overwritten."""
+        a one-token piece. `state` must come from `decode_state` (tensors of its own, the
+        tails joined), since it is overwritten.
+
+        Kernels per token on CUDA: one GEMV for every projection of the token (joined,
+        `joined.py`), the second stage of the low-rank ones, one launch for the streams'
+        conv, SiLU and norm, one `kernels.decode_step` (beta's sigmoid and the gate's log
+        decay formed inside it), the output norm and `o_proj`."""
         plan = self.plan
         B = x.shape[0]
         H, K, V, n = plan.heads, plan.head_dim, plan.value_dim, plan.n_h
-        unit = plan.transition != "diagonal"
-        q = self._stream_step("q", x, state, unit).reshape(B, 1, H, K)
-        k = self._stream_step("k", x, state, unit).reshape(B, n, H, K)
-        v = self._stream_step("v", x, state, False).reshape(B, n, H, V)
-        beta = erase = write_key = None
-        if self.b_proj is not None:
-            beta = plan.beta_scale * torch.sigmoid(self.b_proj(x)).reshape(B, n, H)
+        if self.conv is not None and state.tails is None:
+            raise ValueError("Mixer.step: the state must come from decode_state (the conv tails joined in one tensor)")
+        weight, bias = self._step_inputs.current()
+        projected = F.linear(x, weight, bias)  # [B, 1, every projection's width]
+        token = dict(zip(self._step_names, projected.split(self._step_inputs.widths, dim=-1)))
+        widths = stream_widths(plan)
+        unit = plan.transition != "diagonal"  # the delta rule and RWKV-7 need unit q, k (and w)
+        streams = tuple((width, K if unit and name != "v" else 0) for name, width in widths.items())
+        conv_weight = None if self._step_conv is None else self._step_conv.current()[0]
+        # the streams lead the joined projection (`_joined_inputs`): its first columns
+        out = stream_step(projected[..., : sum(widths.values())], conv_weight, state.tails, streams, eps=L2_EPS,
+                          backend=self.fused_backend)
+        vectors = dict(zip(widths, out.split(list(widths.values()), dim=-1)))
+        q = vectors["q"].reshape(B, 1, H, K)
+        k = vectors["k"].reshape(B, n, H, K)
+        v = vectors["v"].reshape(B, n, H, V)
+        write_key = vectors["w"].reshape(B, n, H, K) if "w" in vectors else None
+        erase = None
         if self.a_proj is not None:
-            erase = plan.beta_scale * torch.sigmoid(self.a_proj(x)).reshape(B, n, H, K) * k
-        if "w" in self.proj:
-            write_key = self._stream_step("w", x, state, True).reshape(B, n, H, K)
+            erase = plan.beta_scale * torch.sigmoid(self.a_proj.up(token["erase"])).reshape(B, n, H, K) * k
+        g, decay = None, None
+        if isinstance(self.gate, ScalarGate):
+            g, decay = token["gate"], (self.gate.A_log, self.gate.dt_bias)
+        elif isinstance(self.gate, ChannelGate):
+            g = self.gate.f_proj.up(token["gate"]).reshape(B, 1, H, K)
+            decay = (self.gate.A_log, self.gate.dt_bias)
         osdn: dict = {}
         if self.preconditioner is not None:
-            pre = self.preconditioner
-            retain = torch.sigmoid(pre.retain_proj(x)) if pre.retain_proj is not None else None
-            osdn = dict(d=state.d, retain=retain, eta=pre.plan.eta, d_min=pre.plan.d_min, d_max=pre.plan.d_max,
-                        beta_aware=pre.plan.beta_aware, eps=pre.plan.eps)
-        o = decode_step(q, k, v, state.recurrent, g=None if self.gate is None else self.gate(x), gate=plan.gate,
-                        beta=beta, write_key=write_key, erase=erase, n_h=n, scale=self.scale, backend=self.backend,
-                        **osdn)
-        return self._output(x, o, None, {}, None, False)[0]
+            pre = self.preconditioner.plan
+            retain = torch.sigmoid(token["retain"]) if "retain" in token else None
+            osdn = dict(d=state.d, retain=retain, eta=pre.eta, d_min=pre.d_min, d_max=pre.d_max,
+                        beta_aware=pre.beta_aware, eps=pre.eps)
+        beta = None if self.b_proj is None else token["beta"].reshape(B, n, H)
+        o = decode_step(q, k, v, state.recurrent, g=g, gate=plan.gate, beta=beta, write_key=write_key, erase=erase,
+                        n_h=n, scale=self.scale, backend=self.backend, decay=decay,
+                        beta_scale=None if beta is None else plan.beta_scale, **osdn)
+        out_gate = None
+        if self.g_proj is not None:
+            out_gate = self.g_proj.up(token["out_gate"]) if isinstance(self.g_proj, LowRankLinear) else token["out_gate"]
+        return self._read_out(o, out_gate)
 
     def _store_capture(self, kwargs: dict, osdn_inputs: dict | None) -> None:
         """Diagnostics (docs/interfaces.md): the kernel's exact inputs, detached."""

@@ -10,7 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from archspec.kernels.swiglu import swiglu_linear
+from archspec.kernels.swiglu import swiglu_joined, swiglu_linear
+
+from .joined import JoinedWeights
 
 from .plan import Mlp
 
@@ -43,9 +45,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d_model, hidden, bias=False) if kind == "swiglu" else None
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
         self.fused_backend = "auto"  # SwiGLU's elementwise path; `LanguageModel.set_backend` sets it
+        # the decoding step reads gate and up as one matrix (`joined.py`)
+        self._step_inputs = JoinedWeights([self.gate_proj, self.up_proj]) if self.gate_proj is not None else None
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_proj is not None:
             gate, up = self.gate_proj(x), self.up_proj(x)
             return swiglu_linear(gate, up, self.down_proj.weight, backend=self.fused_backend)
         return self.down_proj(F.gelu(self.up_proj(x)))
+
+    def step(self, x: Tensor) -> Tensor:
+        """`forward` of one decoding token `[B, 1, d_model]`: SwiGLU's gate and up as one GEMV."""
+        if self._step_inputs is None:
+            return self(x)
+        gate_up = F.linear(x, self._step_inputs.current()[0])
+        return F.linear(swiglu_joined(gate_up, backend=self.fused_backend), self.down_proj.weight)

@@ -11,8 +11,9 @@ packed in one row, B = 1) a token never reads another document's inputs.
 `short_conv_ref` is the definition in plain torch (the CPU path; autograd saves what it
 saves); on CUDA `short_conv` runs `kernels/triton/short_conv.py`, whose backward
 recomputes the pre-activation instead of saving it. `conv_tails` gives the tail each
-sequence carries on. `short_conv_step` is one token of decoding, the tail shifted in
-place (`short_conv_step_ref` its definition; one launch of `triton/decode.py` on CUDA).
+sequence carries on. `stream_step` is one token of decoding for all of a mixer's streams
+side by side, the tail shifted in place (`stream_step_ref` its definition; one launch of
+`triton/decode.py` on CUDA).
 """
 
 from __future__ import annotations
@@ -187,41 +188,58 @@ def short_conv(x: Tensor, weight: Tensor, *, tail: Tensor | None = None, cu_seql
     return short_conv_ref(x, weight, tail=tail, cu_seqlens=cu_seqlens, activation=activation, head_dim=head_dim, eps=eps)
 
 
-def short_conv_step_ref(x: Tensor, weight: Tensor, tail: Tensor, *, activation: bool = True, head_dim: int = 0,
-                        eps: float = 1e-6) -> Tensor:
-    """One token of `short_conv_ref`: `x` `[B, 1, C]` after the carried `tail`
-    `[B, W-1, C]`, which is shifted in place to end with `x`. Float32 arithmetic (float64
-    for float64 inputs), output in `x`'s dtype."""
+# A stream of `stream_step`: its width in channels and the head size of its L2 norm (0: none).
+Stream = tuple[int, int]
+
+
+def stream_step_ref(x: Tensor, weight: Tensor | None, tail: Tensor | None, streams: tuple[Stream, ...], *,
+                    eps: float = 1e-6) -> Tensor:
+    """One token of `short_conv_ref` with the SiLU for every stream side by side: `x`
+    `[B, 1, C]` after the carried `tail` `[B, W-1, C]`, which is shifted in place to end
+    with `x` (no conv when both are None), then each stream's L2 norm. Float32 arithmetic
+    (float64 for float64 inputs), output in `x`'s dtype."""
     acc = torch.promote_types(x.dtype, torch.float32)
-    w = weight.reshape(weight.shape[0], -1).to(acc)
-    window = torch.cat([tail.to(acc), x.to(acc)], dim=1)  # inputs t-W+1 .. t: [B, W, C]
-    z = (window * w.t()[None]).sum(1, keepdim=True)
-    y = F.silu(z) if activation else z
-    if head_dim:
-        y = F.normalize(y.unflatten(-1, (-1, head_dim)), dim=-1, eps=eps).flatten(-2)
-    tail.copy_(window[:, 1:])
-    return y.to(x.dtype)
+    z = x.to(acc)
+    if weight is not None:
+        window = torch.cat([tail.to(acc), z], dim=1)  # inputs t-W+1 .. t: [B, W, C]
+        z = (window * weight.to(acc).t()[None]).sum(1, keepdim=True)
+        tail.copy_(window[:, 1:])
+    pieces = []
+    for part, (_, head) in zip(F.silu(z).split([width for width, _ in streams], dim=-1), streams):
+        pieces.append(F.normalize(part.unflatten(-1, (-1, head)), dim=-1, eps=eps).flatten(-2) if head else part)
+    return torch.cat(pieces, dim=-1).to(x.dtype)
 
 
-def short_conv_step(x: Tensor, weight: Tensor, tail: Tensor, *, activation: bool = True, head_dim: int = 0,
-                    eps: float = 1e-6, backend: str = "auto") -> Tensor:
-    """The decoding step of `short_conv`: one token `x` `[B, 1, C]` continuing `tail`
-    `[B, W-1, C]` (shifted in place, so a captured CUDA graph replays it on the same
-    buffer); equal to `short_conv(x, weight, tail=tail, ...)` and the new tail. No
-    autograd. On CUDA one Triton launch (`triton/decode.py`)."""
-    if x.dim() != 3 or x.shape[1] != 1:
-        raise ValueError(f"short_conv_step: x must be [B, 1, C] (one token), got {tuple(x.shape)}")
+def stream_step(x: Tensor, weight: Tensor | None, tail: Tensor | None, streams: tuple[Stream, ...], *,
+                eps: float = 1e-6, backend: str = "auto") -> Tensor:
+    """The decoding step of a mixer's streams: one token `x` `[B, 1, C]` of the streams
+    side by side (q, k, v, ... as `streams` lists them, `(width, head_dim)` each, at most
+    4; rows may be column slices of a wider output), each `short_conv(..., activation=True,
+    head_dim=head_dim)` of the token continuing `tail` `[B, W-1, C]` with `weight`
+    `[C, W]` (the streams' conv weights stacked), or with neither only SiLU and norm. The
+    tail is shifted in place, so a captured CUDA graph replays the step on the same
+    buffer. Returns `[B, 1, C]` (contiguous), no autograd. On CUDA one Triton launch
+    (`triton/decode.py`)."""
+    if x.dim() != 3 or x.shape[1] != 1 or x.stride(-1) != 1:
+        raise ValueError(f"stream_step: x must be [B, 1, C] (one token) with unit channel stride, got "
+                         f"{tuple(x.shape)} strides {x.stride()}")
     B, _, C = x.shape
-    if weight.shape[0] != C or weight.numel() % C:
-        raise ValueError(f"short_conv_step: weight must be [C, W] with C = {C}, got {tuple(weight.shape)}")
-    W = weight.numel() // C
-    if tuple(tail.shape) != (B, W - 1, C) or not tail.is_contiguous():
-        raise ValueError(f"short_conv_step: tail must be a contiguous [{B}, {W - 1}, {C}] tensor, got {tuple(tail.shape)}")
-    if head_dim and C % head_dim:
-        raise ValueError(f"short_conv_step: head_dim {head_dim} must divide the {C} channels")
+    if not 1 <= len(streams) <= 4 or sum(w for w, _ in streams) != C or any(
+            w < 1 or h < 0 or (h and w % h) for w, h in streams):
+        raise ValueError(f"stream_step: streams must be 1-4 (width, head_dim) pairs whose widths sum to {C} and whose "
+                         f"head_dim (0: no norm) divides the width, got {streams}")
+    if (weight is None) != (tail is None):
+        raise ValueError("stream_step: give the conv's weight and tail together, or neither")
+    if weight is not None:
+        W = weight.shape[-1]
+        if tuple(weight.shape) != (C, W):
+            raise ValueError(f"stream_step: weight must be [C, W] with C = {C}, got {tuple(weight.shape)}")
+        if tuple(tail.shape) != (B, W - 1, C) or not tail.is_contiguous():
+            raise ValueError(f"stream_step: tail must be a contiguous [{B}, {W - 1}, {C}] tensor, got "
+                             f"{tuple(tail.shape)}")
     with torch.no_grad():
         if resolve_fused_backend(backend, x.device) == "triton":
-            from .triton.decode import short_conv_step_triton
+            from .triton.decode import stream_step_triton
 
-            return short_conv_step_triton(x, weight.reshape(C, W), tail, activation=activation, head=head_dim, eps=eps)
-        return short_conv_step_ref(x, weight, tail, activation=activation, head_dim=head_dim, eps=eps)
+            return stream_step_triton(x, None if weight is None else weight.contiguous(), tail, tuple(streams), eps)
+        return stream_step_ref(x, weight, tail, tuple(streams), eps=eps)

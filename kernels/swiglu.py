@@ -71,3 +71,20 @@ def swiglu_linear(gate: Tensor, up: Tensor, weight: Tensor, *, backend: str = "a
                          f"weight's {weight.shape[-1]} columns (weight {tuple(weight.shape)})")
     triton = resolve_fused_backend(backend, gate.device) == "triton"
     return _SwiGLUDown.apply(gate, up, weight, compute_dtype(gate), triton)
+
+
+def swiglu_joined(gate_up: Tensor, *, backend: str = "auto") -> Tensor:
+    """`silu(gate) * up` of `gate_up` `[..., 2 * hidden]`, the two projections' outputs
+    side by side (gate first; the decoding step's joined GEMV), in its dtype; no autograd.
+    On CUDA one launch that reads the halves in place."""
+    if gate_up.shape[-1] % 2 or gate_up.stride(-1) != 1:
+        raise ValueError(f"swiglu_joined: gate_up must end in an even, contiguous 2 * hidden columns, got "
+                         f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
+    with torch.no_grad():
+        if resolve_fused_backend(backend, gate_up.device) == "triton":
+            from .triton.swiglu import swiglu_joined_triton
+
+            return swiglu_joined_triton(gate_up.reshape(-1, gate_up.shape[-1])).reshape(
+                *gate_up.shape[:-1], gate_up.shape[-1] // 2)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return swiglu_ref(gate, up, gate_up.dtype)

@@ -22,10 +22,17 @@ Flags (`tl.constexpr`, one specialization each, named as `kinds.py` names them):
 Layout: the token tensors as `kernels.decode_step` takes them (`[B, n_h, H, ...]`,
 contiguous); `state` `[B, H, K, V]` and `d` `[B, H, K]` contiguous, updated in place.
 
-Beside it, the short convolution's decoding step (`kernels.short_conv.short_conv_step`):
-a program owns a block of channels of one row (one head with the L2 norm), reads the
-`W-1` carried inputs and the token, forms the conv, SiLU and norm, writes the output and
-shifts the tail in place: one launch per stream instead of a dozen small ones.
+With `decay` the gate's log decay is formed in the step from its projection
+(`-exp(A_log) * softplus(proj + dt_bias)`), and with `beta_scale` beta from its logits:
+the model's step hands over one projection's output instead of launching the gate and
+the sigmoid apart. Every token tensor is read through its batch stride, so column slices
+of that output go in without a copy.
+
+Beside it, the mixer's streams of one token (`kernels.short_conv.stream_step`): q, k, v
+(and a write key) side by side in one row, one launch for all of them. A program owns a
+block of channels of one stream of one row (one head where the stream is L2-normalised),
+reads the `W-1` carried inputs and the token, forms the conv, SiLU and norm, writes the
+output and shifts the tail in place.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import triton.language as tl
 
 from ..kinds import Gate, Mode
 from .kinds import CHANNEL_GATE, DIAGONAL, HOUSEHOLDER, SCALAR_GATE, accumulation
+from .log_decay import softplus
 from .launch import DECODE_LAUNCH, SHORT_CONV_LAUNCH, DecodeLaunch, ShortConvLaunch, pow2
 
 Tensor = torch.Tensor
@@ -45,11 +53,13 @@ MAX_HEAD_DIM = 256  # K of one program's tile (the chunk kernel's limit too)
 
 @triton.jit
 def decode_step_kernel(
-    q, k, v, g, beta, w, e, retain, state, d, o,
-    scale, eta, d_min, d_max, eps,
+    q, k, v, g, beta, w, e, retain, state, d, o, a_log, dt_bias,
+    q_sb, k_sb, v_sb, g_sb, beta_sb, w_sb, e_sb,
+    scale, beta_scale, eta, d_min, d_max, eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NH: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, HAS_WRITE_KEY: tl.constexpr,
-    OSDN: tl.constexpr, APF: tl.constexpr, BETA_AWARE: tl.constexpr, ACC: tl.constexpr,
+    OSDN: tl.constexpr, APF: tl.constexpr, BETA_AWARE: tl.constexpr, BETA_LOGITS: tl.constexpr,
+    DECAY: tl.constexpr, ACC: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b = i_bh // H
@@ -61,22 +71,35 @@ def decode_step_kernel(
     tile = k_ok[:, None] & v_ok[None, :]
     s_ptr = state + i_bh.to(tl.int64) * K * V + kk[:, None] * V + vv[None, :]
     S = tl.load(s_ptr, mask=tile, other=0.0).to(ACC)
+    # Each token tensor is read through its own batch stride: they may be column slices
+    # of one projection's output row.
+    b = i_b.to(tl.int64)
 
-    # The gate, once per token, before the sub-steps.
+    # The gate, once per token, before the sub-steps; with DECAY, g holds the gate's
+    # projection and the log decay is formed here (`kernels.mamba_log_decay`).
     if GATE == SCALAR_GATE:
-        S = S * tl.exp(tl.load(g + i_bh).to(ACC))
+        gv = tl.load(g + b * g_sb + i_h).to(ACC)
+        if DECAY:
+            gv = -tl.exp(tl.load(a_log + i_h).to(ACC)) * softplus(gv + tl.load(dt_bias + i_h).to(ACC))
+        S = S * tl.exp(gv)
     elif GATE == CHANNEL_GATE:
-        S = S * tl.exp(tl.load(g + i_bh * K + kk, mask=k_ok, other=0.0).to(ACC))[:, None]
+        gv = tl.load(g + b * g_sb + i_h * K + kk, mask=k_ok, other=0.0).to(ACC)
+        if DECAY:
+            bias = tl.load(dt_bias + i_h * K + kk, mask=k_ok, other=0.0).to(ACC)
+            gv = -tl.exp(tl.load(a_log + i_h).to(ACC)) * softplus(gv + bias)
+        S = S * tl.exp(gv)[:, None]
 
     if OSDN:
         dv = tl.load(d + i_bh * K + kk, mask=k_ok, other=0.0).to(ACC)
 
     for j in tl.static_range(NH):
-        row = (i_b * NH + j) * H + i_h  # sub-step j of this row and head in `[B, NH, H]`
-        kj = tl.load(k + row * K + kk, mask=k_ok, other=0.0).to(ACC)
-        vj = tl.load(v + row * V + vv, mask=v_ok, other=0.0).to(ACC)
+        sub = j * H + i_h  # sub-step j of this head in a row's `[NH, H]`
+        kj = tl.load(k + b * k_sb + sub * K + kk, mask=k_ok, other=0.0).to(ACC)
+        vj = tl.load(v + b * v_sb + sub * V + vv, mask=v_ok, other=0.0).to(ACC)
         if HAS_BETA:
-            bj = tl.load(beta + row).to(ACC)
+            bj = tl.load(beta + b * beta_sb + sub).to(ACC)
+            if BETA_LOGITS:
+                bj = beta_scale * tl.sigmoid(bj)
         if OSDN:
             # The write key with the current d, then d's update (`osdn_write_keys`).
             wj = dv * kj
@@ -91,7 +114,7 @@ def decode_step_kernel(
                 dv = tl.load(retain + i_bh).to(ACC) * dv
             dv = tl.minimum(tl.maximum(dv + change, d_min), d_max)
         elif HAS_WRITE_KEY:
-            wj = tl.load(w + row * K + kk, mask=k_ok, other=0.0).to(ACC)
+            wj = tl.load(w + b * w_sb + sub * K + kk, mask=k_ok, other=0.0).to(ACC)
         else:
             wj = kj
         if MODE == DIAGONAL:
@@ -101,18 +124,28 @@ def decode_step_kernel(
             S += wj[:, None] * (bj * residual)[None, :]
         else:  # rwkv7: S - e (S^T k)^T + b w v^T
             removed = tl.sum(S * kj[:, None], 0)
-            ej = tl.load(e + row * K + kk, mask=k_ok, other=0.0).to(ACC)
+            ej = tl.load(e + b * e_sb + sub * K + kk, mask=k_ok, other=0.0).to(ACC)
             if HAS_BETA:
                 vj = bj * vj
             S = S - ej[:, None] * removed[None, :] + wj[:, None] * vj[None, :]
 
-    qv = tl.load(q + i_bh * K + kk, mask=k_ok, other=0.0).to(ACC) * scale
+    qv = tl.load(q + b * q_sb + i_h * K + kk, mask=k_ok, other=0.0).to(ACC) * scale
     out = tl.sum(S * qv[:, None], 0)
     tl.store(o + i_bh.to(tl.int64) * V + vv, out.to(o.dtype.element_ty), mask=v_ok)
     tl.store(s_ptr, S.to(state.dtype.element_ty), mask=tile)
     if OSDN:
         if i_v == 0:
             tl.store(d + i_bh * K + kk, dv.to(d.dtype.element_ty), mask=k_ok)
+
+
+def _rows(t: Tensor | None) -> tuple[Tensor | None, int]:
+    """`t` `[B, ...]` with each row contiguous (a copy only when a row is not), and its
+    batch stride: a column slice of a wider `[B, C]` output is read in place."""
+    if t is None:
+        return None, 0
+    if t.shape[0] and not t[0].is_contiguous():
+        t = t.contiguous()
+    return t, t.stride(0)
 
 
 def decode_step_triton(
@@ -135,6 +168,8 @@ def decode_step_triton(
     d_max: float = 2.0,
     beta_aware: bool = True,
     eps: float = 1e-6,
+    beta_scale: float | None = None,
+    decay: tuple[Tensor, Tensor] | None = None,
     launch: DecodeLaunch = DECODE_LAUNCH,
 ) -> Tensor:
     """`kernels.decode_step` on one launch (arguments checked by the API)."""
@@ -149,70 +184,88 @@ def decode_step_triton(
     scale = K**-0.5 if scale is None else float(scale)
     if q.dtype == torch.float64 and scale != 1.0:  # a float argument reaches the kernel as float32 (`recurrence.py`)
         q, scale = q * scale, 1.0
-    contiguous = [None if t is None else t.contiguous() for t in (q, k, v, g, beta, write_key, erase, retain)]
-    q, k, v, g, beta, write_key, erase, retain = contiguous
+    (q, q_sb), (k, k_sb), (v, v_sb), (g, g_sb), (beta, beta_sb), (write_key, w_sb), (erase, e_sb) = (
+        _rows(t) for t in (q, k, v, g, beta, write_key, erase))
+    retain = None if retain is None else retain.contiguous()
+    a_log, dt_bias = (q, q) if decay is None else (decay[0].contiguous(), decay[1].contiguous())
     mode = Mode.of(beta, erase)
     acc = accumulation(state.dtype)[1]
     grid = (triton.cdiv(V, BV), B * H)
     decode_step_kernel[grid](
         q, k, v, q if g is None else g, q if beta is None else beta, q if write_key is None else write_key,
         q if erase is None else erase, q if retain is None else retain, state, state if d is None else d, o,
-        scale, float(eta), float(d_min), float(d_max), float(eps),
+        a_log, dt_bias, q_sb, k_sb, v_sb, g_sb, beta_sb, w_sb, e_sb,
+        scale, float(beta_scale or 1.0), float(eta), float(d_min), float(d_max), float(eps),
         H=H, K=K, V=V, BK=max(16, pow2(K)), BV=BV, NH=n_h,
         MODE=int(mode), GATE=int(gate), HAS_BETA=beta is not None, HAS_WRITE_KEY=write_key is not None,
-        OSDN=d is not None, APF=retain is not None, BETA_AWARE=bool(beta_aware), ACC=acc,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        OSDN=d is not None, APF=retain is not None, BETA_AWARE=bool(beta_aware), BETA_LOGITS=beta_scale is not None,
+        DECAY=decay is not None, ACC=acc, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return o
 
 
+# The most streams `stream_step_triton` takes (q, k, v and a write key).
+MAX_STREAMS = 4
+
+
 @triton.jit
-def short_conv_step_kernel(
-    x, w, tail, y, C, eps,
-    W: tl.constexpr, BC: tl.constexpr, HEAD: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
+def _pick(seg, a0, a1, a2, a3):
+    return tl.where(seg == 0, a0, tl.where(seg == 1, a1, tl.where(seg == 2, a2, a3)))
+
+
+@triton.jit
+def stream_step_kernel(
+    x, w, tail, y, x_sb, C, eps,
+    start0, width0, head0, start1, width1, head1, start2, width2, head2, start3, width3, head3,
+    W: tl.constexpr, BC: tl.constexpr, CONV: tl.constexpr, ACC: tl.constexpr,
 ):
-    i_c, b = tl.program_id(0), tl.program_id(1)
-    if NORM:
-        cc = i_c * HEAD + tl.arange(0, BC)
-        ok = tl.arange(0, BC) < HEAD
-    else:
-        cc = i_c * BC + tl.arange(0, BC)
-        ok = cc < C
-    row = b.to(tl.int64)
-    xt = tl.load(x + row * C + cc, mask=ok, other=0.0).to(ACC)
-    z = xt * tl.load(w + cc * W + (W - 1), mask=ok, other=0.0).to(ACC)
-    # tap j reads input t-(W-1)+j, the tail's row j; then the tail moves one input along
-    for j in tl.static_range(W - 1):
-        tj = tl.load(tail + (row * (W - 1) + j) * C + cc, mask=ok, other=0.0).to(ACC)
-        z += tj * tl.load(w + cc * W + j, mask=ok, other=0.0).to(ACC)
-        if j > 0:
-            tl.store(tail + (row * (W - 1) + j - 1) * C + cc, tj.to(tail.dtype.element_ty), mask=ok)
-    if W > 1:
-        tl.store(tail + (row * (W - 1) + W - 2) * C + cc, xt.to(tail.dtype.element_ty), mask=ok)
-    if ACT:
+    i_blk, seg, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    start = _pick(seg, start0, start1, start2, start3)
+    width = _pick(seg, width0, width1, width2, width3)
+    head = _pick(seg, head0, head1, head2, head3)  # > 0: the L2 norm over groups of `head`
+    size = tl.where(head > 0, head, BC)  # channels of this block
+    lo = i_blk * size
+    if lo < width:  # the grid fits the widest stream; the others' extra programs stop here
+        offs = tl.arange(0, BC)
+        ok = (offs < size) & (lo + offs < width)
+        cc = start + lo + offs
+        xt = tl.load(x + b * x_sb + cc, mask=ok, other=0.0).to(ACC)
+        z = xt
+        if CONV:
+            z = xt * tl.load(w + cc * W + (W - 1), mask=ok, other=0.0).to(ACC)
+            # tap j reads input t-(W-1)+j, the tail's row j; then the tail moves one input along
+            for j in tl.static_range(W - 1):
+                tj = tl.load(tail + (b * (W - 1) + j) * C + cc, mask=ok, other=0.0).to(ACC)
+                z += tj * tl.load(w + cc * W + j, mask=ok, other=0.0).to(ACC)
+                if j > 0:
+                    tl.store(tail + (b * (W - 1) + j - 1) * C + cc, tj.to(tail.dtype.element_ty), mask=ok)
+            if W > 1:
+                tl.store(tail + (b * (W - 1) + W - 2) * C + cc, xt.to(tail.dtype.element_ty), mask=ok)
         z = z * tl.sigmoid(z)
-    if NORM:
-        z = z / tl.maximum(tl.sqrt(tl.sum(z * z, 0)), eps)
-    tl.store(y + row * C + cc, z.to(y.dtype.element_ty), mask=ok)
+        z = tl.where(head > 0, z / tl.maximum(tl.sqrt(tl.sum(z * z, 0)), eps), z)
+        tl.store(y + b * C + cc, z.to(y.dtype.element_ty), mask=ok)
 
 
-def short_conv_step_triton(x: Tensor, w: Tensor, tail: Tensor, *, activation: bool, head: int, eps: float,
-                           launch: ShortConvLaunch = SHORT_CONV_LAUNCH) -> Tensor:
-    """`x` `[B, 1, C]`, `w` `[C, W]`, `tail` `[B, W-1, C]` contiguous (shifted in place);
-    `head` > 0 normalises each group of `head` channels. Checked by the caller."""
+def stream_step_triton(x: Tensor, weight: Tensor | None, tail: Tensor | None, segments: tuple[tuple[int, int], ...],
+                       eps: float, launch: ShortConvLaunch = SHORT_CONV_LAUNCH) -> Tensor:
+    """`kernels.short_conv.stream_step` in one launch (arguments checked there): `x`
+    `[B, 1, C]` with contiguous rows, `weight` `[C, W]`, `tail` `[B, W-1, C]` contiguous
+    (shifted in place), or both None (no conv)."""
     B, _, C = x.shape
-    W = w.shape[1]
-    x = x.contiguous()
-    w = w.contiguous()
-    y = torch.empty_like(x)
+    y = torch.empty(B, 1, C, device=x.device, dtype=x.dtype)
     if B == 0:
         return y
-    if head:
-        grid, block_c = (C // head, B), pow2(head)
-    else:
-        block_c = min(launch.block_c, pow2(C))
-        grid = (triton.cdiv(C, block_c), B)
-    acc = accumulation(x.dtype)[1]
-    short_conv_step_kernel[grid](x, w, tail, y, C, float(eps), W=W, BC=block_c, HEAD=max(head, 1), ACT=activation,
-                                 NORM=head > 0, ACC=acc, num_warps=launch.num_warps)
+    heads = [head for _, head in segments]
+    block_c = max(pow2(max(heads)), min(launch.block_c, pow2(max(width for width, _ in segments))))
+    slots, start = [], 0
+    for width, head in segments:
+        slots += [start, width, head]
+        start += width
+    slots += [C, 0, 0] * (MAX_STREAMS - len(segments))
+    blocks = max(triton.cdiv(width, head or block_c) for width, head in segments)
+    conv = weight is not None
+    W = weight.shape[1] if conv else 1
+    stream_step_kernel[(blocks, len(segments), B)](
+        x, weight if conv else x, tail if conv and W > 1 else x, y, x.stride(0), C, float(eps), *slots,
+        W=W, BC=block_c, CONV=conv, ACC=accumulation(x.dtype)[1], num_warps=launch.num_warps)
     return y

@@ -36,14 +36,14 @@ def _tile(proj, a_log, bias, N, C, ROWS: tl.constexpr, BC: tl.constexpr, ACC: tl
 
 
 @triton.jit
-def _softplus(z):
+def softplus(z):
     return tl.maximum(z, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(z)))
 
 
 @triton.jit
 def log_decay_forward_kernel(proj, a_log, bias, g, N, C, ROWS: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
     _, offs, mask, rate, z = _tile(proj, a_log, bias, N, C, ROWS, BC, ACC)
-    tl.store(g + offs, (-rate[None, :] * _softplus(z)).to(g.dtype.element_ty), mask=mask)
+    tl.store(g + offs, (-rate[None, :] * softplus(z)).to(g.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -54,7 +54,7 @@ def log_decay_backward_kernel(proj, a_log, bias, dg, d_proj, d_rate_part, d_bias
     d_logits = -rate[None, :] * tl.sigmoid(z) * d
     tl.store(d_proj + offs, d_logits.to(d_proj.dtype.element_ty), mask=mask)
     part = tl.program_id(0).to(tl.int64) * C + cols
-    tl.store(d_rate_part + part, tl.sum(-rate[None, :] * _softplus(z) * d, axis=0), mask=cols < C)
+    tl.store(d_rate_part + part, tl.sum(-rate[None, :] * softplus(z) * d, axis=0), mask=cols < C)
     tl.store(d_bias_part + part, tl.sum(d_logits, axis=0), mask=cols < C)
 
 

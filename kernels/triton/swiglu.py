@@ -23,11 +23,14 @@ Tensor = torch.Tensor
 
 
 @triton.jit
-def swiglu_forward_kernel(gate, up, product, N, BLOCK: tl.constexpr, ACC: tl.constexpr):
+def swiglu_forward_kernel(gate, up, product, N, hidden, row_stride, BLOCK: tl.constexpr, ACC: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    g = tl.load(gate + offs, mask=mask, other=0.0).to(ACC)
-    u = tl.load(up + offs, mask=mask, other=0.0).to(ACC)
+    # gate and up are read by rows of `hidden` every `row_stride` elements: two tensors of
+    # their own (row_stride = hidden), or the two halves of one joined row
+    src = (offs // hidden) * row_stride + offs % hidden
+    g = tl.load(gate + src, mask=mask, other=0.0).to(ACC)
+    u = tl.load(up + src, mask=mask, other=0.0).to(ACC)
     tl.store(product + offs, (g * tl.sigmoid(g) * u).to(product.dtype.element_ty), mask=mask)
 
 
@@ -48,11 +51,26 @@ def swiglu_backward_kernel(gate, up, dh, d_gate, d_up, product, N, BLOCK: tl.con
 def swiglu_forward_triton(gate: Tensor, up: Tensor, out_dtype: torch.dtype,
                           launch: SwiGLULaunch = SWIGLU_LAUNCH) -> Tensor:
     """`silu(gate) * up` in `out_dtype`; `gate`, `up` contiguous, of one shape."""
-    product = torch.empty(gate.shape, device=gate.device, dtype=out_dtype)
-    N = gate.numel()
+    hidden = gate.shape[-1]
+    return _swiglu_forward(gate, up, gate.shape, hidden, out_dtype, launch)
+
+
+def swiglu_joined_triton(gate_up: Tensor, launch: SwiGLULaunch = SWIGLU_LAUNCH) -> Tensor:
+    """`silu(gate) * up` of `gate_up` `[..., 2 * hidden]` (gate first, contiguous rows), in
+    its dtype: the halves read in place."""
+    hidden = gate_up.shape[-1] // 2
+    return _swiglu_forward(gate_up, gate_up[..., hidden:], (*gate_up.shape[:-1], hidden), 2 * hidden, gate_up.dtype,
+                           launch)
+
+
+def _swiglu_forward(gate: Tensor, up: Tensor, shape: tuple, row_stride: int, out_dtype: torch.dtype,
+                    launch: SwiGLULaunch) -> Tensor:
+    product = torch.empty(shape, device=gate.device, dtype=out_dtype)
+    N, hidden = product.numel(), shape[-1]
     if N:
         swiglu_forward_kernel[(triton.cdiv(N, launch.block),)](
-            gate, up, product, N, BLOCK=launch.block, ACC=accumulation(gate.dtype)[1], num_warps=launch.num_warps)
+            gate, up, product, N, hidden, row_stride, BLOCK=launch.block, ACC=accumulation(gate.dtype)[1],
+            num_warps=launch.num_warps)
     return product
 
 

@@ -42,8 +42,8 @@ def _plan(name: str) -> ModelPlan:
     return model_plan(COMBINATIONS[name], layers=2, vocab_size=VOCAB)
 
 
-def _model(name: str, dtype: torch.dtype = torch.float64, backend: str = "torch", device: str = "cpu"):
-    torch.manual_seed(0)
+def _model(name: str, dtype: torch.dtype = torch.float64, backend: str = "torch", device: str = "cpu", seed: int = 0):
+    torch.manual_seed(seed)
     model = build_model(_plan(name)).to(device, dtype)
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -91,6 +91,25 @@ def test_the_step_on_triton_equals_the_forward():
     with torch.no_grad():
         want = model(ids)
     _close(_prefill_then_steps(model, ids, 5), want, torch.float64)
+
+
+@pytest.mark.parametrize("name", ["kda-channel", "osgdn-apf-learned", "rwkv7-nh2-b2-channel"])
+def test_the_step_follows_weights_changed_after_it_ran(name):
+    """The step reads its projections from joined copies (`blocks/joined.py`); after it ran,
+    an optimizer step and then `load_state_dict` change every weight in place, and the
+    steps still equal the forward of the weights now."""
+    model = _model(name)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _close(_prefill_then_steps(model, ids, 5), model(ids), torch.float64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    model(ids, labels=ids).backward()
+    optimizer.step()
+    with torch.no_grad():
+        _close(_prefill_then_steps(model, ids, 5), model(ids), torch.float64)
+    model.load_state_dict(_model(name, seed=7).state_dict())
+    with torch.no_grad():
+        _close(_prefill_then_steps(model, ids, 5), model(ids), torch.float64)
 
 
 @pytest.mark.parametrize("name", ["gdn-scalar", "rwkv7-nh2-b2-channel", "osdn-apf-nh2"])

@@ -257,27 +257,113 @@ def test_bad_step_arguments_are_named():
         decode_step(q, k, v, state, n_h=2, g=torch.zeros(2, 1, 3), gate="channel")
 
 
+# (conv width, streams as (width, head_dim)): q, k, v as a mixer has them (K = 8, V = 16),
+# an untied write key, n_h = 2 sub-steps, no norm (the diagonal transition), one stream,
+# and no conv at all (W = 0).
+STREAM_CASES = [
+    (4, ((16, 8), (16, 8), (32, 0))),
+    (4, ((16, 8), (32, 8), (64, 0), (32, 8))),
+    (2, ((24, 0), (24, 0), (40, 0))),
+    (1, ((16, 16),)),
+    (3, ((16, 8), (16, 8), (20, 0))),
+    (0, ((16, 8), (16, 8), (32, 0))),
+]
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("W,head_dim,activation", [(4, 8, True), (4, 0, True), (2, 0, False), (1, 8, True), (3, 16, False)])
+@pytest.mark.parametrize("W,streams", STREAM_CASES, ids=[f"W{w}-{len(s)}streams-{i}" for i, (w, s) in enumerate(STREAM_CASES)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-def test_short_conv_step_continues_the_conv(backend, W, head_dim, activation, dtype):
-    """The conv's decoding step against the training path on a one-token piece: the
-    output of `short_conv` with the carried tail, and the tail `conv_tails` carries on."""
+def test_stream_step_continues_each_streams_conv(backend, W, streams, dtype):
+    """The streams' decoding step against the training path, stream by stream, on a
+    one-token piece: the output of `short_conv` (with its SiLU and norm) with the carried
+    tail, and the tail `conv_tails` carries on. The token's rows are column slices of a
+    wider output (as the mixer's joined projection gives them)."""
     if backend == "triton":
         pytest.importorskip("triton")
     from archspec.kernels import conv_tails, short_conv
-    from archspec.kernels.short_conv import short_conv_step
+    from archspec.kernels.short_conv import stream_step
 
     device = "cuda" if CUDA and backend == "triton" else "cpu"
-    gen = torch.Generator().manual_seed(W + head_dim)
-    B, C = 3, 32
-    x = torch.randn(B, 1, C, generator=gen, dtype=torch.float64).to(device, dtype)
-    weight = torch.randn(C, 1, W, generator=gen, dtype=torch.float64).to(device, dtype)
-    tail = torch.randn(B, W - 1, C, generator=gen, dtype=torch.float64).to(device, dtype)
-    want = short_conv(x, weight, tail=tail if W > 1 else None, activation=activation, head_dim=head_dim, backend="torch")
-    want_tail = conv_tails(x, tail, None, W)
-    got_tail = tail.clone()
-    got = short_conv_step(x, weight, got_tail, activation=activation, head_dim=head_dim, backend=backend)
+    gen = torch.Generator().manual_seed(W + len(streams))
+    B, C = 3, sum(width for width, _ in streams)
+    wide = torch.randn(B, 1, C + 5, generator=gen, dtype=torch.float64).to(device, dtype)
+    x = wide[..., :C]
+    weight = torch.randn(C, W, generator=gen, dtype=torch.float64).to(device, dtype) if W else None
+    tail = torch.randn(B, max(W - 1, 0), C, generator=gen, dtype=torch.float64).to(device, dtype) if W else None
+    wants, want_tails, lo = [], [], 0
+    for width, head in streams:
+        part = slice(lo, lo + width)
+        if W:
+            wants.append(short_conv(x[..., part], weight[part, None], tail=tail[..., part] if W > 1 else None,
+                                    activation=True, head_dim=head, backend="torch"))
+            want_tails.append(conv_tails(x[..., part], tail[..., part], None, W))
+        else:
+            z = torch.nn.functional.silu(x[..., part])
+            wants.append(F.normalize(z.unflatten(-1, (-1, head)), dim=-1, eps=1e-6).flatten(-2) if head else z)
+        lo += width
+    got_tail = None if tail is None else tail.clone()
+    got = stream_step(x, weight, got_tail, streams, backend=backend)
     tol = TOL[dtype]
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    torch.testing.assert_close(got_tail, want_tail, rtol=0, atol=0)
+    torch.testing.assert_close(got, torch.cat(wants, dim=-1), rtol=tol, atol=tol)
+    if W:
+        torch.testing.assert_close(got_tail, torch.cat(want_tails, dim=-1), rtol=0, atol=0)
+
+
+def test_bad_stream_step_arguments_are_named():
+    from archspec.kernels.short_conv import stream_step
+
+    x, weight, tail = torch.zeros(2, 1, 12), torch.zeros(12, 4), torch.zeros(2, 3, 12)
+    with pytest.raises(ValueError, match="widths sum to 12"):
+        stream_step(x, weight, tail, ((4, 4), (4, 4)))
+    with pytest.raises(ValueError, match="head_dim \\(0: no norm\\) divides the width"):
+        stream_step(x, weight, tail, ((6, 4), (6, 0)))
+    with pytest.raises(ValueError, match="tail must be a contiguous \\[2, 3, 12\\]"):
+        stream_step(x, weight, torch.zeros(2, 2, 12), ((12, 0),))
+    with pytest.raises(ValueError, match="weight and tail together"):
+        stream_step(x, weight, None, ((12, 0),))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+def test_raw_projections_equal_the_formed_gate_and_beta(backend, gate):
+    """`decode_step` with `decay` and `beta_scale` (the gate's projection and beta's logits,
+    column slices of one wider row, as the model's step hands them over) against the same
+    step with `mamba_log_decay`'s g and `beta_scale * sigmoid(logits)` formed first."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    from archspec.kernels import mamba_log_decay
+
+    device = "cuda" if CUDA and backend == "triton" else "cpu"
+    gen = torch.Generator().manual_seed(5)
+    B, n, H, K, V = 3, 2, 2, 8, 16
+    gate_width = H if gate == "scalar" else H * K
+    row = torch.randn(B, 1, n * H + gate_width + 3, generator=gen, dtype=torch.float64).to(device)
+    logits = row[..., : n * H].reshape(B, n, H)
+    proj = row[..., n * H : n * H + gate_width].reshape(B, 1, H, *([K] if gate == "channel" else []))
+    A_log = torch.randn(H, generator=gen, dtype=torch.float64).to(device)
+    dt_bias = torch.randn(*((H,) if gate == "scalar" else (H, K)), generator=gen, dtype=torch.float64).to(device)
+    q = F.normalize(torch.randn(B, 1, H, K, generator=gen, dtype=torch.float64), dim=-1).to(device)
+    k = F.normalize(torch.randn(B, n, H, K, generator=gen, dtype=torch.float64), dim=-1).to(device)
+    v = torch.randn(B, n, H, V, generator=gen, dtype=torch.float64).to(device)
+    state = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64).to(device)
+    g = mamba_log_decay(A_log[:, None] if gate == "channel" else A_log, proj, dt_bias, backend="torch")
+    want_state = state.clone()
+    want = decode_step(q, k, v, want_state, g=g, beta=2.0 * torch.sigmoid(logits), n_h=n, backend="torch")
+    got_state = state.clone()
+    got = decode_step(q, k, v, got_state, g=proj, decay=(A_log, dt_bias), beta=logits, beta_scale=2.0, n_h=n,
+                      backend=backend)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-10, atol=1e-10)
+
+
+def test_bad_raw_projection_arguments_are_named():
+    q, k, v = torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 5)
+    state = torch.zeros(2, 3, 4, 5)
+    with pytest.raises(ValueError, match="beta_scale turns beta's logits into beta: pass beta too"):
+        decode_step(q, k, v, state, beta_scale=1.0)
+    with pytest.raises(ValueError, match="decay's A_log must be \\[H\\] = \\(3,\\)"):
+        decode_step(q, k, v, state, g=torch.zeros(2, 1, 3), decay=(torch.zeros(4), torch.zeros(3)))
+    with pytest.raises(ValueError, match="decay's dt_bias must be one of \\[\\(3, 4\\), \\(12,\\)\\]"):
+        decode_step(q, k, v, state, g=torch.zeros(2, 1, 3, 4), decay=(torch.zeros(3), torch.zeros(3)))
+    with pytest.raises(ValueError, match="decay forms the log decay from the gate's projection: pass g too"):
+        decode_step(q, k, v, state, decay=(torch.zeros(3), torch.zeros(3)))

@@ -361,6 +361,21 @@ def test_log_decay_refuses_mismatched_shapes():
         mamba_log_decay(torch.zeros(4), torch.zeros(2, 4, 3), torch.zeros(3))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["f64", "f32", "bf16"])
+def test_swiglu_joined_reads_both_halves_of_a_row(backend, dtype):
+    """The decoding step's SwiGLU on one joined `[gate | up]` output, 3 rows of 1100 each
+    (more than one block, rows straddling blocks), against the definition."""
+    from archspec.kernels.swiglu import swiglu_joined, swiglu_ref
+
+    gate_up = torch.randn(3, 1, 2 * 1100, generator=torch.Generator().manual_seed(6), dtype=torch.float64).to(dtype)
+    got = swiglu_joined(gate_up, backend=backend)
+    want = swiglu_ref(gate_up[..., :1100], gate_up[..., 1100:], dtype)
+    assert got.shape == (3, 1, 1100) and got.dtype == dtype
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
 def test_swiglu_linear_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="gate .* and up .* must match"):
         swiglu_linear(torch.randn(2, 4), torch.randn(2, 5), torch.randn(3, 4))

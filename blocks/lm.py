@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from archspec.kernels.packed import check_offsets
+from archspec.kernels.row_linear import row_linear
 
 from .attention import Attention, AttentionState, KVCache
 from .loss import next_token_loss
@@ -79,14 +80,18 @@ class Block(nn.Module):
 
     def step(self, x: Tensor, state: DecodeState, pending: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """One token `[B, 1, d_model]`, the layer's state updated in place: `forward`'s
-        (residual stream, this block's last output) of a one-token piece, the additions
-        fused into the norms as there."""
-        y, x = self.mixer_norm.add(x, pending)
-        h = self.mixer.step(y, state)
+        (residual stream, this block's last output) of a one-token piece. Each norm and the
+        addition before it run in front of the first product that reads them
+        (`kernels.row_linear`); an attention layer takes its normalised row."""
+        if isinstance(self.mixer, Mixer):
+            h, x = self.mixer.step(x, state, pre_norm=self.mixer_norm.pending(pending))
+        else:
+            y, x = self.mixer_norm.add(x, pending)
+            h = self.mixer.step(y, state)
         if self.mlp is None:
             return x, h
-        y, x = self.mlp_norm.add(x, h)
-        return x, self.mlp.step(y)
+        y, x = self.mlp.step(x, pre_norm=self.mlp_norm.pending(h))
+        return x, y
 
 
 class LanguageModel(nn.Module):
@@ -197,7 +202,8 @@ class LanguageModel(nn.Module):
         x, pending = self.embed(tokens[:, None]), None
         for block, layer_state in zip(self.blocks, state):
             x, pending = block.step(x, layer_state, pending)
-        return self.head(self.norm.add(x, pending)[0])[:, 0]
+        logits, _ = row_linear(x, self.head.weight, before=self.norm.pending(pending), backend=self.fused_backend)
+        return logits[:, 0]
 
     def generate(self, input_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos: int | list[int] | None = None, **options):

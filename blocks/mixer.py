@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from archspec.kernels import decode_step, linear_recurrence
+from archspec.kernels.row_linear import HeadNorm, PreNorm, row_linear
 from archspec.kernels.short_conv import stream_step
 
 from .conv import ShortConv
@@ -263,23 +264,27 @@ class Mixer(nn.Module):
         o = self.o_norm(o) if out_gate is None else self.o_norm(o, out_gate.reshape(B, T, H, V))
         return self.o_proj(o.reshape(B, T, H * V))
 
-    def step(self, x: Tensor, state: MixerState) -> Tensor:
-        """One token `x` `[B, 1, d_model]` -> `[B, 1, d_model]`, continuing `state` in place
-        (S, the conv tails and OSDN's d; each row one sequence): what `forward` gives for
-        a one-token piece. `state` must come from `decode_state` (tensors of its own, the
-        tails joined), since it is overwritten.
+    def step(self, x: Tensor, state: MixerState, *, pre_norm: PreNorm | None = None) -> tuple[Tensor, Tensor]:
+        """One token `x` `[B, 1, d_model]` -> `([B, 1, d_model], residual)`, continuing `state`
+        in place (S, the conv tails and OSDN's d; each row one sequence): what `forward`
+        gives for a one-token piece. With `pre_norm` (the block's norm, `kernels.PreNorm`),
+        `x` is the residual stream and the step reads `rms_norm(x + pending)`; `residual`
+        is `x + pending` (`x` without a `pre_norm`). `state` must come from `decode_state`
+        (tensors of its own, the tails joined), since it is overwritten.
 
-        Kernels per token on CUDA: one GEMV for every projection of the token (joined,
-        `joined.py`), the second stage of the low-rank ones, one launch for the streams'
-        conv, SiLU and norm, one `kernels.decode_step` (beta's sigmoid and the gate's log
-        decay formed inside it), the output norm and `o_proj`."""
+        Kernels per token on CUDA: one matrix-vector product for every projection of the
+        token (joined, `joined.py`; the pre-norm fused in front, `kernels.row_linear`), the
+        second stage of the low-rank ones, one launch for the streams' conv, SiLU and norm,
+        one `kernels.decode_step` (beta's sigmoid and the gate's log decay formed inside it),
+        and `o_proj` with the output norm fused in front."""
         plan = self.plan
         B = x.shape[0]
         H, K, V, n = plan.heads, plan.head_dim, plan.value_dim, plan.n_h
         if self.conv is not None and state.tails is None:
             raise ValueError("Mixer.step: the state must come from decode_state (the conv tails joined in one tensor)")
         weight, bias = self._step_inputs.current()
-        projected = F.linear(x, weight, bias)  # [B, 1, every projection's width]
+        # [B, 1, every projection's width]
+        projected, residual = row_linear(x, weight, bias, before=pre_norm, backend=self.fused_backend)
         token = dict(zip(self._step_names, projected.split(self._step_inputs.widths, dim=-1)))
         widths = stream_widths(plan)
         unit = plan.transition != "diagonal"  # the delta rule and RWKV-7 need unit q, k (and w)
@@ -315,7 +320,10 @@ class Mixer(nn.Module):
         out_gate = None
         if self.g_proj is not None:
             out_gate = self.g_proj.up(token["out_gate"]) if isinstance(self.g_proj, LowRankLinear) else token["out_gate"]
-        return self._read_out(o, out_gate)
+        norm = self.o_norm if out_gate is None else self.o_norm.norm
+        head_norm = HeadNorm(norm.weight, norm.eps, out_gate, "none" if out_gate is None else self.o_norm.activation)
+        y, _ = row_linear(o.reshape(B, 1, H * V), self.o_proj.weight, before=head_norm, backend=self.fused_backend)
+        return y, x if residual is None else residual
 
     def _store_capture(self, kwargs: dict, osdn_inputs: dict | None) -> None:
         """Diagnostics (docs/interfaces.md): the kernel's exact inputs, detached."""

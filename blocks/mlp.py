@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from archspec.kernels.swiglu import swiglu_joined, swiglu_linear
+from archspec.kernels.row_linear import SWIGLU, PreNorm, row_linear
+from archspec.kernels.swiglu import swiglu_linear
 
 from .joined import JoinedWeights
 
@@ -54,9 +55,17 @@ class MLP(nn.Module):
             return swiglu_linear(gate, up, self.down_proj.weight, backend=self.fused_backend)
         return self.down_proj(F.gelu(self.up_proj(x)))
 
-    def step(self, x: Tensor) -> Tensor:
-        """`forward` of one decoding token `[B, 1, d_model]`: SwiGLU's gate and up as one GEMV."""
+    def step(self, x: Tensor, *, pre_norm: PreNorm | None = None) -> tuple[Tensor, Tensor]:
+        """`forward` of one decoding token `[B, 1, d_model]`, and the residual: with
+        `pre_norm` (the block's norm) `x` is the residual stream, the MLP reads
+        `rms_norm(x + pending)` and the residual is `x + pending` (else `x`). SwiGLU's gate
+        and up are one product (`joined.py`), and `down_proj` reads `silu(gate) * up`
+        fused in front (`kernels.row_linear`)."""
         if self._step_inputs is None:
-            return self(x)
-        gate_up = F.linear(x, self._step_inputs.current()[0])
-        return F.linear(swiglu_joined(gate_up, backend=self.fused_backend), self.down_proj.weight)
+            h, residual = row_linear(x, self.up_proj.weight, before=pre_norm, backend=self.fused_backend)
+            y = self.down_proj(F.gelu(h))
+        else:
+            gate_up, residual = row_linear(x, self._step_inputs.current()[0], before=pre_norm,
+                                           backend=self.fused_backend)
+            y, _ = row_linear(gate_up, self.down_proj.weight, before=SWIGLU, backend=self.fused_backend)
+        return y, x if residual is None else residual

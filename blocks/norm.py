@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from archspec.kernels import add_rms_norm, rms_norm
 from archspec.kernels.fused import compute_dtype
+from archspec.kernels.row_linear import PreNorm
 
 Tensor = torch.Tensor
 
@@ -40,6 +41,11 @@ class RMSNorm(nn.RMSNorm):
         """A pre-norm's residual step: `(self(x + h), x + h)` (`h` None: `(self(x), x)`),
         the addition fused into the norm's kernels on CUDA."""
         return add_rms_norm(x, h, self.weight, eps=self.eps, out_dtype=compute_dtype(x), backend=self.fused_backend)
+
+    def pending(self, h: Tensor | None) -> PreNorm:
+        """This norm of `x + h`, left for the decoding step's next product to apply in front
+        of it (`kernels.row_linear`), where `x` is the residual stream it is given."""
+        return PreNorm(self.weight, self.eps, h)
 
 
 class GatedRMSNorm(nn.Module):

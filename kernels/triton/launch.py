@@ -232,6 +232,22 @@ class DecodeLaunch:
 DECODE_LAUNCH = DecodeLaunch()
 
 
+@dataclass(frozen=True)
+class RowLinearLaunch:
+    """The decoding step's matrix-vector products (`row_linear.py`): outputs per program,
+    weight columns per tile, warps, and the most rows (the batch) taken there; more rows
+    go to cuBLAS, whose matrix-matrix kernels read each weight once for all of them. Not
+    yet swept on the H200."""
+
+    block_n: int = 16
+    block_k: int = 128
+    num_warps: int = 4
+    max_rows: int = 4
+
+
+ROW_LINEAR_LAUNCH = RowLinearLaunch()
+
+
 def pow2(n: int) -> int:
     """The next power of two >= n. Host code uses this, not `triton.next_power_of_2`:
     that is a `constexpr_function`, about 3.5 us a call."""

@@ -33,7 +33,7 @@ ACTIVATIONS = {"none": ACT_NONE.value, "silu": ACT_SILU.value, "sigmoid": ACT_SI
 
 
 @triton.jit
-def _gate_act(gate, ACT: tl.constexpr):
+def gate_activation(gate, ACT: tl.constexpr):
     if ACT == ACT_SILU:
         return gate * tl.sigmoid(gate)
     elif ACT == ACT_SIGMOID:
@@ -62,7 +62,7 @@ def rms_norm_forward_kernel(
     out = xr * r[:, None] * wr[None, :]
     if ACT != 0:
         g = tl.load(gate + offs, mask=mask, other=0.0).to(ACC)
-        out = out * _gate_act(g, ACT)
+        out = out * gate_activation(g, ACT)
     tl.store(y + offs, out.to(y.dtype.element_ty), mask=mask)
     tl.store(rstd + rows, r, mask=rows < M)
 

@@ -1,0 +1,135 @@
+"""The decoding step's matrix-vector products, with the norm or SwiGLU in front fused in.
+
+At batch 1 each linear map of a decoding step reads its weight once and does two flops
+per weight element, so its floor is the weight's bytes over the memory bandwidth. cuBLAS's
+kernels for these shapes reached 0.3-2.2 TB/s on the H200 (the 2 MB `o_proj` took 6.7 us,
+the 5.6 MB `down_proj` a split-K kernel and its reduction), a third of the decoding step.
+Here a program owns `block_n` outputs of one row: it streams their `[block_n, K]` slice
+of the weight in `[block_n, block_k]` tiles, each multiplied into a float32 tile of
+partial sums that is reduced once at the end.
+
+The input row is formed in front of the product, by every program from the row itself (a
+few KB, cached after the first program reads it), as the unfused path forms it and
+rounded to the activations' dtype as that path's output is (`PRE`):
+
+    PRE_NONE    the row as it is
+    PRE_NORM    the pre-norm's residual step `rms_norm(x + h) * w`; the sum `x + h`
+                (the residual stream after it) written out by the first program
+    HEAD_NORM   the mixer's output norm: `rms_norm` of each head's `HEAD` channels (one
+                tile each) times `w`, times `act(gate)` (`ACT`: SiLU, sigmoid or none)
+    SWIGLU      `silu(gate) * up` of the joined `[gate | up]` row (`K` = the hidden width)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .kinds import accumulation
+from .launch import ROW_LINEAR_LAUNCH, RowLinearLaunch
+from .rms_norm import ACTIVATIONS, gate_activation
+
+Tensor = torch.Tensor
+
+PRE_NONE = tl.constexpr(0)
+PRE_NORM = tl.constexpr(1)
+HEAD_NORM = tl.constexpr(2)
+SWIGLU = tl.constexpr(3)
+PROLOGUES = {"none": 0, "norm": 1, "head_norm": 2, "swiglu": 3}
+
+
+@triton.jit
+def _stream(x, h, residual, kk, ok, b, x_stride, K, ADD: tl.constexpr, ACC: tl.constexpr):
+    """Columns `kk` of the residual stream `x + h` of row `b` (`x` without `h`), rounded
+    to the stream's dtype as the unfused pre-norm stores it."""
+    r = tl.load(x + b * x_stride + kk, mask=ok, other=0.0).to(ACC)
+    if ADD:
+        r = r + tl.load(h + b * K + kk, mask=ok, other=0.0).to(ACC)
+        r = r.to(residual.dtype.element_ty).to(ACC)
+    return r
+
+
+@triton.jit
+def _input_tile(x, h, residual, gate, nw, kk, ok, b, x_stride, gate_stride, K, rstd, eps,
+                PRE: tl.constexpr, ADD: tl.constexpr, ACT: tl.constexpr, HEAD: tl.constexpr, ACC: tl.constexpr):
+    """Columns `kk` of row `b`'s input to the product, in float32 (float64)."""
+    row = x + b * x_stride
+    if PRE == PRE_NORM:
+        r = _stream(x, h, residual, kk, ok, b, x_stride, K, ADD, ACC)
+        y = r * rstd * tl.load(nw + kk, mask=ok, other=0.0).to(ACC)
+    elif PRE == HEAD_NORM:  # the tile is one head: its own mean square
+        xv = tl.load(row + kk, mask=ok, other=0.0).to(ACC)
+        y = xv / tl.sqrt(tl.sum(xv * xv, 0) / HEAD + eps) * tl.load(nw + kk % HEAD, mask=ok, other=0.0).to(ACC)
+        if ACT != 0:
+            y = y * gate_activation(tl.load(gate + b * gate_stride + kk, mask=ok, other=0.0).to(ACC), ACT)
+    elif PRE == SWIGLU:
+        g = tl.load(row + kk, mask=ok, other=0.0).to(ACC)
+        y = g * tl.sigmoid(g) * tl.load(row + K + kk, mask=ok, other=0.0).to(ACC)
+    else:
+        y = tl.load(row + kk, mask=ok, other=0.0).to(ACC)
+    return y
+
+
+@triton.jit
+def row_linear_kernel(
+    x, h, residual, gate, nw, w, bias, out, N, K, x_stride, gate_stride, eps,
+    PRE: tl.constexpr, ADD: tl.constexpr, ACT: tl.constexpr, HEAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
+):
+    i_n, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    nn = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = nn < N
+    rstd = 0.0
+    if PRE == PRE_NORM:  # a first pass over the row for its mean square (and the residual)
+        sq = tl.zeros([BLOCK_K], dtype=ACC)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            ok = kk < K
+            r = _stream(x, h, residual, kk, ok, b, x_stride, K, ADD, ACC)
+            if ADD:
+                if i_n == 0:
+                    tl.store(residual + b * K + kk, r.to(residual.dtype.element_ty), mask=ok)
+            sq += r * r
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=ACC)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        ok = kk < K
+        y = _input_tile(x, h, residual, gate, nw, kk, ok, b, x_stride, gate_stride, K, rstd, eps, PRE, ADD, ACT, HEAD,
+                        ACC)
+        y = y.to(out.dtype.element_ty).to(ACC)  # the unfused path hands the product this rounding
+        wt = tl.load(w + nn[:, None].to(tl.int64) * K + kk[None, :], mask=n_ok[:, None] & ok[None, :], other=0.0)
+        acc += wt.to(ACC) * y[None, :]
+    o = tl.sum(acc, 1)
+    if HAS_BIAS:
+        o += tl.load(bias + nn, mask=n_ok, other=0.0).to(ACC)
+    tl.store(out + b * N + nn, o.to(out.dtype.element_ty), mask=n_ok)
+
+
+def row_linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None, *, prologue: str = "none",
+                      pending: Tensor | None = None, norm_weight: Tensor | None = None, eps: float = 1e-6,
+                      gate: Tensor | None = None, activation: str = "none", head: int = 0,
+                      launch: RowLinearLaunch = ROW_LINEAR_LAUNCH) -> tuple[Tensor, Tensor | None]:
+    """`kernels.row_linear` on one launch (arguments checked there): `x` `[B, K]` (`[B, 2K]`
+    for SwiGLU) with contiguous rows, `weight` `[N, K]` contiguous; `pending`, `gate`
+    `[B, K]` rows. Returns `[B, N]` in `x`'s dtype, and the residual `x + pending` for
+    the pre-norm."""
+    B, N, K = x.shape[0], weight.shape[0], weight.shape[1]
+    out = torch.empty(B, N, device=x.device, dtype=x.dtype)
+    residual = torch.empty(B, K, device=x.device, dtype=torch.promote_types(x.dtype, pending.dtype)) \
+        if pending is not None else None
+    if B == 0:
+        return out, residual
+    block_k = head if prologue == "head_norm" else launch.block_k
+    acc = accumulation(weight.dtype if weight.dtype == torch.float64 else x.dtype)[1]
+    grid = (triton.cdiv(N, launch.block_n), B)
+    row_linear_kernel[grid](
+        x, x if pending is None else pending, x if residual is None else residual, x if gate is None else gate,
+        x if norm_weight is None else norm_weight, weight, x if bias is None else bias, out, N, K, x.stride(0),
+        0 if gate is None else gate.stride(0), float(eps),
+        PRE=PROLOGUES[prologue], ADD=pending is not None, ACT=ACTIVATIONS[activation], HEAD=max(head, 1),
+        HAS_BIAS=bias is not None, BLOCK_N=launch.block_n, BLOCK_K=block_k, ACC=acc,
+        num_warps=launch.num_warps,
+    )
+    return out, residual

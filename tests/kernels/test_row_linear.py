@@ -1,0 +1,111 @@
+"""The decoding step's linear maps (`kernels.row_linear`) against plain torch: every
+prologue (none, the pre-norm with and without the pending addition, the per-head output
+norm with each gate, SwiGLU), with a bias, on rows that are column slices of a wider
+output; the Triton kernel (the interpreter on the CPU) and the unfused path, float64,
+float32 and bfloat16. The residual the pre-norm hands on is checked exactly (to bfloat16's
+rounding in bfloat16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from archspec.kernels.row_linear import SWIGLU, HeadNorm, PreNorm, row_linear
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}
+EPS = 1e-5
+
+
+def _randn(*shape, gen, dtype, scale=1.0):
+    return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(DEVICE, dtype)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w.double()
+
+
+def _case(prologue: str, rows: int, dtype: torch.dtype, seed: int = 0):
+    """(x, weight, bias, before, the product's input in float64, the residual or None)."""
+    gen = torch.Generator().manual_seed(seed)
+    K, N, V = 96, 40, 16
+    width = 2 * K if prologue == "swiglu" else K
+    x = _randn(rows, 1, width + 7, gen=gen, dtype=dtype)[..., :width]  # a column slice of a wider row
+    weight = _randn(N, K, gen=gen, dtype=dtype, scale=K**-0.5)
+    bias = _randn(N, gen=gen, dtype=dtype)
+    before, residual = None, None
+    if prologue == "none":
+        y = x.double()
+    elif prologue in ("norm", "norm-first"):
+        w = _randn(K, gen=gen, dtype=dtype, scale=0.5) + 1
+        pending = None if prologue == "norm-first" else _randn(rows, 1, K, gen=gen, dtype=dtype)
+        residual = x if pending is None else x + pending  # in the stream's dtype, as the unfused path rounds it
+        before = PreNorm(w, EPS, pending)
+        y = _rms(residual, w)
+    elif prologue.startswith("head"):
+        activation = prologue.split("-")[1]
+        w = _randn(V, gen=gen, dtype=dtype, scale=0.5) + 1
+        gate = None if activation == "none" else _randn(rows, 1, K + 3, gen=gen, dtype=dtype)[..., 3:]
+        before = HeadNorm(w, EPS, gate, activation)
+        y = _rms(x.unflatten(-1, (-1, V)), w).flatten(-2)
+        if activation == "silu":
+            y = y * F.silu(gate.double())
+        elif activation == "sigmoid":
+            y = y * torch.sigmoid(gate.double())
+    else:
+        gate, up = x.double().chunk(2, dim=-1)
+        before, y = SWIGLU, F.silu(gate) * up
+    return x, weight, bias, before, y, residual
+
+
+PROLOGUES = ["none", "norm", "norm-first", "head-none", "head-silu", "head-sigmoid", "swiglu"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["f64", "f32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_row_linear_equals_the_norm_then_the_product(prologue, rows, dtype, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    x, weight, bias, before, y, residual = _case(prologue, rows, dtype)
+    # the unfused path hands the product its input rounded to the activations' dtype
+    want = F.linear(y.to(dtype).double(), weight.double(), bias.double())
+    got, got_residual = row_linear(x, weight, bias, before=before, backend=backend)
+    assert got.shape == (rows, 1, weight.shape[0]) and got.dtype == dtype
+    scale = max(1.0, want.abs().max().item())
+    assert (got.double() - want).abs().max().item() <= TOL[dtype] * scale
+    if residual is None:
+        assert got_residual is None
+    elif dtype == torch.bfloat16:  # one rounding of the float32 sum (the interpreter rounds toward zero)
+        torch.testing.assert_close(got_residual, residual, rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(got_residual, residual)
+
+
+def test_more_rows_than_the_kernel_takes_run_the_unfused_path():
+    """Past `max_rows` (a large decoding batch) cuBLAS takes the product: same numbers."""
+    from archspec.kernels.triton.launch import ROW_LINEAR_LAUNCH
+
+    pytest.importorskip("triton")
+    x, weight, bias, before, y, residual = _case("norm", ROW_LINEAR_LAUNCH.max_rows + 2, torch.float64)
+    got, got_residual = row_linear(x, weight, bias, before=before, backend="triton")
+    torch.testing.assert_close(got.double(), F.linear(y, weight.double(), bias.double()), rtol=1e-10, atol=1e-10)
+    assert torch.equal(got_residual, residual)
+
+
+def test_bad_row_linear_arguments_are_named():
+    x, weight = torch.zeros(2, 1, 8), torch.zeros(5, 8)
+    with pytest.raises(ValueError, match=r"x must be \[B, 1, K\]"):
+        row_linear(torch.zeros(2, 8), weight)
+    with pytest.raises(ValueError, match=r"weight must be \[N, 4\]"):
+        row_linear(x, weight, before=SWIGLU)
+    with pytest.raises(ValueError, match=r"PreNorm's pending must have x's shape"):
+        row_linear(x, weight, before=PreNorm(torch.ones(8), EPS, torch.zeros(2, 1, 4)))
+    with pytest.raises(ValueError, match=r"HeadNorm's weight must be \[V\] with V dividing 8"):
+        row_linear(x, weight, before=HeadNorm(torch.ones(3), EPS))
+    with pytest.raises(ValueError, match="'none' exactly without a gate"):
+        row_linear(x, weight, before=HeadNorm(torch.ones(4), EPS, torch.zeros(2, 1, 8), "none"))

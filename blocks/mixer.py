@@ -300,12 +300,12 @@ class Mixer(nn.Module):
         write_key = vectors["w"].reshape(B, n, H, K) if "w" in vectors else None
         erase = None
         if self.a_proj is not None:
-            erase = plan.beta_scale * torch.sigmoid(self.a_proj.up(token["erase"])).reshape(B, n, H, K) * k
+            erase = plan.beta_scale * torch.sigmoid(self._up(self.a_proj, token["erase"])).reshape(B, n, H, K) * k
         g, decay = None, None
         if isinstance(self.gate, ScalarGate):
             g, decay = token["gate"], (self.gate.A_log, self.gate.dt_bias)
         elif isinstance(self.gate, ChannelGate):
-            g = self.gate.f_proj.up(token["gate"]).reshape(B, 1, H, K)
+            g = self._up(self.gate.f_proj, token["gate"]).reshape(B, 1, H, K)
             decay = (self.gate.A_log, self.gate.dt_bias)
         osdn: dict = {}
         if self.preconditioner is not None:
@@ -319,11 +319,17 @@ class Mixer(nn.Module):
                         beta_scale=None if beta is None else plan.beta_scale, **osdn)
         out_gate = None
         if self.g_proj is not None:
-            out_gate = self.g_proj.up(token["out_gate"]) if isinstance(self.g_proj, LowRankLinear) else token["out_gate"]
+            out_gate = self._up(self.g_proj, token["out_gate"]) if isinstance(self.g_proj, LowRankLinear) else \
+                token["out_gate"]
         norm = self.o_norm if out_gate is None else self.o_norm.norm
         head_norm = HeadNorm(norm.weight, norm.eps, out_gate, "none" if out_gate is None else self.o_norm.activation)
         y, _ = row_linear(o.reshape(B, 1, H * V), self.o_proj.weight, before=head_norm, backend=self.fused_backend)
         return y, x if residual is None else residual
+
+    def _up(self, low_rank: LowRankLinear, down: Tensor) -> Tensor:
+        """The second stage of a low-rank projection in the decoding step, on the
+        low-rank row `down` (a column slice of the joined projection's output)."""
+        return row_linear(down, low_rank.up.weight, low_rank.up.bias, backend=self.fused_backend)[0]
 
     def _store_capture(self, kwargs: dict, osdn_inputs: dict | None) -> None:
         """Diagnostics (docs/interfaces.md): the kernel's exact inputs, detached."""

@@ -12,7 +12,7 @@ runs in front of the product (a norm, SwiGLU) fused into it.
   normalised per head of `V = len(weight)` channels, times `act(gate)` (`rms_norm`);
 - `SWIGLU`: `x` `[B, 1, 2 * hidden]` is `[gate | up]`, the product reads `silu(gate) * up`.
 
-On CUDA with at most `RowLinearLaunch.max_rows` rows this is one Triton launch
+On CUDA with at most `ROW_LINEAR_MAX_ROWS` rows this is one Triton launch
 (`triton/row_linear.py`); otherwise it is the definition: the fused norm or SwiGLU
 kernel, then `F.linear` (cuBLAS, which reads the weight once for all the rows). No
 autograd: decoding is inference.
@@ -94,9 +94,9 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, before: Before) -> No
 
 
 def _on_triton(x: Tensor, before: Before, backend: str) -> bool:
-    from .triton.launch import ROW_LINEAR_LAUNCH
+    from .triton.launch import ROW_LINEAR_MAX_ROWS
 
-    if resolve_fused_backend(backend, x.device) != "triton" or x.shape[0] > ROW_LINEAR_LAUNCH.max_rows:
+    if resolve_fused_backend(backend, x.device) != "triton" or x.shape[0] > ROW_LINEAR_MAX_ROWS:
         return False
     if isinstance(before, HeadNorm):  # one tile per head: a power of two
         V = before.weight.numel()

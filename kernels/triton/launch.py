@@ -234,18 +234,24 @@ DECODE_LAUNCH = DecodeLaunch()
 
 @dataclass(frozen=True)
 class RowLinearLaunch:
-    """The decoding step's matrix-vector products (`row_linear.py`): outputs per program,
-    weight columns per tile, warps, and the most rows (the batch) taken there; more rows
-    go to cuBLAS, whose matrix-matrix kernels read each weight once for all of them. Not
-    yet swept on the H200."""
+    """The decoding step's matrix-vector products (`row_linear.py`), per prologue: outputs
+    per program, weight columns per tile, warps. Not yet swept on the H200."""
 
-    block_n: int = 16
-    block_k: int = 128
+    block_n: int = 4
+    block_k: int = 256
     num_warps: int = 4
-    max_rows: int = 4
+    num_stages: int = 3
 
 
-ROW_LINEAR_LAUNCH = RowLinearLaunch()
+# The most rows (the decoding batch) `row_linear` takes on Triton: more rows go to cuBLAS,
+# whose matrix-matrix kernels read each weight once for all of them.
+ROW_LINEAR_MAX_ROWS = 4
+ROW_LINEAR_LAUNCH: dict[str, RowLinearLaunch] = {
+    "none": RowLinearLaunch(),
+    "norm": RowLinearLaunch(),
+    "head_norm": RowLinearLaunch(block_k=128, num_warps=8),  # block_k is the head's width there
+    "swiglu": RowLinearLaunch(),
+}
 
 
 def pow2(n: int) -> int:

@@ -8,15 +8,17 @@ Here a program owns `block_n` outputs of one row: it streams their `[block_n, K]
 of the weight in `[block_n, block_k]` tiles, each multiplied into a float32 tile of
 partial sums that is reduced once at the end.
 
-The input row is formed in front of the product, by every program from the row itself (a
-few KB, cached after the first program reads it), as the unfused path forms it and
-rounded to the activations' dtype as that path's output is (`PRE`):
+The input row is formed in front of the product, tile by tile beside the weight's, by
+every program from the row itself (a few KB, cached after the first program reads it),
+and rounded to the activations' dtype as the unfused path's output is (`PRE`):
 
     PRE_NONE    the row as it is
-    PRE_NORM    the pre-norm's residual step `rms_norm(x + h) * w`; the sum `x + h`
-                (the residual stream after it) written out by the first program
-    HEAD_NORM   the mixer's output norm: `rms_norm` of each head's `HEAD` channels (one
-                tile each) times `w`, times `act(gate)` (`ACT`: SiLU, sigmoid or none)
+    PRE_NORM    the pre-norm's residual step `rms_norm(x + h) * w`: the product reads
+                `(x + h) * w` and its sums are scaled by the row's `1 / rms` at the end;
+                `x + h` (the residual stream after it) written out by the first program
+    HEAD_NORM   the mixer's output norm: `rms_norm` of each head's `HEAD` channels (a
+                tile holds whole heads) times `w`, times `act(gate)` (`ACT`: SiLU,
+                sigmoid or none)
     SWIGLU      `silu(gate) * up` of the joined `[gate | up]` row (`K` = the hidden width)
 """
 
@@ -40,38 +42,6 @@ PROLOGUES = {"none": 0, "norm": 1, "head_norm": 2, "swiglu": 3}
 
 
 @triton.jit
-def _stream(x, h, residual, kk, ok, b, x_stride, K, ADD: tl.constexpr, ACC: tl.constexpr):
-    """Columns `kk` of the residual stream `x + h` of row `b` (`x` without `h`), rounded
-    to the stream's dtype as the unfused pre-norm stores it."""
-    r = tl.load(x + b * x_stride + kk, mask=ok, other=0.0).to(ACC)
-    if ADD:
-        r = r + tl.load(h + b * K + kk, mask=ok, other=0.0).to(ACC)
-        r = r.to(residual.dtype.element_ty).to(ACC)
-    return r
-
-
-@triton.jit
-def _input_tile(x, h, residual, gate, nw, kk, ok, b, x_stride, gate_stride, K, rstd, eps,
-                PRE: tl.constexpr, ADD: tl.constexpr, ACT: tl.constexpr, HEAD: tl.constexpr, ACC: tl.constexpr):
-    """Columns `kk` of row `b`'s input to the product, in float32 (float64)."""
-    row = x + b * x_stride
-    if PRE == PRE_NORM:
-        r = _stream(x, h, residual, kk, ok, b, x_stride, K, ADD, ACC)
-        y = r * rstd * tl.load(nw + kk, mask=ok, other=0.0).to(ACC)
-    elif PRE == HEAD_NORM:  # the tile is one head: its own mean square
-        xv = tl.load(row + kk, mask=ok, other=0.0).to(ACC)
-        y = xv / tl.sqrt(tl.sum(xv * xv, 0) / HEAD + eps) * tl.load(nw + kk % HEAD, mask=ok, other=0.0).to(ACC)
-        if ACT != 0:
-            y = y * gate_activation(tl.load(gate + b * gate_stride + kk, mask=ok, other=0.0).to(ACC), ACT)
-    elif PRE == SWIGLU:
-        g = tl.load(row + kk, mask=ok, other=0.0).to(ACC)
-        y = g * tl.sigmoid(g) * tl.load(row + K + kk, mask=ok, other=0.0).to(ACC)
-    else:
-        y = tl.load(row + kk, mask=ok, other=0.0).to(ACC)
-    return y
-
-
-@triton.jit
 def row_linear_kernel(
     x, h, residual, gate, nw, w, bias, out, N, K, x_stride, gate_stride, eps,
     PRE: tl.constexpr, ADD: tl.constexpr, ACT: tl.constexpr, HEAD: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -80,28 +50,40 @@ def row_linear_kernel(
     i_n, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     nn = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = nn < N
-    rstd = 0.0
-    if PRE == PRE_NORM:  # a first pass over the row for its mean square (and the residual)
-        sq = tl.zeros([BLOCK_K], dtype=ACC)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            ok = kk < K
-            r = _stream(x, h, residual, kk, ok, b, x_stride, K, ADD, ACC)
-            if ADD:
-                if i_n == 0:
-                    tl.store(residual + b * K + kk, r.to(residual.dtype.element_ty), mask=ok)
-            sq += r * r
-        rstd = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
+    row = x + b * x_stride
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=ACC)
+    sq = tl.zeros([BLOCK_K], dtype=ACC)  # the pre-norm's sum of squares, gathered on the way
+    # One pass: the weight's tiles stream from the first iteration on. The pre-norm's
+    # 1 / rms is one number per row, so it scales the finished sums instead of the input.
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         ok = kk < K
-        y = _input_tile(x, h, residual, gate, nw, kk, ok, b, x_stride, gate_stride, K, rstd, eps, PRE, ADD, ACT, HEAD,
-                        ACC)
-        y = y.to(out.dtype.element_ty).to(ACC)  # the unfused path hands the product this rounding
         wt = tl.load(w + nn[:, None].to(tl.int64) * K + kk[None, :], mask=n_ok[:, None] & ok[None, :], other=0.0)
+        if PRE == PRE_NORM:
+            r = tl.load(row + kk, mask=ok, other=0.0).to(ACC)
+            if ADD:  # the residual stream `x + h`, rounded as the unfused pre-norm stores it
+                r = (r + tl.load(h + b * K + kk, mask=ok, other=0.0).to(ACC)).to(residual.dtype.element_ty)
+                if i_n == 0:
+                    tl.store(residual + b * K + kk, r, mask=ok)
+                r = r.to(ACC)
+            sq += r * r
+            y = r * tl.load(nw + kk, mask=ok, other=0.0).to(ACC)
+        elif PRE == HEAD_NORM:  # the tile holds whole heads: each its own mean square
+            xv = tl.reshape(tl.load(row + kk, mask=ok, other=0.0).to(ACC), (BLOCK_K // HEAD, HEAD))
+            xv = xv / tl.sqrt(tl.sum(xv * xv, 1) / HEAD + eps)[:, None]
+            y = tl.reshape(xv, (BLOCK_K,)) * tl.load(nw + kk % HEAD, mask=ok, other=0.0).to(ACC)
+            if ACT != 0:
+                y = y * gate_activation(tl.load(gate + b * gate_stride + kk, mask=ok, other=0.0).to(ACC), ACT)
+        elif PRE == SWIGLU:
+            g = tl.load(row + kk, mask=ok, other=0.0).to(ACC)
+            y = g * tl.sigmoid(g) * tl.load(row + K + kk, mask=ok, other=0.0).to(ACC)
+        else:
+            y = tl.load(row + kk, mask=ok, other=0.0).to(ACC)
+        y = y.to(out.dtype.element_ty).to(ACC)  # the product's input in the activations' dtype, as unfused
         acc += wt.to(ACC) * y[None, :]
     o = tl.sum(acc, 1)
+    if PRE == PRE_NORM:
+        o = o / tl.sqrt(tl.sum(sq, 0) / K + eps)
     if HAS_BIAS:
         o += tl.load(bias + nn, mask=n_ok, other=0.0).to(ACC)
     tl.store(out + b * N + nn, o.to(out.dtype.element_ty), mask=n_ok)
@@ -110,7 +92,7 @@ def row_linear_kernel(
 def row_linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None, *, prologue: str = "none",
                       pending: Tensor | None = None, norm_weight: Tensor | None = None, eps: float = 1e-6,
                       gate: Tensor | None = None, activation: str = "none", head: int = 0,
-                      launch: RowLinearLaunch = ROW_LINEAR_LAUNCH) -> tuple[Tensor, Tensor | None]:
+                      launch: RowLinearLaunch | None = None) -> tuple[Tensor, Tensor | None]:
     """`kernels.row_linear` on one launch (arguments checked there): `x` `[B, K]` (`[B, 2K]`
     for SwiGLU) with contiguous rows, `weight` `[N, K]` contiguous; `pending`, `gate`
     `[B, K]` rows. Returns `[B, N]` in `x`'s dtype, and the residual `x + pending` for
@@ -121,7 +103,9 @@ def row_linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None, *, prologu
         if pending is not None else None
     if B == 0:
         return out, residual
-    block_k = head if prologue == "head_norm" else launch.block_k
+    launch = launch or ROW_LINEAR_LAUNCH[prologue]
+    # a head-norm tile holds whole heads
+    block_k = head * max(1, launch.block_k // head) if prologue == "head_norm" else launch.block_k
     acc = accumulation(weight.dtype if weight.dtype == torch.float64 else x.dtype)[1]
     grid = (triton.cdiv(N, launch.block_n), B)
     row_linear_kernel[grid](
@@ -130,6 +114,6 @@ def row_linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None, *, prologu
         0 if gate is None else gate.stride(0), float(eps),
         PRE=PROLOGUES[prologue], ADD=pending is not None, ACT=ACTIVATIONS[activation], HEAD=max(head, 1),
         HAS_BIAS=bias is not None, BLOCK_N=launch.block_n, BLOCK_K=block_k, ACC=acc,
-        num_warps=launch.num_warps,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return out, residual

@@ -88,10 +88,10 @@ def test_row_linear_equals_the_norm_then_the_product(prologue, rows, dtype, back
 
 def test_more_rows_than_the_kernel_takes_run_the_unfused_path():
     """Past `max_rows` (a large decoding batch) cuBLAS takes the product: same numbers."""
-    from archspec.kernels.triton.launch import ROW_LINEAR_LAUNCH
-
     pytest.importorskip("triton")
-    x, weight, bias, before, y, residual = _case("norm", ROW_LINEAR_LAUNCH.max_rows + 2, torch.float64)
+    from archspec.kernels.triton.launch import ROW_LINEAR_MAX_ROWS
+
+    x, weight, bias, before, y, residual = _case("norm", ROW_LINEAR_MAX_ROWS + 2, torch.float64)
     got, got_residual = row_linear(x, weight, bias, before=before, backend="triton")
     torch.testing.assert_close(got.double(), F.linear(y, weight.double(), bias.double()), rtol=1e-10, atol=1e-10)
     assert torch.equal(got_residual, residual)

@@ -235,22 +235,28 @@ DECODE_LAUNCH = DecodeLaunch()
 @dataclass(frozen=True)
 class RowLinearLaunch:
     """The decoding step's matrix-vector products (`row_linear.py`), per prologue: outputs
-    per program, weight columns per tile, warps. Not yet swept on the H200."""
+    per program, weight columns per tile (a head-norm tile rounds it to whole heads),
+    warps, pipelining stages."""
 
     block_n: int = 4
-    block_k: int = 256
+    block_k: int = 512
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 1
 
 
 # The most rows (the decoding batch) `row_linear` takes on Triton: more rows go to cuBLAS,
 # whose matrix-matrix kernels read each weight once for all of them.
 ROW_LINEAR_MAX_ROWS = 4
+# Swept on the H200 at batch 1 on the 166M LM's shapes, the weights rotated past the L2
+# cache as a model's stream from HBM; microseconds ours / cuBLAS with the prologue's own
+# kernel: q-k-v-beta 3,080 x 1,024 4.2 / 6.2, SwiGLU's gate-up 5,472 x 1,024 5.7 / 7.4,
+# the head 32,000 x 1,024 20.5 / 20.7, o_proj 1,024 x 1,024 2.7 / 9.6, down_proj
+# 1,024 x 2,736 4.7 / 7.7, KDA's low-rank second stages 1,024 x 128 2.0 / 3.0.
 ROW_LINEAR_LAUNCH: dict[str, RowLinearLaunch] = {
-    "none": RowLinearLaunch(),
-    "norm": RowLinearLaunch(),
-    "head_norm": RowLinearLaunch(block_k=128, num_warps=8),  # block_k is the head's width there
-    "swiglu": RowLinearLaunch(),
+    "none": RowLinearLaunch(block_k=128),
+    "norm": RowLinearLaunch(block_n=8),
+    "head_norm": RowLinearLaunch(block_n=2, block_k=1024),
+    "swiglu": RowLinearLaunch(block_n=2, block_k=1024, num_warps=8),
 }
 
 

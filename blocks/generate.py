@@ -10,11 +10,13 @@
    `KVCache`s of one capacity, rows of different lengths side by side. The head reads
    each prompt's last token only.
 2. Decode: `LanguageModel.step` advances every row by one token in place on the state
-   (`Mixer.step`: the projections, the conv tails shifted, one `kernels.decode_step`;
-   `Attention.step`: the token's key and value written at the row's position).
-   On CUDA the whole step is captured once in a CUDA graph and replayed per token: a
-   step is a few dozen small launches, and launching them one by one from Python would
-   cost more than running them.
+   (`Mixer.step`: one product for the token's projections with the pre-norm in front,
+   the streams' conv in one launch, one `kernels.decode_step`, `o_proj` with the output
+   norm in front; `Attention.step`: the token's key and value written at the row's
+   position). On CUDA the whole step is captured once in a CUDA graph and replayed per
+   token: a step is about 50 small launches, and launching them one by one from Python
+   would cost more than running them. The graph reads the joined weight copies
+   (`joined.py`), brought up to date before every call.
 3. Sampling between steps, outside the graph: greedy at `temperature = 0`, else softmax
    of `logits / temperature` over the `top_k` most likely tokens and the smallest set
    whose probability reaches `top_p` (nucleus), drawn with `generator`. A row that

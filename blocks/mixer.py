@@ -280,8 +280,10 @@ class Mixer(nn.Module):
         plan = self.plan
         B = x.shape[0]
         H, K, V, n = plan.heads, plan.head_dim, plan.value_dim, plan.n_h
-        if self.conv is not None and state.tails is None:
-            raise ValueError("Mixer.step: the state must come from decode_state (the conv tails joined in one tensor)")
+        if self.conv is not None and (state.tails is None or list(state.conv) != list(self.conv)):
+            raise ValueError(f"Mixer.step: the state must come from decode_state, its conv tails joined in one tensor "
+                             f"in the streams' order {list(self.conv)}; got tails of {list(state.conv)}"
+                             + (" not joined" if state.tails is None else ""))
         weight, bias = self._step_inputs.current()
         # [B, 1, every projection's width]
         projected, residual = row_linear(x, weight, bias, before=pre_norm, backend=self.fused_backend)

@@ -110,3 +110,19 @@ def test_decoding_on_the_chunked_backend():
     _assert_states_close(piece_state, full_state)
     model.set_backend("naive")
     torch.testing.assert_close(model(ids), full)
+
+
+def test_a_step_on_a_state_not_made_for_decoding_is_refused():
+    """`Mixer.step` shifts the streams' conv tails in one launch: a forward's state (tails
+    apart) is refused with what to do, and `decode_state` makes it steppable."""
+    model = _model(COMBINATIONS["osgdn-apf-learned"])
+    mixer = model.mixers()[0]
+    x = torch.randn(2, 1, model.plan.d_model, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"must come from decode_state, its conv tails joined"):
+        mixer.step(x, mixer.init_state(2))
+    from archspec.blocks.mixer import decode_state
+
+    state = decode_state(mixer.init_state(2))
+    y, residual = mixer.step(x, state)
+    assert y.shape == x.shape and residual is x
+    assert state.tails.shape == (2, 3, sum(t.shape[-1] for t in state.conv.values()))

@@ -109,3 +109,43 @@ def test_bad_row_linear_arguments_are_named():
         row_linear(x, weight, before=HeadNorm(torch.ones(3), EPS))
     with pytest.raises(ValueError, match="'none' exactly without a gate"):
         row_linear(x, weight, before=HeadNorm(torch.ones(4), EPS, torch.zeros(2, 1, 8), "none"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prologue,K,N", [("norm", 1024, 3080), ("norm-first", 1024, 32000), ("head-sigmoid", 1024, 1024),
+                                          ("head-none", 1024, 1024), ("swiglu", 2736, 1024), ("none", 128, 1024)])
+def test_row_linear_at_the_models_shapes_on_cuda(prologue, K, N):
+    """The 166M LM's decoding products (the launch table's block sizes, heads of 128) in
+    bfloat16 against float64, at batch 1 and at the most rows the kernel takes."""
+    from archspec.kernels.triton.launch import ROW_LINEAR_MAX_ROWS
+
+    gen = torch.Generator().manual_seed(11)
+    for rows in (1, ROW_LINEAR_MAX_ROWS):
+        width = 2 * K if prologue == "swiglu" else K
+        x = torch.randn(rows, 1, width, generator=gen, dtype=torch.float64)
+        weight = K**-0.5 * torch.randn(N, K, generator=gen, dtype=torch.float64)
+        before, y = None, x
+        if prologue.startswith("norm"):
+            w = 1 + 0.5 * torch.randn(K, generator=gen, dtype=torch.float64)
+            pending = None if prologue == "norm-first" else torch.randn(rows, 1, K, generator=gen, dtype=torch.float64)
+            r = x if pending is None else x + pending
+            before, y = (w, pending), _rms(r, w)
+        elif prologue.startswith("head"):
+            w = 1 + 0.5 * torch.randn(128, generator=gen, dtype=torch.float64)
+            gate = torch.randn(rows, 1, K, generator=gen, dtype=torch.float64) if prologue == "head-sigmoid" else None
+            y = _rms(x.unflatten(-1, (-1, 128)), w).flatten(-2) * (1 if gate is None else torch.sigmoid(gate))
+            before = (w, gate)
+        elif prologue == "swiglu":
+            gate_half, up = x.chunk(2, dim=-1)
+            y = F.silu(gate_half) * up
+        want = F.linear(y, weight)
+        cuda = lambda t: None if t is None else t.to("cuda", torch.bfloat16)
+        if prologue.startswith("norm"):
+            before = PreNorm(cuda(before[0]), EPS, cuda(before[1]))
+        elif prologue.startswith("head"):
+            before = HeadNorm(cuda(before[0]), EPS, cuda(before[1]), "none" if before[1] is None else "sigmoid")
+        elif prologue == "swiglu":
+            before = SWIGLU
+        got, _ = row_linear(cuda(x), cuda(weight), before=before)
+        error = ((got.double().cpu() - want).norm() / want.norm()).item()
+        assert error < 1e-2, f"{prologue} rows={rows}: relative error {error:.2e}"

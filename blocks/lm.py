@@ -34,6 +34,7 @@ from archspec.kernels.packed import check_offsets
 from archspec.kernels.row_linear import row_linear
 
 from .attention import Attention, AttentionState, KVCache
+from .joined import JoinedWeights
 from .loss import next_token_loss
 from .mixer import Mixer, MixerState, decode_state
 from .mlp import MLP
@@ -189,10 +190,9 @@ class LanguageModel(nn.Module):
         """Bring the decoding step's joined weight copies (`joined.py`) up to the
         parameters now; a captured step graph reads them without Python running."""
         for module in self.modules():
-            joined = getattr(module, "_step_inputs", None), getattr(module, "_step_conv", None)
-            for weights in joined:
-                if weights is not None:
-                    weights.current()
+            for value in vars(module).values():
+                if isinstance(value, JoinedWeights):
+                    value.current()
 
     @torch.no_grad()
     def step(self, tokens: Tensor, state: list[DecodeState]) -> Tensor:

@@ -14,7 +14,6 @@ from archspec.kernels.row_linear import SWIGLU, PreNorm, row_linear
 from archspec.kernels.swiglu import swiglu_linear
 
 from .joined import JoinedWeights
-
 from .plan import Mlp
 
 Tensor = torch.Tensor

@@ -112,6 +112,25 @@ def test_the_step_follows_weights_changed_after_it_ran(name):
         _close(_prefill_then_steps(model, ids, 5), model(ids), torch.float64)
 
 
+def test_refresh_brings_every_joined_copy_up_to_date():
+    """What a captured graph relies on: `refresh_step_weights` copies changed weights into
+    the joined buffers in place (the graph keeps reading the same memory)."""
+    from archspec.blocks.joined import JoinedWeights
+
+    model = _model("oskda-betafree-nh2")
+    model.refresh_step_weights()
+    joined = [v for m in model.modules() for v in vars(m).values() if isinstance(v, JoinedWeights)]
+    assert len(joined) == 2 * 2 + 2  # per layer: the mixer's inputs and conv, the MLP's gate-up
+    buffers = [w._weight.data_ptr() for w in joined]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    model.refresh_step_weights()
+    for w, ptr in zip(joined, buffers):
+        want = torch.cat([m.weight.reshape(m.weight.shape[0], -1) for m in w.modules])
+        assert w._weight.data_ptr() == ptr and torch.equal(w._weight, want)
+
+
 @pytest.mark.parametrize("name", ["gdn-scalar", "rwkv7-nh2-b2-channel", "osdn-apf-nh2"])
 def test_greedy_generation_is_the_argmax_of_the_forward(name):
     model = _model(name)

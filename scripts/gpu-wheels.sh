@@ -29,6 +29,9 @@
 # Then, in the calls that search, carry [".whl"] and begin with the install lines above
 # (`--upgrade` is not needed: the Ray wheels and these do not overlap). The script prints
 # the lines for the number of parts it made.
+#
+# --triton: Triton 3.7.1 the same way (.whl-triton/, /tmp/site-triton first on PYTHONPATH),
+# to run the kernels and fla's peer under the Triton that fixes Hopper's tl.trans miscompile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON_VERSION=${PYTHON_VERSION:-3.12}  # the GPU image's Python
@@ -38,35 +41,50 @@ download() {  # download DIR PACKAGE...
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$dir" "$@"
 }
-if [ "${1:-}" = "--ray" ]; then
-  shift
+bundle() {  # bundle NAME TARGET CHECK PACKAGE...: the wheels as one tar cut into .whl-NAME/partN, and the
+  # device lines that join the parts and install them into TARGET
+  local name=$1 target=$2 check=$3; shift 3
   # 44 MB, not 60: a call carries the working tree (about 4 MB) and .whl/ (about 11 MB) beside the part.
-  part_mb=${RAY_PART_MB:-44}
-  work=$(mktemp -d)
+  local part_mb=${PART_MB:-${RAY_PART_MB:-44}} n piece
+  work=$(mktemp -d)  # global: the EXIT trap reads it
   trap 'rm -rf "$work"' EXIT
-  download "$work/wheels" "ray==2.60.*" click filelock jsonschema jsonschema-specifications referencing rpds-py attrs \
-    msgpack protobuf pyarrow fsspec pandas python-dateutil six requests urllib3 idna charset-normalizer certifi "$@"
-  tar -C "$work/wheels" -cf "$work/ray-wheels.tar" .
-  split -b "${part_mb}M" -d -a 2 "$work/ray-wheels.tar" "$work/ray-wheels.tar."
-  rm -rf .whl-ray
+  download "$work/wheels" "$@"
+  tar -C "$work/wheels" -cf "$work/$name-wheels.tar" .
+  split -b "${part_mb}M" -d -a 2 "$work/$name-wheels.tar" "$work/$name-wheels.tar."
+  rm -rf ".whl-$name"
   n=0
-  for piece in "$work"/ray-wheels.tar.[0-9][0-9]; do
+  for piece in "$work/$name-wheels.tar."[0-9][0-9]; do
     n=$((n + 1))
-    mkdir -p ".whl-ray/part$n"
-    mv "$piece" ".whl-ray/part$n/"
+    mkdir -p ".whl-$name/part$n"
+    mv "$piece" ".whl-$name/part$n/"
   done
   ls "$work/wheels"
-  du -sh .whl-ray/part*
+  du -sh ".whl-$name"/part*
   echo "On the device, one call per part, one right after the other:"
   for i in $(seq 1 "$n"); do
     if [ "$i" -lt "$n" ]; then
-      echo "  carry [\".whl-ray/part$i\"]:  mkdir -p /tmp/ray-parts && cp .whl-ray/part$i/* /tmp/ray-parts/"
+      echo "  carry [\".whl-$name/part$i\"]:  mkdir -p /tmp/$name-parts && cp .whl-$name/part$i/* /tmp/$name-parts/"
     else
-      echo "  carry [\".whl-ray/part$i\"]:  mkdir -p /tmp/ray-parts /tmp/ray-whl && cp .whl-ray/part$i/* /tmp/ray-parts/ && cat /tmp/ray-parts/ray-wheels.tar.* | tar -x -C /tmp/ray-whl && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/ray-whl/*.whl && PYTHONPATH=/tmp/site python3 -c \"from ray import tune; print('ray', __import__('ray').__version__)\""
+      echo "  carry [\".whl-$name/part$i\"]:  mkdir -p /tmp/$name-parts /tmp/$name-whl && cp .whl-$name/part$i/* /tmp/$name-parts/ && cat /tmp/$name-parts/$name-wheels.tar.* | tar -x -C /tmp/$name-whl && python3 -m pip install -q --no-index --no-deps --no-compile --target $target /tmp/$name-whl/*.whl && PYTHONPATH=$target:/tmp/site python3 -c \"$check\""
     fi
   done
-  exit 0
-fi
+  [ "$target" = /tmp/site ] || echo "Then put $target first on PYTHONPATH (PYTHONPATH=$target:/tmp/site)."
+}
+case "${1:-}" in
+  --ray)
+    shift
+    bundle ray /tmp/site "from ray import tune; print('ray', __import__('ray').__version__)" "ray==2.60.*" click filelock \
+      jsonschema jsonschema-specifications referencing rpds-py attrs msgpack protobuf pyarrow fsspec pandas \
+      python-dateutil six requests urllib3 idna charset-normalizer certifi "$@"
+    exit 0 ;;
+  --triton)
+    # Triton 3.7.1 beside the image's 3.6 (198 MB: five parts), for what 3.6 gets wrong on
+    # Hopper: fla's gated backward refuses to run below 3.7.1 (fla issue 640, a tl.trans of
+    # a tl.dot result fed to another tl.dot), the suspect of the autocast A_log gap.
+    shift
+    bundle triton /tmp/site-triton "import triton; print('triton', triton.__version__)" "triton==3.7.1" "$@"
+    exit 0 ;;
+esac
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 packages=(pydantic pydantic-core annotated-types typing-inspection typing-extensions
           optuna sqlalchemy alembic colorlog mako moocore cffi pycparser platformdirs

@@ -17,10 +17,13 @@ Flags (`tl.constexpr`, one specialization each, named as `kinds.py` names them):
     HAS_BETA      rwkv7 writes `beta * v` (else `v`); householder always has beta
     HAS_WRITE_KEY an untied write key (else `w = k`, or `d * k` with OSDN)
     OSDN, APF, BETA_AWARE   the preconditioner, its retain gate and its update rule
+    BETA_LOGITS   beta given as logits (`beta_scale * sigmoid`)
+    DECAY         g given as the gate's projection (the log decay formed here)
     ACC           float32, or float64 for a float64 state
 
-Layout: the token tensors as `kernels.decode_step` takes them (`[B, n_h, H, ...]`,
-contiguous); `state` `[B, H, K, V]` and `d` `[B, H, K]` contiguous, updated in place.
+Layout: the token tensors as `kernels.decode_step` takes them (`[B, n_h, H, ...]`, each
+row contiguous, read through its batch stride); `state` `[B, H, K, V]` and `d` `[B, H, K]`
+contiguous, updated in place.
 
 With `decay` the gate's log decay is formed in the step from its projection
 (`-exp(A_log) * softplus(proj + dt_bias)`), and with `beta_scale` beta from its logits:

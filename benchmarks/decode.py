@@ -30,6 +30,10 @@ written and an attention layer's KV cache at the prompt's length read
 (`blocks.cost.layer_state_bytes`), over the device's copy bandwidth measured here;
 `ours / floor` is the measured step over it. Hybrid stacks run ours alone.
 
+On CUDA each row of ours also records its step's anatomy (`step_anatomy`): the captured
+step replayed alone, its launches and the kernels' own time per step (CUPTI, through
+`torch.profiler`), and the costliest kernels; the markdown lists them under the table.
+
 As in `models.py`, every design's kernels are first compiled in `--warm-workers` spawned
 processes at once (each generates two tokens at every batch size; fla's autotune configs
 shared out among `--fla-shards` of them), and `--budget-s` counts the timing only.
@@ -137,6 +141,7 @@ class Row:
     refused: str | None = None
     first_ms_all: list[float] | None = None  # every timed one-token call
     whole_ms_all: list[float] | None = None  # every timed all-token call
+    anatomy: dict | None = None  # ours on CUDA: the captured step's kernels (`step_anatomy`)
 
 
 class Contender:
@@ -237,6 +242,48 @@ def time_side_by_side(gens: list[Contender], prompt: torch.Tensor, run: Decode, 
         row.peak_mem_bytes = peak[g.name] if device.startswith("cuda") else None
 
 
+ANATOMY_REPLAYS = 20  # captured steps profiled per row
+ANATOMY_TOP = 8  # kernels listed per row, by time
+
+
+def step_anatomy(model: torch.nn.Module, prompt: torch.Tensor) -> dict:
+    """What one decoding step of ours is made of on CUDA: its CUDA graph replayed alone
+    (ms per step), the kernels inside it as CUPTI sees them (launches per step, busy ms per
+    step: the gap to the replay time is launch latency) and the costliest kernels."""
+    from archspec.blocks.generate import CapturedStep, kv_capacity, prefill
+
+    context = min(prompt.shape[1], 256)
+    steps = 5 + 6 * ANATOMY_REPLAYS  # an attention layer's cache must hold every replayed token
+    with torch.no_grad():
+        _, state = prefill(model, list(prompt[:, :context]), kv_capacity(context + steps))
+        step = CapturedStep(model, state)
+        tokens = prompt[:, -1]
+        for _ in range(5):
+            step(tokens)
+        _sync("cuda")
+        start = time.perf_counter()
+        for _ in range(5 * ANATOMY_REPLAYS):
+            step(tokens)
+        _sync("cuda")
+        replay_ms = 1e3 * (time.perf_counter() - start) / (5 * ANATOMY_REPLAYS)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(ANATOMY_REPLAYS):
+                step(tokens)
+            _sync("cuda")
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.device_time)
+    busy_us = sum(sum(times) for times in kernels.values()) / ANATOMY_REPLAYS
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:ANATOMY_TOP]
+    return {
+        "replay_ms": round(replay_ms, 4), "busy_ms": round(busy_us / 1e3, 4),
+        "launches": round(sum(len(t) for t in kernels.values()) / ANATOMY_REPLAYS),
+        "top": [{"kernel": name[:80], "per_step": round(len(times) / ANATOMY_REPLAYS),
+                 "us_each": round(statistics.mean(times), 2)} for name, times in top],
+    }
+
+
 def run_design(spec: Path, run: Decode, *, with_fla: bool, rounds: int, bandwidth: float,
                log: Callable[[str], None]) -> list[Row]:
     plan = load_plan(spec, run.size)
@@ -251,6 +298,12 @@ def run_design(spec: Path, run: Decode, *, with_fla: bool, rounds: int, bandwidt
         by_impl = {g.name: Row(design or spec.stem, spec.stem, g.name, batch, run.prompt, run.new_tokens, g.params,
                                floor_ms=floor_ms) for g in gens}
         time_side_by_side(gens, prompt, run, rounds, by_impl)
+        mine = by_impl.get("ours")
+        if run.size.device.startswith("cuda") and mine is not None and mine.refused is None:
+            try:
+                mine.anatomy = step_anatomy(gens[0].model, prompt)
+            except Exception as exc:  # the profiler is a view, not the measurement: keep the row
+                mine.anatomy = {"error": first_line(exc)}
         rows += by_impl.values()
         if with_fla and "fla" not in by_impl:
             rows.append(Row(design or spec.stem, spec.stem, "fla", batch, run.prompt, run.new_tokens, refused=refusal))
@@ -305,6 +358,16 @@ def markdown(record: dict[str, Any]) -> str:
                      f"{o['floor_ms']:.3f} | {over_floor} | {o['prefill_ms']:.1f} / {f['prefill_ms']:.1f} |")
     import common
 
+    anatomies = [r for r in rows if r["impl"] == "ours" and r.get("anatomy") and "top" in r["anatomy"]]
+    if anatomies:
+        lines += ["", "Ours' decoding step replayed from its CUDA graph alone, and the kernels in it (CUPTI; busy: the "
+                  "kernels' own time, the rest is launch latency):", "",
+                  "| spec | batch | replay ms | launches | busy ms | costliest kernels: per step x us each |",
+                  "|---|---|---|---|---|---|"]
+        for r in sorted(anatomies, key=lambda r: (r["spec"], r["batch"])):
+            a = r["anatomy"]
+            top = ", ".join(f"{k['kernel'].split('(')[0][:40]} {k['per_step']}x{k['us_each']:.1f}" for k in a["top"][:4])
+            lines.append(f"| {r['spec']} | {r['batch']} | {a['replay_ms']:.3f} | {a['launches']} | {a['busy_ms']:.3f} | {top} |")
     lines += common.run_notes(record)
     return "\n".join(lines) + "\n"
 

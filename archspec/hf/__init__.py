@@ -16,6 +16,37 @@ lm-evaluation-harness work as for any causal LM.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def _installed_kernels_first() -> None:
+    """transformers (5.25 on) imports Hugging Face's `kernels` package. With a checkout of
+    archspec's root on `sys.path` (`python -m pytest` or `python -c` run there), the
+    checkout's top-level `kernels/` folder (`archspec.kernels` once installed) is found
+    under that name first, and transformers fails on it. Load the installed distribution's
+    package as `kernels` before transformers looks; nothing changes where none is
+    installed or nothing shadows it."""
+    try:
+        init = Path(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py"))
+    except importlib.metadata.PackageNotFoundError:
+        return
+    loaded = sys.modules.get("kernels")
+    if loaded is not None or not init.is_file():
+        return
+    found = importlib.util.find_spec("kernels")
+    if found is None or found.origin is None or Path(found.origin).resolve() == init.resolve():
+        return
+    spec = importlib.util.spec_from_file_location("kernels", init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    spec.loader.exec_module(module)
+
+
+_installed_kernels_first()
+
 try:
     import transformers  # noqa: F401
 except ImportError as exc:  # the extra is not installed: say how to get it

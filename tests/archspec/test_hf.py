@@ -249,3 +249,18 @@ def test_lm_evaluation_harness_runs_lambada_on_a_local_file(tmp_path, monkeypatc
         greedy.append(all(int(logp[p].argmax()) == int(ids[0, p + 1]) for p in positions))
     assert results["acc,none"] == pytest.approx(sum(greedy) / len(greedy))
     assert results["perplexity,none"] == pytest.approx(math.exp(-sum(logliks) / len(logliks)), rel=1e-4)
+
+
+def test_the_checkouts_kernels_folder_does_not_stand_in_for_hugging_faces():
+    """transformers 5.25 imports Hugging Face's `kernels` package; run from a checkout's
+    root, the checkout's `kernels/` folder would be found under that name first."""
+    import importlib.metadata
+    import sys
+    from pathlib import Path
+
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("Hugging Face's kernels package is not installed (transformers < 5.25)")
+    checkout = Path(__file__).resolve().parents[2] / "kernels"
+    assert Path(sys.modules["kernels"].__file__).resolve().parent != checkout.resolve()

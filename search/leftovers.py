@@ -76,17 +76,34 @@ def session_processes(session_dir: Path) -> list[tuple[int, float]]:
     return found
 
 
+# After a round of kills, how long to wait before looking again: a process that was being
+# started when the session was scanned opens its files inside it only a moment later.
+RESCAN_AFTER_S = 0.2
+
+
 def kill_session_processes(session_dir: Path, wait_s: float = 10.0) -> list[int]:
     """SIGKILL every process of a dead session (they ignore SIGTERM) and wait until they
-    are gone; returns their pids. A pid whose process changed meanwhile is left alone."""
-    victims = session_processes(session_dir)
-    for pid, started in victims:
-        if process_start(pid) == started:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+    are gone, looking again until two looks `RESCAN_AFTER_S` apart find none (or `wait_s`
+    has passed); returns their pids. A pid whose process changed meanwhile is left alone."""
     deadline = time.time() + wait_s
-    while time.time() < deadline and any(process_start(pid) == started for pid, started in victims):
-        time.sleep(0.05)
-    return [pid for pid, _ in victims]
+    killed: list[int] = []
+    quiet_looks = 0
+    while time.time() < deadline:
+        victims = session_processes(session_dir)
+        if not victims:
+            quiet_looks += 1
+            if quiet_looks == 2:
+                break
+        else:
+            quiet_looks = 0
+            for pid, started in victims:
+                if process_start(pid) == started:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+            killed += [pid for pid, _ in victims if pid not in killed]
+            while time.time() < deadline and any(process_start(pid) == started for pid, started in victims):
+                time.sleep(0.05)
+        time.sleep(RESCAN_AFTER_S)
+    return killed

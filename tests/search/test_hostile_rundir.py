@@ -382,6 +382,36 @@ def test_processes_of_a_killed_search_are_stopped_and_no_other(tmp_path, monkeyp
             proc.wait()
 
 
+LATE_AGENT = """\
+import signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(float(sys.argv[2]))                        # still starting when the session is first looked at
+log = open(sys.argv[1], "a")
+time.sleep(300)
+"""
+
+
+def test_a_process_that_opens_its_log_after_the_first_look_is_stopped_too(tmp_path, monkeypatch):
+    """A killed search's Ray may still be starting a process when the next search looks:
+    it holds nothing in the session yet. The look is repeated until two looks in a row
+    find nothing, so that process is stopped as well."""
+    from archspec.search import leftovers
+
+    monkeypatch.setattr(leftovers, "RESCAN_AFTER_S", 1.0)  # the look after the process opened its log
+    (tmp_path / "logs").mkdir()
+    late = subprocess.Popen([PYTHON, "-c", LATE_AGENT, str(tmp_path / "logs" / "late.log"), "0.2"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert late.stdout.readline().strip() == "ready"
+        assert leftovers.session_processes(tmp_path) == []  # nothing held yet
+        assert leftovers.kill_session_processes(tmp_path) == [late.pid]
+        assert late.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        late.kill()
+        late.wait()
+
+
 # ------------------------------------------------------------------ experiment directories
 
 

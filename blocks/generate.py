@@ -151,13 +151,13 @@ def prefill(model, prompts: list[Tensor], capacity: int | None = None) -> tuple[
 def map_layer(layer, fn):
     """A decoding state of one layer with `fn` applied to each of its tensors."""
     from .attention import KVCache
-    from .mixer import MixerState, decode_state
+    from .mixer import MixerState, join_tails
 
     if isinstance(layer, KVCache):
         return KVCache(fn(layer.k), fn(layer.v), fn(layer.length))
     mapped = MixerState(fn(layer.recurrent), {n: fn(t) for n, t in layer.conv.items()},
                         None if layer.d is None else fn(layer.d))
-    return decode_state(mapped)  # the conv tails joined again, as `Mixer.step` reads them
+    return join_tails(mapped)  # `fn` made new tensors: only the conv tails are joined again
 
 
 def layer_tensors(layer) -> list[Tensor]:

@@ -74,12 +74,17 @@ def decode_state(state: MixerState) -> MixerState:
     """A copy of `state` that `Mixer.step` may update in place: tensors of its own, the
     conv tails joined (`MixerState.tails`), OSDN's `d` in the matrix state's dtype."""
     d = None if state.d is None else state.d.to(state.recurrent.dtype).contiguous().clone()
-    recurrent = state.recurrent.contiguous().clone()
+    return join_tails(MixerState(state.recurrent.contiguous().clone(), state.conv, d))
+
+
+def join_tails(state: MixerState) -> MixerState:
+    """`state` with its conv tails copied side by side into one tensor (`MixerState.tails`,
+    `conv` its column slices), the rest as it is."""
     if not state.conv:
-        return MixerState(recurrent, {}, d)
+        return MixerState(state.recurrent, {}, state.d)
     tails = torch.cat(list(state.conv.values()), dim=-1)
     views = tails.split([t.shape[-1] for t in state.conv.values()], dim=-1)
-    return MixerState(recurrent, dict(zip(state.conv, views)), d, tails)
+    return MixerState(state.recurrent, dict(zip(state.conv, views)), state.d, tails)
 
 
 def check_plan(plan: RecurrencePlan) -> None:

@@ -23,12 +23,13 @@ Tensor = torch.Tensor
 
 
 @triton.jit
-def swiglu_forward_kernel(gate, up, product, N, hidden, row_stride, BLOCK: tl.constexpr, ACC: tl.constexpr):
+def swiglu_forward_kernel(gate, up, product, N, hidden, row_stride, BLOCK: tl.constexpr, JOINED: tl.constexpr,
+                          ACC: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    # gate and up are read by rows of `hidden` every `row_stride` elements: two tensors of
-    # their own (row_stride = hidden), or the two halves of one joined row
-    src = (offs // hidden) * row_stride + offs % hidden
+    src = offs
+    if JOINED:  # the two halves of one joined row: rows of `hidden` every `row_stride` elements
+        src = (offs // hidden) * row_stride + offs % hidden
     g = tl.load(gate + src, mask=mask, other=0.0).to(ACC)
     u = tl.load(up + src, mask=mask, other=0.0).to(ACC)
     tl.store(product + offs, (g * tl.sigmoid(g) * u).to(product.dtype.element_ty), mask=mask)
@@ -69,8 +70,8 @@ def _swiglu_forward(gate: Tensor, up: Tensor, shape: tuple, row_stride: int, out
     N, hidden = product.numel(), shape[-1]
     if N:
         swiglu_forward_kernel[(triton.cdiv(N, launch.block),)](
-            gate, up, product, N, hidden, row_stride, BLOCK=launch.block, ACC=accumulation(gate.dtype)[1],
-            num_warps=launch.num_warps)
+            gate, up, product, N, hidden, row_stride, BLOCK=launch.block, JOINED=row_stride != hidden,
+            ACC=accumulation(gate.dtype)[1], num_warps=launch.num_warps)
     return product
 
 

@@ -64,7 +64,7 @@ class _OfflineLauncher:
         names = fn.arg_names
         values = dict(zip(names, args))
         values.update(kwargs)
-        options = {k: values.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in values}
+        options = {k: values.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "launch_pdl") if k in values}
         signature, constexprs, attrs = {}, {}, {}
         for i, name in enumerate(names):
             val = values.get(name)
@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         for row in REPORT[start:]:
             print(f"{plan['name']:10s} {row['kernel']:26s} regs {row.get('REG', '?'):>4} stack {row.get('STACK', '?'):>6} "
                   f"shared {row.get('SHARED', '?'):>7} {'OVER' if row.get('SHARED', 0) > SHARED_LIMIT else ''}")
+    if not only or "decode" in only:
+        _decoding_kernels(dtype, K, V)
     if only and "osdn" not in only:
         return
     from .osdn import osdn_write_keys_triton
@@ -166,6 +168,36 @@ def main(argv: list[str] | None = None) -> None:
         (w.float().sum() + d.sum()).backward()
         for row in REPORT[start:]:
             print(f"{name:10s} {row['kernel']:26s} regs {row.get('REG', '?'):>4} stack {row.get('STACK', '?'):>6}")
+
+
+def _decoding_kernels(dtype: torch.dtype, K: int, V: int) -> None:
+    """The decoding step's kernels at batch 1 as the H200 runs them: overlapped
+    (programmatic dependent launch, `launch.overlapped`), the step and the streams of a
+    gated delta rule, and `row_linear` with every prologue."""
+    from . import decode, row_linear
+
+    offline([decode.decode_step_kernel, decode.stream_step_kernel, row_linear.row_linear_kernel])
+    decode.overlapped = row_linear.overlapped = lambda device: True
+    H, d_model, hidden = 2, 256, 688
+    t = lambda *s: torch.randn(*s, dtype=dtype)  # noqa: E731
+    start = len(REPORT)
+    decode.decode_step_triton(t(1, 1, H, K), t(1, 2, H, K), t(1, 2, H, V), torch.zeros(1, H, K, V), g=t(1, 1, H),
+                              gate=decode.Gate.SCALAR, beta=t(1, 2, H), n_h=2, beta_scale=2.0,
+                              decay=(t(H), t(H)))
+    C = H * K * 3 + 2 * H * V
+    decode.stream_step_triton(t(1, 1, C), t(C, 4), t(1, 3, C), ((H * K, K), (2 * H * K, K), (2 * H * V, 0)), 1e-6)
+    for prologue, kw in (("none", {}), ("norm", dict(pending=t(1, d_model), norm_weight=t(d_model))),
+                         ("head_norm", dict(norm_weight=t(V), gate=t(1, d_model), activation="sigmoid", head=V)),
+                         ("swiglu", {})):
+        width = 2 * hidden if prologue == "swiglu" else d_model
+        row_linear.row_linear_triton(t(1, width), t(d_model, width // (2 if prologue == "swiglu" else 1)), None,
+                                     prologue=prologue, **kw)
+    for row in REPORT[start:]:
+        flags = row["flags"]
+        name = row["kernel"] + (f"[{next(k for k, v in row_linear.PROLOGUES.items() if v == flags['PRE'])}]"
+                                if "PRE" in flags else "")
+        print(f"{'decode':10s} {name:26s} regs {row.get('REG', '?'):>4} stack {row.get('STACK', '?'):>6} "
+              f"shared {row.get('SHARED', '?'):>7}")
 
 
 if __name__ == "__main__":

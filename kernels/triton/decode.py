@@ -47,7 +47,7 @@ import triton.language as tl
 from ..kinds import Gate, Mode
 from .kinds import CHANNEL_GATE, DIAGONAL, HOUSEHOLDER, SCALAR_GATE, accumulation
 from .log_decay import softplus
-from .launch import DECODE_LAUNCH, SHORT_CONV_LAUNCH, DecodeLaunch, ShortConvLaunch, pow2
+from .launch import DECODE_LAUNCH, SHORT_CONV_LAUNCH, DecodeLaunch, ShortConvLaunch, overlapped, pow2
 
 Tensor = torch.Tensor
 
@@ -62,7 +62,7 @@ def decode_step_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NH: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, HAS_WRITE_KEY: tl.constexpr,
     OSDN: tl.constexpr, APF: tl.constexpr, BETA_AWARE: tl.constexpr, BETA_LOGITS: tl.constexpr,
-    DECAY: tl.constexpr, ACC: tl.constexpr,
+    DECAY: tl.constexpr, OVERLAP: tl.constexpr, ACC: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b = i_bh // H
@@ -73,7 +73,12 @@ def decode_step_kernel(
     v_ok = vv < V
     tile = k_ok[:, None] & v_ok[None, :]
     s_ptr = state + i_bh.to(tl.int64) * K * V + kk[:, None] * V + vv[None, :]
+    # The state is this kernel's own (the previous token's step wrote it, long finished):
+    # with OVERLAP it loads while the kernel before finishes, and the token's vectors after.
     S = tl.load(s_ptr, mask=tile, other=0.0).to(ACC)
+    if OVERLAP:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Each token tensor is read through its own batch stride: they may be column slices
     # of one projection's output row.
     b = i_b.to(tl.int64)
@@ -193,6 +198,7 @@ def decode_step_triton(
     a_log, dt_bias = (q, q) if decay is None else (decay[0].contiguous(), decay[1].contiguous())
     mode = Mode.of(beta, erase)
     acc = accumulation(state.dtype)[1]
+    overlap = overlapped(q.device)
     grid = (triton.cdiv(V, BV), B * H)
     decode_step_kernel[grid](
         q, k, v, q if g is None else g, q if beta is None else beta, q if write_key is None else write_key,
@@ -202,7 +208,8 @@ def decode_step_triton(
         H=H, K=K, V=V, BK=max(16, pow2(K)), BV=BV, NH=n_h,
         MODE=int(mode), GATE=int(gate), HAS_BETA=beta is not None, HAS_WRITE_KEY=write_key is not None,
         OSDN=d is not None, APF=retain is not None, BETA_AWARE=bool(beta_aware), BETA_LOGITS=beta_scale is not None,
-        DECAY=decay is not None, ACC=acc, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        DECAY=decay is not None, OVERLAP=overlap, ACC=acc, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **({"launch_pdl": True} if overlap else {}),
     )
     return o
 
@@ -220,9 +227,12 @@ def _pick(seg, a0, a1, a2, a3):
 def stream_step_kernel(
     x, w, tail, y, x_sb, C, eps,
     start0, width0, head0, start1, width1, head1, start2, width2, head2, start3, width3, head3,
-    W: tl.constexpr, BC: tl.constexpr, CONV: tl.constexpr, ACC: tl.constexpr,
+    W: tl.constexpr, BC: tl.constexpr, CONV: tl.constexpr, OVERLAP: tl.constexpr, ACC: tl.constexpr,
 ):
     i_blk, seg, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    if OVERLAP:  # nothing is read before the kernel before this one has finished
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     start = _pick(seg, start0, start1, start2, start3)
     width = _pick(seg, width0, width1, width2, width3)
     head = _pick(seg, head0, head1, head2, head3)  # > 0: the L2 norm over groups of `head`
@@ -268,7 +278,9 @@ def stream_step_triton(x: Tensor, weight: Tensor | None, tail: Tensor | None, se
     blocks = max(triton.cdiv(width, head or block_c) for width, head in segments)
     conv = weight is not None
     W = weight.shape[1] if conv else 1
+    overlap = overlapped(x.device)
     stream_step_kernel[(blocks, len(segments), B)](
         x, weight if conv else x, tail if conv and W > 1 else x, y, x.stride(0), C, float(eps), *slots,
-        W=W, BC=block_c, CONV=conv, ACC=accumulation(x.dtype)[1], num_warps=launch.num_warps)
+        W=W, BC=block_c, CONV=conv, OVERLAP=overlap, ACC=accumulation(x.dtype)[1], num_warps=launch.num_warps,
+        **({"launch_pdl": True} if overlap else {}))
     return y

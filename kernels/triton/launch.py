@@ -26,7 +26,7 @@ from enum import Enum
 
 import torch
 
-from ..kinds import Gate, Mode
+from ..kinds import Gate, Mode, triton_interpreter_on
 
 
 class Precision(Enum):
@@ -258,6 +258,27 @@ ROW_LINEAR_LAUNCH: dict[str, RowLinearLaunch] = {
     "head_norm": RowLinearLaunch(block_n=2, block_k=1024),
     "swiglu": RowLinearLaunch(block_n=2, block_k=1024, num_warps=8),
 }
+
+
+# The decoding step's kernels (`decode.py`'s two, `row_linear.py`) launch with programmatic
+# dependent launch where the device has it (sm_90 on): each may start while the kernel
+# before it finishes, loads what that kernel does not write (weights, the recurrent state,
+# the conv tails) and only then waits for it (`gdc_wait`). At batch 1 the step is a chain
+# of some 50 kernels of a few microseconds each, bound by the latency of their first loads.
+DECODE_OVERLAP = True
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def overlapped(device: torch.device) -> bool:
+    """Whether the decoding step's kernels on `device` launch overlapped (`DECODE_OVERLAP`):
+    CUDA at compute capability 9 or more, not under Triton's interpreter."""
+    if not DECODE_OVERLAP or device.type != "cuda" or triton_interpreter_on():
+        return False
+    return _major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 
 
 def pow2(n: int) -> int:

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .kinds import accumulation
-from .launch import ROW_LINEAR_LAUNCH, RowLinearLaunch
+from .launch import ROW_LINEAR_LAUNCH, RowLinearLaunch, overlapped
 from .rms_norm import ACTIVATIONS, gate_activation
 
 Tensor = torch.Tensor
@@ -42,45 +42,67 @@ PROLOGUES = {"none": 0, "norm": 1, "head_norm": 2, "swiglu": 3}
 
 
 @triton.jit
+def _input_tile(row, h, residual, gate, nw, b, i_n, kk, ok, K, gate_stride, eps,
+                PRE: tl.constexpr, ADD: tl.constexpr, ACT: tl.constexpr, HEAD: tl.constexpr,
+                BLOCK_K: tl.constexpr, OUT: tl.constexpr, ACC: tl.constexpr):
+    """Columns `kk` of row `b`'s input to the product, rounded to the activations' dtype
+    `OUT` as the unfused path hands it over, and (the pre-norm) their squares."""
+    sq = tl.zeros([BLOCK_K], dtype=ACC)
+    if PRE == PRE_NORM:
+        r = tl.load(row + kk, mask=ok, other=0.0).to(ACC)
+        if ADD:  # the residual stream `x + h`, rounded as the unfused pre-norm stores it
+            r = (r + tl.load(h + b * K + kk, mask=ok, other=0.0).to(ACC)).to(residual.dtype.element_ty)
+            if i_n == 0:
+                tl.store(residual + b * K + kk, r, mask=ok)
+            r = r.to(ACC)
+        sq = r * r
+        y = r * tl.load(nw + kk, mask=ok, other=0.0).to(ACC)
+    elif PRE == HEAD_NORM:  # the tile holds whole heads: each its own mean square
+        xv = tl.reshape(tl.load(row + kk, mask=ok, other=0.0).to(ACC), (BLOCK_K // HEAD, HEAD))
+        xv = xv / tl.sqrt(tl.sum(xv * xv, 1) / HEAD + eps)[:, None]
+        y = tl.reshape(xv, (BLOCK_K,)) * tl.load(nw + kk % HEAD, mask=ok, other=0.0).to(ACC)
+        if ACT != 0:
+            y = y * gate_activation(tl.load(gate + b * gate_stride + kk, mask=ok, other=0.0).to(ACC), ACT)
+    elif PRE == SWIGLU:
+        g = tl.load(row + kk, mask=ok, other=0.0).to(ACC)
+        y = g * tl.sigmoid(g) * tl.load(row + K + kk, mask=ok, other=0.0).to(ACC)
+    else:
+        y = tl.load(row + kk, mask=ok, other=0.0).to(ACC)
+    return y.to(OUT).to(ACC), sq
+
+
+@triton.jit
 def row_linear_kernel(
     x, h, residual, gate, nw, w, bias, out, N, K, x_stride, gate_stride, eps,
     PRE: tl.constexpr, ADD: tl.constexpr, ACT: tl.constexpr, HEAD: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OVERLAP: tl.constexpr, ACC: tl.constexpr,
 ):
     i_n, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     nn = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = nn < N
     row = x + b * x_stride
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=ACC)
-    sq = tl.zeros([BLOCK_K], dtype=ACC)  # the pre-norm's sum of squares, gathered on the way
-    # One pass: the weight's tiles stream from the first iteration on. The pre-norm's
-    # 1 / rms is one number per row, so it scales the finished sums instead of the input.
-    for k0 in range(0, K, BLOCK_K):
+    w_rows = w + nn[:, None].to(tl.int64) * K
+    # The first weight tile is loaded before anything the kernels before this one write:
+    # with OVERLAP (programmatic dependent launch) it streams in while they finish.
+    kk = tl.arange(0, BLOCK_K)
+    ok = kk < K
+    wt = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & ok[None, :], other=0.0)
+    if OVERLAP:
+        tl.extra.cuda.gdc_wait()  # the kernel before has finished and its writes are visible
+        tl.extra.cuda.gdc_launch_dependents()
+    y, sq = _input_tile(row, h, residual, gate, nw, b, i_n, kk, ok, K, gate_stride, eps, PRE, ADD, ACT, HEAD, BLOCK_K,
+                        out.dtype.element_ty, ACC)
+    acc = wt.to(ACC) * y[None, :]
+    # One pass over the rest: the pre-norm's 1 / rms is one number per row, so it scales
+    # the finished sums instead of the input.
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         ok = kk < K
-        wt = tl.load(w + nn[:, None].to(tl.int64) * K + kk[None, :], mask=n_ok[:, None] & ok[None, :], other=0.0)
-        if PRE == PRE_NORM:
-            r = tl.load(row + kk, mask=ok, other=0.0).to(ACC)
-            if ADD:  # the residual stream `x + h`, rounded as the unfused pre-norm stores it
-                r = (r + tl.load(h + b * K + kk, mask=ok, other=0.0).to(ACC)).to(residual.dtype.element_ty)
-                if i_n == 0:
-                    tl.store(residual + b * K + kk, r, mask=ok)
-                r = r.to(ACC)
-            sq += r * r
-            y = r * tl.load(nw + kk, mask=ok, other=0.0).to(ACC)
-        elif PRE == HEAD_NORM:  # the tile holds whole heads: each its own mean square
-            xv = tl.reshape(tl.load(row + kk, mask=ok, other=0.0).to(ACC), (BLOCK_K // HEAD, HEAD))
-            xv = xv / tl.sqrt(tl.sum(xv * xv, 1) / HEAD + eps)[:, None]
-            y = tl.reshape(xv, (BLOCK_K,)) * tl.load(nw + kk % HEAD, mask=ok, other=0.0).to(ACC)
-            if ACT != 0:
-                y = y * gate_activation(tl.load(gate + b * gate_stride + kk, mask=ok, other=0.0).to(ACC), ACT)
-        elif PRE == SWIGLU:
-            g = tl.load(row + kk, mask=ok, other=0.0).to(ACC)
-            y = g * tl.sigmoid(g) * tl.load(row + K + kk, mask=ok, other=0.0).to(ACC)
-        else:
-            y = tl.load(row + kk, mask=ok, other=0.0).to(ACC)
-        y = y.to(out.dtype.element_ty).to(ACC)  # the product's input in the activations' dtype, as unfused
+        wt = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & ok[None, :], other=0.0)
+        y, sq_k = _input_tile(row, h, residual, gate, nw, b, i_n, kk, ok, K, gate_stride, eps, PRE, ADD, ACT, HEAD,
+                              BLOCK_K, out.dtype.element_ty, ACC)
         acc += wt.to(ACC) * y[None, :]
+        sq += sq_k
     o = tl.sum(acc, 1)
     if PRE == PRE_NORM:
         o = o / tl.sqrt(tl.sum(sq, 0) / K + eps)
@@ -104,6 +126,7 @@ def row_linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None, *, prologu
     if B == 0:
         return out, residual
     launch = launch or ROW_LINEAR_LAUNCH[prologue]
+    overlap = overlapped(x.device)
     # a head-norm tile holds whole heads
     block_k = head * max(1, launch.block_k // head) if prologue == "head_norm" else launch.block_k
     acc = accumulation(weight.dtype if weight.dtype == torch.float64 else x.dtype)[1]
@@ -113,7 +136,7 @@ def row_linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None, *, prologu
         x if norm_weight is None else norm_weight, weight, x if bias is None else bias, out, N, K, x.stride(0),
         0 if gate is None else gate.stride(0), float(eps),
         PRE=PROLOGUES[prologue], ADD=pending is not None, ACT=ACTIVATIONS[activation], HEAD=max(head, 1),
-        HAS_BIAS=bias is not None, BLOCK_N=launch.block_n, BLOCK_K=block_k, ACC=acc,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        HAS_BIAS=bias is not None, BLOCK_N=launch.block_n, BLOCK_K=block_k, OVERLAP=overlap, ACC=acc,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **({"launch_pdl": True} if overlap else {}),
     )
     return out, residual

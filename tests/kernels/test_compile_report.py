@@ -36,3 +36,22 @@ def test_report_compiles_deltanet_with_vector_loads(tmp_path: Path) -> None:
     ptx = (tmp_path / "output_kernel.ptx").read_text()
     assert re.search(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx), "no 16-byte vector loads"
     assert not re.search(r"ld\.global(?:\.\w+)*\.b16", ptx), "2-byte scalar loads"
+
+
+def test_report_compiles_the_decoding_kernels_overlapped(tmp_path: Path) -> None:
+    """The decoding step's kernels as the H200 launches them, with programmatic dependent
+    launch: each compiles for sm_90 with its wait for the kernel before (`griddepcontrol`)."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "archspec.kernels.triton.compile_report", "--plans", "decode",
+                           "--dump", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = re.findall(r"^decode\s+(\S+)\s+regs\s+(\d+)\s+stack\s+(\d+)", proc.stdout, re.M)
+    assert {name for name, _, _ in rows} == {
+        "decode_step_kernel", "stream_step_kernel", "row_linear_kernel[none]", "row_linear_kernel[norm]",
+        "row_linear_kernel[head_norm]", "row_linear_kernel[swiglu]"}, proc.stdout
+    assert all(0 < int(regs) <= 255 and int(stack) == 0 for _, regs, stack in rows), proc.stdout
+    for kernel in ("decode_step_kernel", "stream_step_kernel", "row_linear_kernel"):
+        ptx = (tmp_path / f"{kernel}.ptx").read_text()
+        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, kernel

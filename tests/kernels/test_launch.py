@@ -114,3 +114,9 @@ def test_no_environment_variable_changes_a_kernel():
             if "getenv" in line:
                 reads.append((path.name, line.strip()))
     assert {name for _, name in reads} <= {"TRITON_INTERPRET"}, reads
+
+
+def test_the_decoding_kernels_overlap_only_on_cuda_outside_the_interpreter():
+    """Programmatic dependent launch needs sm_90 and the GPU launcher: never on CPU tensors
+    (the interpreter has no `griddepcontrol`)."""
+    assert not launch.overlapped(torch.device("cpu"))

@@ -7,6 +7,8 @@ truncated softmax; eos ends a row; the CUDA graph replays the eager step (GPU-ma
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -268,17 +270,25 @@ def test_the_cuda_graph_replays_the_eager_step(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gdn-scalar", "kda-channel", "osgdn-apf-learned", "rwkv7-nh2-b2-channel"])
 def test_a_bfloat16_model_decodes_like_its_forward_on_cuda(name):
-    """bfloat16 weights (how the decoding benchmark runs), float32 state: the steps follow
-    the model's own forward within bfloat16's rounding, and generate runs from the graph."""
+    """bfloat16 weights (how the decoding benchmark runs), float32 state: the steps are
+    no further from the same weights in float64 than twice the bfloat16 forward is, plus
+    1e-2 (relative Frobenius error), and generate runs from the graph. Two bfloat16
+    computations differ by their own roundings, which says nothing about which is off:
+    RWKV-7's steps were 3.0e-2 from its bfloat16 forward on the H200."""
     model = _model(name, torch.float32, backend="auto", device="cuda").to(torch.bfloat16)
+    exact_model = copy.deepcopy(model).to(torch.float64)
+    exact_model.set_backend("torch")
     ids = torch.randint(0, VOCAB, (4, 40), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.no_grad():
-        want = model(ids).float()
-    got = _prefill_then_steps(model, ids, 33).float()
-    # Relative Frobenius error, bfloat16's bound of benchmarks/gpu_check.py (OSDN's forward
-    # forms its write keys in bfloat16, the step in float32: single logits differ by more).
-    error = ((got - want).norm() / want.norm()).item()
-    assert error <= 2e-2, f"relative error {error:.3g}, largest difference {(got - want).abs().max().item():.3g}"
+        exact = exact_model(ids)
+        forward = model(ids).double()
+    steps = _prefill_then_steps(model, ids, 33).double()
+
+    def error(x: torch.Tensor) -> float:
+        return ((x - exact).norm() / exact.norm()).item()
+
+    assert error(steps) <= 2 * error(forward) + 1e-2, \
+        f"steps {error(steps):.3g} off float64, the bfloat16 forward {error(forward):.3g}"
     out = model.generate(ids[:, :8], 16, temperature=0)
     assert out.shape == (4, 24) and model.init_state(1)[0].recurrent.dtype == torch.float32
 

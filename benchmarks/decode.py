@@ -244,32 +244,54 @@ def time_side_by_side(gens: list[Contender], prompt: torch.Tensor, run: Decode, 
 
 ANATOMY_REPLAYS = 20  # captured steps profiled per row
 ANATOMY_TOP = 8  # kernels listed per row, by time
+ANATOMY_ROUNDS = 3  # alternating rounds of the step's replay, overlapped and not (the fastest of each)
 
 
 def step_anatomy(model: torch.nn.Module, prompt: torch.Tensor) -> dict:
     """What one decoding step of ours is made of on CUDA: its CUDA graph replayed alone
     (ms per step), the kernels inside it as CUPTI sees them (launches per step, busy ms per
-    step: the gap to the replay time is launch latency) and the costliest kernels."""
+    step: the gap to the replay time is launch latency) and the costliest kernels. Where
+    the kernels launch overlapped (`launch.overlapped`: programmatic dependent launch on
+    sm_90), the step is also captured and replayed with that off (`replay_plain_ms`), the
+    two alternating, so the row shows what the overlap gains."""
     from archspec.blocks.generate import CapturedStep, kv_capacity, prefill
+    from archspec.kernels.triton import launch
 
     context = min(prompt.shape[1], 256)
-    steps = 5 + 6 * ANATOMY_REPLAYS  # an attention layer's cache must hold every replayed token
-    with torch.no_grad():
-        _, state = prefill(model, list(prompt[:, :context]), kv_capacity(context + steps))
-        step = CapturedStep(model, state)
-        tokens = prompt[:, -1]
-        for _ in range(5):
+    chosen = launch.DECODE_OVERLAP
+    launch.DECODE_OVERLAP = True
+    capable = launch.overlapped(prompt.device)
+    launch.DECODE_OVERLAP = chosen
+    settings = (True, False) if capable else (chosen,)
+    per_replay = 5 + 5 * ANATOMY_REPLAYS
+    steps = ANATOMY_ROUNDS * len(settings) * per_replay + 1 + ANATOMY_REPLAYS  # an attention cache holds them all
+    replay: dict[bool, list[float]] = {flag: [] for flag in settings}
+    try:
+        with torch.no_grad():
+            _, state = prefill(model, list(prompt[:, :context]), kv_capacity(context + steps))
+            tokens = prompt[:, -1]
+            for _ in range(ANATOMY_ROUNDS):
+                for flag in settings:
+                    launch.DECODE_OVERLAP = flag
+                    step = CapturedStep(model, state)  # captured anew: the graph keeps its launches' attributes
+                    for _ in range(5):
+                        step(tokens)
+                    _sync("cuda")
+                    start = time.perf_counter()
+                    for _ in range(5 * ANATOMY_REPLAYS):
+                        step(tokens)
+                    _sync("cuda")
+                    replay[flag].append(1e3 * (time.perf_counter() - start) / (5 * ANATOMY_REPLAYS))
+            launch.DECODE_OVERLAP = chosen
+            step = CapturedStep(model, state)
             step(tokens)
-        _sync("cuda")
-        start = time.perf_counter()
-        for _ in range(5 * ANATOMY_REPLAYS):
-            step(tokens)
-        _sync("cuda")
-        replay_ms = 1e3 * (time.perf_counter() - start) / (5 * ANATOMY_REPLAYS)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(ANATOMY_REPLAYS):
-                step(tokens)
-            _sync("cuda")
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(ANATOMY_REPLAYS):
+                    step(tokens)
+                _sync("cuda")
+    finally:
+        launch.DECODE_OVERLAP = chosen
+    replay_ms = min(replay[chosen])
     kernels: dict[str, list[float]] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -278,6 +300,7 @@ def step_anatomy(model: torch.nn.Module, prompt: torch.Tensor) -> dict:
     top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:ANATOMY_TOP]
     return {
         "replay_ms": round(replay_ms, 4), "busy_ms": round(busy_us / 1e3, 4),
+        "replay_plain_ms": round(min(replay[False]), 4) if capable else None,
         "launches": round(sum(len(t) for t in kernels.values()) / ANATOMY_REPLAYS),
         "top": [{"kernel": name[:80], "per_step": round(len(times) / ANATOMY_REPLAYS),
                  "us_each": round(statistics.mean(times), 2)} for name, times in top],
@@ -361,13 +384,16 @@ def markdown(record: dict[str, Any]) -> str:
     anatomies = [r for r in rows if r["impl"] == "ours" and r.get("anatomy") and "top" in r["anatomy"]]
     if anatomies:
         lines += ["", "Ours' decoding step replayed from its CUDA graph alone, and the kernels in it (CUPTI; busy: the "
-                  "kernels' own time, the rest is launch latency):", "",
-                  "| spec | batch | replay ms | launches | busy ms | costliest kernels: per step x us each |",
-                  "|---|---|---|---|---|---|"]
+                  "kernels' own time, the rest is launch latency; not overlapped: the replay with programmatic "
+                  "dependent launch off, timed alternately with it on):", "",
+                  "| spec | batch | replay ms | not overlapped | launches | busy ms | costliest kernels: per step x us each |",
+                  "|---|---|---|---|---|---|---|"]
         for r in sorted(anatomies, key=lambda r: (r["spec"], r["batch"])):
             a = r["anatomy"]
+            plain = f"{a['replay_plain_ms']:.3f}" if a.get("replay_plain_ms") is not None else "-"
             top = ", ".join(f"{k['kernel'].split('(')[0][:40]} {k['per_step']}x{k['us_each']:.1f}" for k in a["top"][:4])
-            lines.append(f"| {r['spec']} | {r['batch']} | {a['replay_ms']:.3f} | {a['launches']} | {a['busy_ms']:.3f} | {top} |")
+            lines.append(f"| {r['spec']} | {r['batch']} | {a['replay_ms']:.3f} | {plain} | {a['launches']} | "
+                         f"{a['busy_ms']:.3f} | {top} |")
     lines += common.run_notes(record)
     return "\n".join(lines) + "\n"
 

@@ -73,12 +73,13 @@ def decode_step_kernel(
     v_ok = vv < V
     tile = k_ok[:, None] & v_ok[None, :]
     s_ptr = state + i_bh.to(tl.int64) * K * V + kk[:, None] * V + vv[None, :]
-    # The state is this kernel's own (the previous token's step wrote it, long finished):
-    # with OVERLAP it loads while the kernel before finishes, and the token's vectors after.
-    S = tl.load(s_ptr, mask=tile, other=0.0).to(ACC)
+    # With OVERLAP nothing is read before the kernel before this one has finished: that
+    # may be the previous token's step of this state (steps called back to back), whose
+    # writes a load ahead of the wait would race.
     if OVERLAP:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    S = tl.load(s_ptr, mask=tile, other=0.0).to(ACC)
     # Each token tensor is read through its own batch stride: they may be column slices
     # of one projection's output row.
     b = i_b.to(tl.int64)

@@ -262,9 +262,11 @@ ROW_LINEAR_LAUNCH: dict[str, RowLinearLaunch] = {
 
 # The decoding step's kernels (`decode.py`'s two, `row_linear.py`) launch with programmatic
 # dependent launch where the device has it (sm_90 on): each may start while the kernel
-# before it finishes, loads what that kernel does not write (weights, the recurrent state,
-# the conv tails) and only then waits for it (`gdc_wait`). At batch 1 the step is a chain
-# of some 50 kernels of a few microseconds each, bound by the latency of their first loads.
+# before it finishes. `row_linear` loads its first weight tile (no decoding kernel writes a
+# weight) and only then waits for that kernel (`gdc_wait`); the step and the streams wait
+# first, since the kernel before may be the previous token's step of the same state. At
+# batch 1 the step is a chain of some 50 kernels of a few microseconds each, bound by the
+# latency of their launches and first loads.
 DECODE_OVERLAP = True
 
 

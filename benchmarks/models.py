@@ -466,13 +466,30 @@ def _run_warm_job(job_and_work: tuple[WarmJob, Callable[[WarmJob], str]]) -> str
             torch.cuda.empty_cache()
 
 
+# The most device memory one warm-up process held at the issue's size on the H200 (13-16
+# GB for the designs with the largest activations: gated DeltaProduct, RWKV-7); fifteen
+# processes at once ran the device out of memory and left fla's jobs cold.
+WARM_JOB_BYTES = 16 * 2**30
+
+
+def fitting_workers(workers: int) -> int:
+    """`workers`, fewer where the device's free memory holds fewer warm-up processes."""
+    if not torch.cuda.is_available():
+        return workers
+    free, _ = torch.cuda.mem_get_info()
+    return max(1, min(workers, free // WARM_JOB_BYTES))
+
+
 def warm_caches(names: list[str], size: Size, setup: Any, work: Callable[[WarmJob], str], *, with_fla: bool,
                 workers: int, fla_shards: int, log: Callable[[str], None]) -> None:
-    """Compile every design's kernels in `workers` spawned processes at once (each holds
-    one model, about 10 GB at the issue's size): ours in one job, fla's in `fla_shards`
+    """Compile every design's kernels in `workers` spawned processes at once (as many as
+    the device's memory holds, `fitting_workers`): ours in one job, fla's in `fla_shards`
     jobs that share out its autotune configs. On a cold H200 the first DeltaNet setting
     of this benchmark took 370 s in one process, fla's autotuning most of it. `work` is a
     module-level function (it is pickled to the workers)."""
+    if fitting_workers(workers) < workers:
+        log(f"warm-up: {fitting_workers(workers)} processes, not {workers}: the device's free memory holds no more")
+        workers = fitting_workers(workers)
     jobs = []
     for name in names:
         jobs.append(WarmJob(name, "ours", setup))

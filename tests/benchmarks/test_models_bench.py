@@ -104,3 +104,13 @@ def test_a_compile_worker_launches_each_config_once_and_times_nothing(monkeypatc
         launches = []
         assert benchmarker(lambda: launches.append(1), quantiles=(0.5, 0.2, 0.8)) == [0.0, 0.0, 0.0]
         assert launches == [1]
+
+
+def test_warm_up_processes_are_as_many_as_the_device_memory_holds(bench, monkeypatch):
+    """15 warm-up processes of about 15 GB each ran a 140 GB H200 out of memory."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (139 * 2**30, 140 * 2**30))
+    assert bench.fitting_workers(15) == 139 // 16
+    assert bench.fitting_workers(4) == 4
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2**30, 140 * 2**30))
+    assert bench.fitting_workers(15) == 1

@@ -506,6 +506,13 @@ def warm_caches(names: list[str], size: Size, setup: Any, work: Callable[[WarmJo
 # --------------------------------------------------------------------------- one design
 
 
+def setting_specific(refusal: str) -> bool:
+    """Whether a refusal may not repeat at another setting: running out of memory depends
+    on the batch; a kernel refusing the machine (fla's gated backward on Triton 3.6 took
+    two minutes to get there at the packed setting) does not."""
+    return "OutOfMemoryError" in refusal or "out of memory" in refusal
+
+
 def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: int, log: Callable[[str], None],
                on_setting: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
     """The rows of one design, every setting's handed to `on_setting` as it is measured
@@ -526,6 +533,10 @@ def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: i
             measured.append(Row(design or spec.stem, spec.stem, setting, "fla", B, T, docs, refused=refusal))
         rows += measured
         on_setting(measured)
+        for row in by_impl.values():  # a peer refusing the design (not this setting's size) is not asked again
+            if row.impl != "ours" and row.refused and not setting_specific(row.refused):
+                trainees = [t for t in trainees if t.name != row.impl]
+                refusal = row.refused
         for row in by_impl.values():
             log(f"  {setting:>8} {row.impl:4}: " + (f"refused: {row.refused.splitlines()[0]}" if row.refused else
                 f"{row.tokens_per_s:,.0f} tok/s, optimizer {row.optimizer_ms:.1f} ms, peak "

@@ -114,3 +114,27 @@ def test_warm_up_processes_are_as_many_as_the_device_memory_holds(bench, monkeyp
     assert bench.fitting_workers(4) == 4
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2**30, 140 * 2**30))
     assert bench.fitting_workers(15) == 1
+
+
+@pytest.mark.parametrize("error,asked", [(RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces "
+                                                       "incorrect results"), 1),
+                                         (torch.OutOfMemoryError("CUDA out of memory"), 3)])
+def test_a_peer_refusing_the_design_is_not_asked_again(bench, monkeypatch, error, asked):
+    """A refusal of the machine holds at every setting; running out of memory may not."""
+    size = bench.SMOKE_SIZE
+    calls = []
+
+    def refuse(batch):
+        calls.append(batch)
+        raise error
+
+    def beside_fla(plan, mine, theirs, **kwargs):
+        return [mine, bench.Trainee("fla", torch.nn.Linear(2, 2), refuse, size.device)], None
+
+    monkeypatch.setattr(bench, "beside_fla", beside_fla)
+    rows = bench.run_design(bench.SPECS / "kda.yaml", size, with_fla=True, rounds=1, warmup=0, log=lambda msg: None)
+    theirs = [r for r in rows if r.impl == "fla"]
+    assert len(calls) == asked
+    assert [r.setting for r in theirs] == [name for name, _, _ in size.settings()]
+    assert all(r.refused == bench.refusal_text(error) and r.tokens_per_s is None for r in theirs)
+    assert all(r.tokens_per_s > 0 for r in rows if r.impl == "ours")

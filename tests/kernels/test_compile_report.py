@@ -19,17 +19,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_report_compiles_deltanet_with_vector_loads(tmp_path: Path) -> None:
+def _report(plans: str, dump: Path) -> str:
+    """The report's output for `plans`, its PTX dumped into `dump` (compiled for sm_90, not
+    interpreted)."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-m", "archspec.kernels.triton.compile_report", "--plans", "deltanet",
-                           "--dump", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "archspec.kernels.triton.compile_report", "--plans", plans,
+                           "--dump", str(dump)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=280, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = re.findall(r"^deltanet\s+(\w+)\s+regs\s+(\d+)\s+stack\s+(\d+)", proc.stdout, re.M)
+    return proc.stdout
+
+
+def test_report_compiles_deltanet_with_vector_loads(tmp_path: Path) -> None:
+    stdout = _report("deltanet", tmp_path)
+    rows = re.findall(r"^deltanet\s+(\w+)\s+regs\s+(\d+)\s+stack\s+(\d+)", stdout, re.M)
     kernels = {name for name, _, _ in rows}
     assert {"inverse_kernel", "prepare_kernel", "state_forward_kernel", "output_kernel",
-            "state_backward_kernel", "chunk_backward_kernel"} <= kernels, proc.stdout
+            "state_backward_kernel", "chunk_backward_kernel"} <= kernels, stdout
     assert all(0 < int(regs) <= 255 for _, regs, _ in rows)
     # the read-out's bf16 rows of q, Y and the states: 16-byte vector loads (4 x b32), not
     # one 2-byte load per element
@@ -41,17 +48,12 @@ def test_report_compiles_deltanet_with_vector_loads(tmp_path: Path) -> None:
 def test_report_compiles_the_decoding_kernels_overlapped(tmp_path: Path) -> None:
     """The decoding step's kernels as the H200 launches them, with programmatic dependent
     launch: each compiles for sm_90 with its wait for the kernel before (`griddepcontrol`)."""
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-m", "archspec.kernels.triton.compile_report", "--plans", "decode",
-                           "--dump", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=280, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = re.findall(r"^decode\s+(\S+)\s+regs\s+(\d+)\s+stack\s+(\d+)", proc.stdout, re.M)
+    stdout = _report("decode", tmp_path)
+    rows = re.findall(r"^decode\s+(\S+)\s+regs\s+(\d+)\s+stack\s+(\d+)", stdout, re.M)
     assert {name for name, _, _ in rows} == {
         "decode_step_kernel", "stream_step_kernel", "row_linear_kernel[none]", "row_linear_kernel[norm]",
-        "row_linear_kernel[head_norm]", "row_linear_kernel[swiglu]"}, proc.stdout
-    assert all(0 < int(regs) <= 255 and int(stack) == 0 for _, regs, stack in rows), proc.stdout
+        "row_linear_kernel[head_norm]", "row_linear_kernel[swiglu]"}, stdout
+    assert all(0 < int(regs) <= 255 and int(stack) == 0 for _, regs, stack in rows), stdout
     for kernel in ("decode_step_kernel", "stream_step_kernel", "row_linear_kernel"):
         ptx = (tmp_path / f"{kernel}.ptx").read_text()
         assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, kernel

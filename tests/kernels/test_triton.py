@@ -367,25 +367,32 @@ def test_gate_gradient_sums_with_bf16_products(case: Case, strength: float, T: i
 
 
 @triton.jit
-def _rounding_kernel(x, y, rounded, product, N: tl.constexpr):
+def _rounding_kernel(x, y, rounded, cast, product, N: tl.constexpr):
     offs = tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :]
     a = tl.load(x + offs)
     tl.store(rounded + offs, bf16_rounded(a))
+    tl.store(cast + offs, a.to(tl.bfloat16))
     tl.store(product + offs, mm(a, tl.load(y + offs), tl.float32, "ieee", tl.float32))
 
 
 @pytest.mark.skipif(not triton_interpreter_on(), reason="the interpreter's emulation")
 def test_emulated_bf16_products_round_like_tensor_cores() -> None:
-    """`bf16_rounded` is torch's bfloat16 rounding to the bit (ties to even included), and
-    `mm` inside `bf16_products` is the float64 product of the rounded operands (and not the
-    float32 one): the switch reaches the kernels."""
+    """`bf16_rounded` is torch's bfloat16 rounding to the bit (ties to even included), a
+    kernel's cast to bfloat16 inside `bf16_products` rounds the same way (the interpreter's
+    own truncates, outside it), and `mm` inside `bf16_products` is the float64 product of
+    the rounded operands (and not the float32 one): the switch reaches the kernels."""
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(16, 16, generator=gen), torch.randn(16, 16, generator=gen)
     x[0, :4] = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8), 3.0 * 2.0 ** -9])  # ties
     rounded, product = torch.empty_like(x), torch.empty_like(x)
+    cast = torch.empty_like(x, dtype=torch.bfloat16)
+    _rounding_kernel[(1,)](x, y, rounded, cast, product, N=16)
+    truncated = (x.view(torch.int32) & ~0xFFFF).view(torch.float32).bfloat16()
+    assert torch.equal(cast, truncated) and not torch.equal(cast, x.bfloat16())
     with bf16_products():
-        _rounding_kernel[(1,)](x, y, rounded, product, N=16)
+        _rounding_kernel[(1,)](x, y, rounded, cast, product, N=16)
     assert torch.equal(rounded, x.bfloat16().float())
+    assert torch.equal(cast, x.bfloat16())
     want = x.bfloat16().double() @ y.bfloat16().double()
     assert (product.double() - want).abs().max().item() < 1e-5
     assert (product.double() - x.double() @ y.double()).abs().max().item() > 1e-3

@@ -300,9 +300,10 @@ def _compile_only(kernel_call, quantiles=None):
 _SHARD: tuple[int, int] | None = None
 
 
-def _worker_init() -> None:
+def _worker_init(pinned: dict | None = None) -> None:
     """Autotuners in a compile worker compile (and launch once) only this job's share of
-    their configs; the measuring process times them all itself, alone on the GPU."""
+    their configs; the measuring process times them all itself, alone on the GPU. With
+    `pinned` (an earlier run's picks, `picks.py`) a recorded key compiles its pick alone."""
     os.environ["FLA_CACHE_RESULTS"] = "0"  # a share's pick (every timing 0) must not reach fla's disk cache
     from triton.runtime.autotuner import Autotuner
 
@@ -317,8 +318,13 @@ def _worker_init() -> None:
         self.cache.clear()
         return run(self, *args, **kwargs)
 
-    Autotuner.prune_configs, Autotuner.run = shard_prune, fresh_run
+    # with picks the cache must keep them: a reused worker's unrecorded keys keep the first job's share
+    Autotuner.prune_configs, Autotuner.run = shard_prune, run if pinned else fresh_run
     Autotuner.do_bench = property(lambda self: _compile_only)
+    if pinned:
+        import picks
+
+        picks.pin(pinned)
 
 
 def _compile(job: CompileJob) -> str:
@@ -351,7 +357,7 @@ def _indexed(task: tuple[Callable[[Any], str], int, Any]) -> tuple[int, str]:
 
 
 def map_in_workers(fn: Callable[[Any], str], items: list, workers: int, *, fresh_process: bool, label: Callable[[Any], str],
-                   log: Callable[[str], None] = print) -> list[str]:
+                   log: Callable[[str], None] = print, pinned: dict | None = None) -> list[str]:
     """`fn` (a module-level function returning a status) over `items` in `workers` spawned
     processes set up by `_worker_init`; `fresh_process`: one process per item, so that a
     kernel fault in one cannot poison the CUDA context of the next. Each item is logged as
@@ -359,7 +365,8 @@ def map_in_workers(fn: Callable[[Any], str], items: list, workers: int, *, fresh
     the items' order."""
     statuses = [""] * len(items)
     began = time.perf_counter()
-    with mp.get_context("spawn").Pool(workers, initializer=_worker_init, maxtasksperchild=1 if fresh_process else None) as pool:
+    with mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(pinned,),
+                                      maxtasksperchild=1 if fresh_process else None) as pool:
         tasks = [(fn, i, item) for i, item in enumerate(items)]
         for done, (i, status) in enumerate(pool.imap_unordered(_indexed, tasks), start=1):
             statuses[i] = status
@@ -367,12 +374,15 @@ def map_in_workers(fn: Callable[[Any], str], items: list, workers: int, *, fresh
     return statuses
 
 
-def compile_in_workers(jobs: list[CompileJob], workers: int, fla_shards: int = 1, fresh_process: bool = False) -> list[str]:
+def compile_in_workers(jobs: list[CompileJob], workers: int, fla_shards: int = 1, fresh_process: bool = False,
+                       pinned: dict | None = None) -> list[str]:
     """Compile every job's kernels in `workers` spawned processes (fla's jobs split into
-    `fla_shards` shares of their autotune configs). The statuses."""
+    `fla_shards` shares of their autotune configs; one share with `pinned` picks). The
+    statuses."""
     from dataclasses import replace
 
+    fla_shards = 1 if pinned else fla_shards
     expanded = [replace(job, shard=(j, fla_shards)) if job.impl == "fla" else job
                 for job in jobs for j in range(fla_shards if job.impl == "fla" else 1)]
-    return map_in_workers(_compile, expanded, workers, fresh_process=fresh_process,
+    return map_in_workers(_compile, expanded, workers, fresh_process=fresh_process, pinned=pinned,
                           label=lambda job: f"compiled {job.bench.name}/{job.impl}/{job.gates}/{job.dtype}")

@@ -58,6 +58,7 @@ from typing import Any, Callable
 
 import torch
 
+import picks
 from common import first_line, machine
 from models import (ISSUE_SIZE, SMOKE_SIZE, SPECS, Size, WarmJob, beside_fla, build_fla, fla_design, load_plan,
                     refusal_text, warm_caches)
@@ -427,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-workers", type=int, default=None,
                     help="processes that compile every design first (default 8 on CUDA, 0 with --smoke; 0: none)")
     ap.add_argument("--fla-shards", type=int, default=3, help="warm-up jobs that share one fla model's autotune configs")
+    ap.add_argument("--retune", action="store_true",
+                    help="let fla autotune afresh, not from the picks an earlier run left in --out (fla_autotune.json)")
     ap.add_argument("--smoke", action="store_true", help="ours only, tiny size, on the CPU")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of specs not run now from an earlier decode.json in --out (runs split over calls)")
@@ -467,9 +470,11 @@ def main(argv: list[str] | None = None) -> int:
         record["rows"] = [r for r in earlier.get("rows", []) if r["spec"] not in names]
         record["failed"] = {k: v for k, v in earlier.get("failed", {}).items() if k not in names}
         record["earlier_machines"] = [earlier.get("machine"), *earlier.get("earlier_machines", [])]
+    pinned = picks.pin_from(out, log) if with_fla and not args.retune and run.size.device == "cuda" else None
     workers = args.warm_workers if args.warm_workers is not None else 0 if args.smoke else 8
     if workers > 0:
-        warm_caches(names, run.size, run, _warm, with_fla=with_fla, workers=workers, fla_shards=args.fla_shards, log=log)
+        warm_caches(names, run.size, run, _warm, with_fla=with_fla, workers=workers, fla_shards=args.fla_shards, log=log,
+                    pinned=pinned)
     # Measured once the warm-up's processes are gone: a copy that shares the device with
     # compiling processes reads low, and the floor with it.
     bandwidth = copy_bandwidth(run.size.device)
@@ -497,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
             record["failed"][name] = traceback.format_exc()
             log(f"{name} failed: {first_line(exc)}")
         write_results(out, record)
+        if with_fla and run.size.device == "cuda":
+            picks.keep(out, log)  # after every design: a run cut short keeps what it tuned
     write_results(out, record)
     log(f"wrote {out / 'decode.json'} and {out / 'decode.md'}")
     return 1 if record["failed"] else 0

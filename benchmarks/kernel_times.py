@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import picks  # noqa: E402  (a script beside its helpers)
 from common import (  # noqa: E402  (a script beside its helpers)
     GATE_REGIMES,
     PLANS,
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no plan after this many seconds")
     parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)), help="compile processes")
     parser.add_argument("--fla-shards", type=int, default=6, help="compile jobs that share one fla plan's configs")
+    parser.add_argument("--retune", action="store_true",
+                        help="let fla autotune afresh, not from the picks an earlier run left in --out (fla_autotune.json)")
     parser.add_argument("--against", type=Path, default=None,
                         help="a folder holding an earlier copy of kernels/ (git archive REV kernels | tar -x -C DIR): "
                         "timed beside the current kernels, alternately")
@@ -219,11 +222,13 @@ def main(argv: list[str] | None = None) -> dict:
     shape = dict(B=B, T=T, H=H, K=K, V=V)
     work = [(b, gates) for b in benches for gates in regimes(b, asked)]
     with_fla = {b.name for b in benches} if args.fla == "all" else set() if args.fla == "none" else set(args.fla.split(","))
+    keep_picks = torch.cuda.is_available() and bool(with_fla)
+    pinned = picks.pin_from(args.out) if keep_picks and not args.retune else None
     if torch.cuda.is_available() and args.workers > 0:
         impls = ("ours", "fla") + (("before",) if args.against else ())
         jobs = [CompileJob(b, impl, g, "bfloat16", (B, T, H, K, V), against=None if args.against is None else str(args.against))
                 for b, g in work for impl in impls if impl != "fla" or b.name in with_fla]
-        statuses = compile_in_workers(jobs, args.workers, args.fla_shards)
+        statuses = compile_in_workers(jobs, args.workers, args.fla_shards, pinned=pinned)
         print(f"[{time.monotonic() - start:6.1f}s] compiled: {sum(s == 'ok' for s in statuses)} of {len(statuses)} jobs ok",
               flush=True)
         quick_tuning(20)
@@ -238,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
         results["rows"].append(row)
         print(f"[{time.monotonic() - start:6.1f}s] {bench.name} ({gates}): {row['ms']} {row['errors'] or ''}", flush=True)
         write_results(args.out, "kernel_times", results, markdown(results))  # after every plan: a cut-short run keeps them
+        if keep_picks:
+            picks.keep(args.out)
     table = markdown(results)
     write_results(args.out, "kernel_times", results, table)
     print(table, flush=True)

@@ -60,6 +60,7 @@ from typing import Any, Callable
 import torch
 
 import common
+import picks
 from common import first_line, machine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -481,12 +482,14 @@ def fitting_workers(workers: int) -> int:
 
 
 def warm_caches(names: list[str], size: Size, setup: Any, work: Callable[[WarmJob], str], *, with_fla: bool,
-                workers: int, fla_shards: int, log: Callable[[str], None]) -> None:
+                workers: int, fla_shards: int, log: Callable[[str], None], pinned: dict | None = None) -> None:
     """Compile every design's kernels in `workers` spawned processes at once (as many as
     the device's memory holds, `fitting_workers`): ours in one job, fla's in `fla_shards`
     jobs that share out its autotune configs. On a cold H200 the first DeltaNet setting
     of this benchmark took 370 s in one process, fla's autotuning most of it. `work` is a
-    module-level function (it is pickled to the workers)."""
+    module-level function (it is pickled to the workers). With `pinned` (an earlier run's
+    autotune picks, `picks.py`) fla's job is one, compiling the recorded configs."""
+    fla_shards = 1 if pinned else fla_shards
     if fitting_workers(workers) < workers:
         log(f"warm-up: {fitting_workers(workers)} processes, not {workers}: the device's free memory holds no more")
         workers = fitting_workers(workers)
@@ -497,7 +500,7 @@ def warm_caches(names: list[str], size: Size, setup: Any, work: Callable[[WarmJo
             jobs += [WarmJob(name, "fla", setup, (j, fla_shards)) for j in range(fla_shards)]
     began = time.perf_counter()
     statuses = common.map_in_workers(_run_warm_job, [(job, work) for job in jobs], workers, fresh_process=True,
-                                     label=lambda item: f"warmed {item[0].spec}/{item[0].impl}", log=log)
+                                     label=lambda item: f"warmed {item[0].spec}/{item[0].impl}", log=log, pinned=pinned)
     failed = [f"{j.spec}/{j.impl}: {s}" for j, s in zip(jobs, statuses) if s != "ok"]
     log(f"warmed {len(jobs) - len(failed)} of {len(jobs)} jobs in {time.perf_counter() - began:.0f} s"
         + ("" if not failed else "; not warmed: " + "; ".join(failed)))
@@ -616,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-workers", type=int, default=None,
                     help="processes that compile every design first (default 8 on CUDA, 0 with --smoke; 0: none)")
     ap.add_argument("--fla-shards", type=int, default=3, help="warm-up jobs that share one fla model's autotune configs")
+    ap.add_argument("--retune", action="store_true",
+                    help=f"let fla autotune afresh, not from the picks an earlier run left in --out ({picks.FILE})")
     ap.add_argument("--smoke", action="store_true", help="ours only, tiny size, on the CPU")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of specs not run now from an earlier models.json in --out (runs split over calls)")
@@ -645,9 +650,11 @@ def main(argv: list[str] | None = None) -> int:
         record["rows"] = [r for r in earlier.get("rows", []) if r["spec"] not in names]
         record["failed"] = {k: v for k, v in earlier.get("failed", {}).items() if k not in names}
         record["earlier_machines"] = [earlier.get("machine"), *earlier.get("earlier_machines", [])]
+    pinned = picks.pin_from(out, log) if with_fla and not args.retune and size.device == "cuda" else None
     workers = args.warm_workers if args.warm_workers is not None else 0 if args.smoke else 8
     if workers > 0:
-        warm_caches(names, size, size, _warm, with_fla=with_fla, workers=workers, fla_shards=args.fla_shards, log=log)
+        warm_caches(names, size, size, _warm, with_fla=with_fla, workers=workers, fla_shards=args.fla_shards, log=log,
+                    pinned=pinned)
     timing_began = time.perf_counter()  # the budget is the timing's own: warming is not counted
     for i, name in enumerate(names):
         spent = time.perf_counter() - timing_began
@@ -667,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
             record["failed"][name] = traceback.format_exc()
             log(f"{name} failed: {first_line(exc)}")
         write_results(out, record)
+        if with_fla and size.device == "cuda":
+            picks.keep(out, log)  # after every design: a run cut short keeps what it tuned
     write_results(out, record)
     log(f"wrote {out / 'models.json'} and {out / 'models.md'}")
     return 1 if record["failed"] else 0

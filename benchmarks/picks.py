@@ -1,0 +1,124 @@
+"""The peer's autotune picks, kept between runs.
+
+flash-linear-attention's kernels autotune: on a cold machine, trying every config of every
+kernel is most of a benchmark's first minutes (five designs of the whole-model benchmark
+took 300 s to warm on the H200, fla's autotuning most of it). A run records what the
+autotuners picked (`record`: each Triton autotuner's key -> config, as its own benchmark
+chose them), and a later run on the same device, Triton and fla (`load`) pins those picks
+(`pin`): the autotuners find them in their cache, compile that config alone and time
+nothing. A process pins before it runs the peer (the warm-up's workers too). The peer then runs at the settings its own autotuning chose, as it would in a
+warm process; a key the file lacks is autotuned as usual.
+
+The file (`FILE` in the results folder) holds the machine it was made on and is merged, not
+replaced, by each run, so runs of different designs add up.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FILE = "fla_autotune.json"
+Picks = dict[str, list[list[Any]]]  # autotuner name -> [[key, config], ...]
+
+
+def _name(tuner: Any) -> str:
+    fn = tuner.base_fn
+    return f"{fn.__module__}.{fn.__name__}"
+
+
+def _autotuners() -> list[Any]:
+    from triton.runtime.autotuner import Autotuner
+
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), Autotuner)]  # type(): no proxy's __class__
+
+
+def _config(config: Any) -> dict[str, Any]:
+    return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
+            "num_ctas": config.num_ctas, "maxnreg": config.maxnreg}
+
+
+def current() -> Picks:
+    """Every autotuner's picks in this process (configs with a pre-hook are left out: a
+    hook is code, not data)."""
+    picks: Picks = {}
+    for tuner in _autotuners():
+        for key, config in tuner.cache.items():
+            if getattr(config, "pre_hook", None) is None:
+                picks.setdefault(_name(tuner), []).append([list(key), _config(config)])
+    return picks
+
+
+def machine() -> dict[str, Any]:
+    """What picks are valid for: the device and the versions that compile and tune."""
+    import triton
+
+    try:
+        import fla
+
+        fla_version = fla.__version__
+    except ImportError:
+        fla_version = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"device": device, "triton": triton.__version__, "fla": fla_version}
+
+
+def load(path: Path) -> Picks | None:
+    """The picks in `path` when they were made on this machine, else None."""
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    return data["picks"] if data.get("machine") == machine() else None
+
+
+def record(path: Path) -> int:
+    """Merge this process's picks into `path` (atomically); the number of keys written."""
+    from archspec.atomic import write_text_atomic
+
+    picks = load(path) or {}
+    for name, entries in current().items():
+        known = {json.dumps(key) for key, _ in picks.get(name, [])}
+        picks.setdefault(name, []).extend(e for e in entries if json.dumps(e[0]) not in known)
+    write_text_atomic(path, json.dumps({"machine": machine(), "picks": picks}, indent=1, sort_keys=True))
+    return sum(len(entries) for entries in picks.values())
+
+
+def pin(picks: Picks) -> int:
+    """Put each recorded pick into its autotuner's cache in this process; the number of
+    keys pinned. fla is imported first, so that its kernels' autotuners exist. Nothing
+    wraps the autotuners: the peer runs as it would with its cache already warm."""
+    import triton
+
+    try:
+        import fla  # noqa: F401  (its layers and models import the kernels)
+    except ImportError:
+        pass
+    pinned = 0
+    for tuner in _autotuners():
+        for key, config in picks.get(_name(tuner), []):
+            tuner.cache.setdefault(tuple(key), triton.Config(dict(config["kwargs"]), num_warps=config["num_warps"],
+                                                             num_stages=config["num_stages"], num_ctas=config["num_ctas"],
+                                                             maxnreg=config["maxnreg"]))
+            pinned += 1
+    return pinned
+
+
+def pin_from(folder: Path, log: Callable[[str], None] = print) -> Picks | None:
+    """The picks an earlier run left in `folder`, pinned in this process when they were
+    made on this machine (else None: the peer autotunes afresh)."""
+    pinned = load(folder / FILE)
+    if pinned is None:
+        log(f"fla autotunes afresh: no picks of this machine in {folder / FILE}")
+        return None
+    log(f"fla starts from {pin(pinned)} autotune picks of an earlier run ({folder / FILE})")
+    return pinned
+
+
+def keep(folder: Path, log: Callable[[str], None] = print) -> None:
+    """This run's picks, merged into `folder`'s file for the next run."""
+    log(f"{record(folder / FILE)} autotune picks in {folder / FILE}")

@@ -1,0 +1,96 @@
+"""`benchmarks/picks.py`: the peer's autotune picks recorded by one run and pinned in the
+next, on a real Triton autotuner (the interpreter, whose autotuner cannot time configs:
+a pinned key must not be timed at all)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.autotuner import Autotuner
+
+from .test_gpu_scripts import benchmark_module
+
+N = 64
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})], key=["n"])
+@triton.jit
+def _fill_block(out, n, BLOCK: tl.constexpr):
+    """Writes the BLOCK it was launched with: the config the autotuner chose."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out + offs, tl.full([BLOCK], BLOCK, tl.float32), mask=offs < n)
+
+
+def _launch() -> torch.Tensor:
+    out = torch.zeros(N)
+    _fill_block[lambda meta: (triton.cdiv(N, meta["BLOCK"]),)](out, N)
+    return out
+
+
+@pytest.fixture()
+def picks():
+    _fill_block.cache.clear()
+    with benchmark_module("picks") as module:
+        yield module
+    _fill_block.cache.clear()
+
+
+def test_a_run_records_its_picks_and_the_next_pins_them(picks, monkeypatch, tmp_path: Path) -> None:
+    # first run: the autotuner times both configs (here a timer that finds BLOCK 16 faster) and picks
+    timed: list[int] = []
+
+    def timing(self, *args, config, **kwargs):
+        timed.append(config.kwargs["BLOCK"])
+        return [1.0 if config.kwargs["BLOCK"] == 16 else 2.0] * 3
+
+    monkeypatch.setattr(Autotuner, "_bench", timing)
+    assert torch.equal(_launch(), torch.full((N,), 16.0))
+    assert sorted(timed) == [16, 32]
+    picks.record(tmp_path / picks.FILE)
+    written = json.loads((tmp_path / picks.FILE).read_text())
+    assert written["machine"] == picks.machine()
+    name = f"{__name__}._fill_block"
+    (key, config), = written["picks"][name]
+    assert key[0] == N and config["kwargs"] == {"BLOCK": 16}
+
+    # the next run, as a fresh process would: nothing cached, the file's pick (edited to 32 so
+    # that its use shows) pinned, and any timing an error
+    written["picks"][name][0][1]["kwargs"] = {"BLOCK": 32}
+    (tmp_path / picks.FILE).write_text(json.dumps(written))
+    _fill_block.cache.clear()
+
+    def no_timing(self, *args, **kwargs):
+        raise AssertionError("a pinned key was timed")
+
+    monkeypatch.setattr(Autotuner, "_bench", no_timing)
+    pinned = picks.pin_from(tmp_path, log=lambda msg: None)
+    assert pinned is not None
+    assert torch.equal(_launch(), torch.full((N,), 32.0))
+    assert _fill_block.best_config.kwargs == {"BLOCK": 32}
+
+
+def test_picks_of_another_machine_are_not_used(picks, tmp_path: Path) -> None:
+    other = {**picks.machine(), "triton": "0.0.0"}
+    (tmp_path / picks.FILE).write_text(json.dumps({"machine": other, "picks": {"x": [[[1], {}]]}}))
+    assert picks.load(tmp_path / picks.FILE) is None
+    assert picks.pin_from(tmp_path, log=lambda msg: None) is None
+
+
+def test_recording_merges_with_the_file(picks, tmp_path: Path) -> None:
+    """Runs of different designs add up: a key another run recorded stays; this run's new
+    keys are added, its known ones not doubled."""
+    earlier = {"machine": picks.machine(), "picks": {"fla.ops.other.kernel": [[[128, "torch.bfloat16"],
+                                                                                 {"kwargs": {"BT": 64}}]]}}
+    (tmp_path / picks.FILE).write_text(json.dumps(earlier))
+    _fill_block.cache[(N, "torch.float32")] = triton.Config({"BLOCK": 16})
+    first = picks.record(tmp_path / picks.FILE)
+    assert picks.record(tmp_path / picks.FILE) == first >= 2
+    merged = json.loads((tmp_path / picks.FILE).read_text())["picks"]
+    assert merged["fla.ops.other.kernel"] == earlier["picks"]["fla.ops.other.kernel"]
+    assert merged[f"{__name__}._fill_block"] == [[[N, "torch.float32"], {
+        "kwargs": {"BLOCK": 16}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}]]

@@ -467,9 +467,8 @@ def _run_warm_job(job_and_work: tuple[WarmJob, Callable[[WarmJob], str]]) -> str
             torch.cuda.empty_cache()
 
 
-# The most device memory one warm-up process held at the size on the H200 (13-16
-# GB for the designs with the largest activations: gated DeltaProduct, RWKV-7); fifteen
-# processes at once ran the device out of memory and left fla's jobs cold.
+# Device memory one warm-up process may hold at the size: on the H200 fifteen at
+# once held 12.6-15.6 GB each, ran the device out of memory and left fla's jobs cold.
 WARM_JOB_BYTES = 16 * 2**30
 
 

@@ -15,7 +15,9 @@ runs in front of the product (a norm, SwiGLU) fused into it.
 On CUDA with at most `ROW_LINEAR_MAX_ROWS` rows this is one Triton launch
 (`triton/row_linear.py`); otherwise it is the definition: the fused norm or SwiGLU
 kernel, then `F.linear` (cuBLAS, which reads the weight once for all the rows). No
-autograd: decoding is inference.
+autograd: decoding is inference. On sm_90 the launch overlaps the kernel before it and
+reads its first weight tile before waiting for it: pass a weight that kernel did not
+write (a model's weights; a non-contiguous weight is copied and then read after the wait).
 """
 
 from __future__ import annotations
@@ -130,7 +132,10 @@ def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, before:
                                activation=before.activation, head=before.weight.numel())
             elif before is SWIGLU:
                 options = dict(prologue="swiglu")
-            out, residual = row_linear_triton(_rows(x), weight.contiguous(), bias, **options)
+            rows_of_weight = weight.contiguous()
+            # a copy made just now is the kernel right before: not to be read ahead of the wait
+            out, residual = row_linear_triton(_rows(x), rows_of_weight, bias, **options,
+                                              weight_settled=rows_of_weight is weight)
             if isinstance(before, PreNorm) and residual is None:
                 residual = x
             return out[:, None], None if residual is None else residual.reshape(x.shape)

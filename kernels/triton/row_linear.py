@@ -114,11 +114,13 @@ def row_linear_kernel(
 def row_linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None, *, prologue: str = "none",
                       pending: Tensor | None = None, norm_weight: Tensor | None = None, eps: float = 1e-6,
                       gate: Tensor | None = None, activation: str = "none", head: int = 0,
-                      launch: RowLinearLaunch | None = None) -> tuple[Tensor, Tensor | None]:
+                      launch: RowLinearLaunch | None = None, weight_settled: bool = True) -> tuple[Tensor, Tensor | None]:
     """`kernels.row_linear` on one launch (arguments checked there): `x` `[B, K]` (`[B, 2K]`
     for SwiGLU) with contiguous rows, `weight` `[N, K]` contiguous; `pending`, `gate`
     `[B, K]` rows. Returns `[B, N]` in `x`'s dtype, and the residual `x + pending` for
-    the pre-norm."""
+    the pre-norm. Launched overlapped (`launch.overlapped`), the kernel reads its first
+    weight tile before waiting for the kernel before it: `weight_settled=False` (a weight
+    that kernel may have written, such as a copy made just now) launches it plainly."""
     B, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     out = torch.empty(B, N, device=x.device, dtype=x.dtype)
     residual = torch.empty(B, K, device=x.device, dtype=torch.promote_types(x.dtype, pending.dtype)) \
@@ -126,7 +128,7 @@ def row_linear_triton(x: Tensor, weight: Tensor, bias: Tensor | None, *, prologu
     if B == 0:
         return out, residual
     launch = launch or ROW_LINEAR_LAUNCH[prologue]
-    overlap = overlapped(x.device)
+    overlap = weight_settled and overlapped(x.device)
     # a head-norm tile holds whole heads
     block_k = head * max(1, launch.block_k // head) if prologue == "head_norm" else launch.block_k
     acc = accumulation(weight.dtype if weight.dtype == torch.float64 else x.dtype)[1]

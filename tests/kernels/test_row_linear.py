@@ -149,3 +149,27 @@ def test_row_linear_at_the_models_shapes_on_cuda(prologue, K, N):
         got, _ = row_linear(cuda(x), cuda(weight), before=before)
         error = ((got.double().cpu() - want).norm() / want.norm()).item()
         assert error < 1e-2, f"{prologue} rows={rows}: relative error {error:.2e}"
+
+
+def test_a_weight_copied_just_now_is_not_read_ahead_of_the_wait(monkeypatch):
+    """Launched overlapped, the kernel reads its first weight tile before the kernel before
+    it has finished. A non-contiguous weight is copied right before the launch (that copy is
+    the kernel before), so that launch must not overlap; a model's contiguous weight may.
+    The result is the product either way."""
+    pytest.importorskip("triton")
+    from archspec.kernels.triton import row_linear as triton_row_linear
+
+    seen: list[bool] = []
+    launch = triton_row_linear.row_linear_triton
+
+    def recorded(*args, weight_settled: bool = True, **kwargs):
+        seen.append(weight_settled)
+        return launch(*args, weight_settled=weight_settled, **kwargs)
+
+    monkeypatch.setattr(triton_row_linear, "row_linear_triton", recorded)
+    x, weight, bias, _, y, _ = _case("none", 1, torch.float64)
+    transposed = weight.t().contiguous().t()  # the same values, column-major
+    for w in (weight, transposed):
+        got, _ = row_linear(x, w, bias, backend="triton")
+        torch.testing.assert_close(got.double(), y @ weight.double().t() + bias.double(), atol=1e-10, rtol=1e-10)
+    assert seen == [True, False]

@@ -6,8 +6,9 @@ took 300 s to warm on the H200, fla's autotuning most of it). A run records what
 autotuners picked (`record`: each Triton autotuner's key -> config, as its own benchmark
 chose them), and a later run on the same device, Triton and fla (`load`) pins those picks
 (`pin`): the autotuners find them in their cache, compile that config alone and time
-nothing. A process pins before it runs the peer (the warm-up's workers too). The peer then runs at the settings its own autotuning chose, as it would in a
-warm process; a key the file lacks is autotuned as usual.
+nothing. A process pins before it runs the peer (the warm-up's workers too). The peer then
+runs at the settings its own autotuning chose, as it would in a warm process; a key the
+file lacks is autotuned as usual.
 
 The file (`FILE` in the results folder) holds the machine it was made on and is merged, not
 replaced, by each run, so runs of different designs add up.
@@ -43,14 +44,23 @@ def _config(config: Any) -> dict[str, Any]:
             "num_ctas": config.num_ctas, "maxnreg": config.maxnreg}
 
 
+def _as_data(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
 def current() -> Picks:
-    """Every autotuner's picks in this process (configs with a pre-hook are left out: a
-    hook is code, not data)."""
+    """Every autotuner's picks in this process. Left out: configs with a pre-hook (a hook
+    is code, not data) and keys or settings that are not plain data."""
     picks: Picks = {}
     for tuner in _autotuners():
         for key, config in tuner.cache.items():
-            if getattr(config, "pre_hook", None) is None:
-                picks.setdefault(_name(tuner), []).append([list(key), _config(config)])
+            entry = [list(key), _config(config)]
+            if getattr(config, "pre_hook", None) is None and _as_data(entry):
+                picks.setdefault(_name(tuner), []).append(entry)
     return picks
 
 
@@ -120,5 +130,9 @@ def pin_from(folder: Path, log: Callable[[str], None] = print) -> Picks | None:
 
 
 def keep(folder: Path, log: Callable[[str], None] = print) -> None:
-    """This run's picks, merged into `folder`'s file for the next run."""
-    log(f"{record(folder / FILE)} autotune picks in {folder / FILE}")
+    """This run's picks, merged into `folder`'s file for the next run. The picks only save
+    the next run time: failing to keep them is logged, never raised into the run."""
+    try:
+        log(f"{record(folder / FILE)} autotune picks in {folder / FILE}")
+    except Exception as exc:  # noqa: BLE001
+        log(f"autotune picks not kept: {type(exc).__name__}: {exc}")

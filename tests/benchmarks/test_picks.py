@@ -94,3 +94,16 @@ def test_recording_merges_with_the_file(picks, tmp_path: Path) -> None:
     assert merged["fla.ops.other.kernel"] == earlier["picks"]["fla.ops.other.kernel"]
     assert merged[f"{__name__}._fill_block"] == [[[N, "torch.float32"], {
         "kwargs": {"BLOCK": 16}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}]]
+
+
+def test_keys_that_are_not_plain_data_are_left_out(picks, tmp_path: Path) -> None:
+    _fill_block.cache[(N, object())] = triton.Config({"BLOCK": 16})
+    _fill_block.cache[(N, "torch.float32")] = triton.Config({"BLOCK": 32})
+    mine = picks.current()[f"{__name__}._fill_block"]
+    assert mine == [[[N, "torch.float32"], {"kwargs": {"BLOCK": 32}, "num_warps": 4, "num_stages": 3, "num_ctas": 1,
+                                           "maxnreg": None}]]
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    messages: list[str] = []
+    picks.keep(blocked, log=messages.append)  # a "folder" that is a file: logged, not raised into the run
+    assert messages[0].startswith("autotune picks not kept:")

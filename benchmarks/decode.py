@@ -260,9 +260,7 @@ def step_anatomy(model: torch.nn.Module, prompt: torch.Tensor) -> dict:
 
     context = min(prompt.shape[1], 256)
     chosen = launch.DECODE_OVERLAP
-    launch.DECODE_OVERLAP = True
-    capable = launch.overlapped(prompt.device)
-    launch.DECODE_OVERLAP = chosen
+    capable = launch.overlap_supported(prompt.device)
     settings = (True, False) if capable else (chosen,)
     per_replay = 5 + 5 * ANATOMY_REPLAYS
     steps = ANATOMY_ROUNDS * len(settings) * per_replay + 1 + ANATOMY_REPLAYS  # an attention cache holds them all

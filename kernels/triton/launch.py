@@ -275,12 +275,18 @@ def _major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def overlapped(device: torch.device) -> bool:
-    """Whether the decoding step's kernels on `device` launch overlapped (`DECODE_OVERLAP`):
-    CUDA at compute capability 9 or more, not under Triton's interpreter."""
-    if not DECODE_OVERLAP or device.type != "cuda" or triton_interpreter_on():
+def overlap_supported(device: torch.device) -> bool:
+    """Whether `device` can launch overlapped: CUDA at compute capability 9 or more, not
+    under Triton's interpreter."""
+    if device.type != "cuda" or triton_interpreter_on():
         return False
     return _major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+def overlapped(device: torch.device) -> bool:
+    """Whether the decoding step's kernels on `device` launch overlapped: `DECODE_OVERLAP`
+    on a device that supports it."""
+    return DECODE_OVERLAP and overlap_supported(device)
 
 
 def pow2(n: int) -> int:

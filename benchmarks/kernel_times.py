@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import picks  # noqa: E402  (a script beside its helpers)
+import anatomy  # noqa: E402  (a script beside its helpers)
+import picks  # noqa: E402
 from common import (  # noqa: E402  (a script beside its helpers)
     GATE_REGIMES,
     PLANS,
@@ -147,7 +148,13 @@ def time_plan(bench: Bench, gates: str, shape: dict, rounds: int, with_fla: bool
                     row["errors"][f"{impl} {key}"] = first_line(err)
                     impls.remove(impl)
         row["ms"][key] = {impl: sorted(s)[len(s) // 2] for impl, s in samples.items() if s}
+    # Each kernel's share of one forward+backward: which kernel a ratio comes from.
+    row["kernels"] = {impl: anatomy.profile(fns[impl]["forward+backward"], device)["kernels"][:KERNELS_SHOWN]
+                      for impl in row["ms"].get("forward+backward", {})}
     return row
+
+
+KERNELS_SHOWN = 12  # the heaviest kernels of a profiled forward+backward, kept per implementation
 
 
 def markdown(results: dict) -> str:
@@ -180,6 +187,14 @@ def markdown(results: dict) -> str:
                 cells += [fmt(ms.get("before")), fmt(ms.get("ours")),
                           f"{ms['ours'] / ms['before']:.3f}" if ms.get("ours") and ms.get("before") else "—"]
             lines.append("| " + " | ".join(cells) + " |")
+    profiled = [row for row in results["rows"] if row.get("kernels")]
+    if profiled:
+        lines += ["", "Per kernel, one profiled forward+backward (ms, launches where more than one; the heaviest "
+                  f"{KERNELS_SHOWN}):", ""]
+        for row in profiled:
+            for impl, kernels in row["kernels"].items():
+                listed = ", ".join(f"`{name[:60]}` {ms:.3f}" + (f" ({n}x)" if n > 1 else "") for name, n, ms in kernels)
+                lines.append(f"- {row['plan']} ({row['gates']}), {impl}: {listed}")
     if errors:
         lines += ["", "Refusals and errors:", *errors]
     if results.get("stopped"):

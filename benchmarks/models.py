@@ -37,6 +37,12 @@ mostly fla's autotuning), so first every design is trained one step per setting 
 cache. `--budget-s` counts the timing only. Each row records its untimed warm-up steps'
 seconds (`warmup_s`), which show what the warming left.
 
+One forward + loss + backward of each model at the first setting is profiled
+(`anatomy.py`, `--no-anatomy` skips it): its kernels' device time by part of the model
+(recurrence, matmuls, loss, norms, short convolution, activations, attention, other) goes
+under the table, the heaviest kernels by name into the JSON, so a row that misses its
+target shows which part limits it.
+
 Results: `DIR/models.json` (machine, torch / triton / fla versions, commit, every row)
 and `DIR/models.md`, written after every setting, so a run cut short by `--budget-s`
 keeps what it finished; `--merge` keeps an earlier file's rows of the specs not run now,
@@ -59,6 +65,7 @@ from typing import Any, Callable
 
 import torch
 
+import anatomy
 import common
 import picks
 from common import first_line, machine
@@ -516,9 +523,12 @@ def setting_specific(refusal: str) -> bool:
 
 
 def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: int, log: Callable[[str], None],
-               on_setting: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
+               on_setting: Callable[[list[Row]], None] = lambda rows: None,
+               anatomies: dict[str, dict] | None = None) -> list[Row]:
     """The rows of one design, every setting's handed to `on_setting` as it is measured
-    (a run cut short keeps them: a cold machine spends minutes compiling the first)."""
+    (a run cut short keeps them: a cold machine spends minutes compiling the first).
+    With `anatomies`, one step of each model at the first setting is profiled into it
+    under the spec's name (`anatomy.profile`)."""
     plan = load_plan(spec, size)
     design = fla_design(plan)
     trainees, refusal = beside_fla(plan, ours(plan, size), lambda params: theirs(plan, size, params),
@@ -530,6 +540,9 @@ def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: i
         by_impl = {t.name: Row(spec.stem if design is None else design, spec.stem, setting, t.name, B, T, docs, t.params)
                    for t in trainees}
         time_side_by_side(trainees, batch, rounds, warmup, size.device, by_impl)
+        if anatomies is not None and not rows:
+            anatomies[spec.stem] = {"setting": setting, "impls": {
+                t.name: profile_step(t, batch) for t in trainees if not by_impl[t.name].refused}}
         measured = list(by_impl.values())
         if with_fla and "fla" not in by_impl:
             measured.append(Row(design or spec.stem, spec.stem, setting, "fla", B, T, docs, refused=refusal))
@@ -548,6 +561,14 @@ def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: i
     if size.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return rows
+
+
+def profile_step(trainee: Trainee, batch: Batch) -> dict:
+    """One forward + loss + backward under the profiler (its gradients are dropped)."""
+    try:
+        return anatomy.profile(lambda: trainee.forward_backward(batch), trainee.device)
+    finally:
+        trainee.model.zero_grad(set_to_none=True)
 
 
 # --------------------------------------------------------------------------- results
@@ -594,6 +615,7 @@ def markdown(record: dict[str, Any]) -> str:
                      f"{o['optimizer_ms']:.1f} / {f['optimizer_ms']:.1f} | {_gb(o['peak_mem_bytes'])} / {_gb(f['peak_mem_bytes'])} | {mem} |")
     import common
 
+    lines += anatomy.markdown(record.get("anatomy", {}))
     lines += common.run_notes(record)
     return "\n".join(lines) + "\n"
 
@@ -620,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fla-shards", type=int, default=3, help="warm-up jobs that share one fla model's autotune configs")
     ap.add_argument("--retune", action="store_true",
                     help=f"let fla autotune afresh, not from the picks an earlier run left in --out ({picks.FILE})")
+    ap.add_argument("--no-anatomy", action="store_true",
+                    help="profile no step (by default one step of each model at the first setting is profiled)")
     ap.add_argument("--smoke", action="store_true", help="ours only, tiny size, on the CPU")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of specs not run now from an earlier models.json in --out (runs split over calls)")
@@ -642,12 +666,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - started:7.1f}s] {msg}", flush=True)
 
     record: dict[str, Any] = {"machine": machine(), "size": asdict(size), "rounds": args.rounds, "rows": [],
-                              "skipped": [], "failed": {}}
+                              "skipped": [], "failed": {}, "anatomy": {}}
     out = Path(args.out)
     if args.merge and (out / "models.json").exists():
         earlier = json.loads((out / "models.json").read_text())
         record["rows"] = [r for r in earlier.get("rows", []) if r["spec"] not in names]
         record["failed"] = {k: v for k, v in earlier.get("failed", {}).items() if k not in names}
+        record["anatomy"] = {k: v for k, v in earlier.get("anatomy", {}).items() if k not in names}
         record["earlier_machines"] = [earlier.get("machine"), *earlier.get("earlier_machines", [])]
     pinned = picks.pin_from(out, log) if with_fla and not args.retune and size.device == "cuda" else None
     workers = args.warm_workers if args.warm_workers is not None else 0 if args.smoke else 8
@@ -668,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             run_design(SPECS / f"{name}.yaml", size, with_fla=with_fla, rounds=args.rounds, warmup=args.warmup,
-                       log=log, on_setting=keep)
+                       log=log, on_setting=keep, anatomies=None if args.no_anatomy else record["anatomy"])
         except Exception as exc:  # one design failing (out of memory, ...) must not lose the others
             record["failed"][name] = traceback.format_exc()
             log(f"{name} failed: {first_line(exc)}")

@@ -26,7 +26,7 @@ def benchmark_module(name: str):
         yield importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCHMARKS))
-        for module in (name, "common", "picks"):
+        for module in (name, "common", "picks", "anatomy"):
             sys.modules.pop(module, None)
 
 
@@ -38,6 +38,11 @@ def test_kernel_times_smoke_writes_every_row(tmp_path: Path) -> None:
     # kda's channel gate is timed in both regimes, osgdn-apf's scalar gate with mild gates only
     assert rows == [("deltanet", "none"), ("kda", "mild"), ("kda", "strong"), ("osgdn-apf", "mild")]
     assert all(not r["errors"] and set(r["ms"]) == {"forward", "forward+backward"} for r in results["rows"])
+    for r in written["rows"]:  # one forward+backward profiled, heaviest kernel first
+        kernels = r["kernels"]["ours"]
+        assert kernels and all(ms >= 0 and n >= 1 for _, n, ms in kernels)
+        assert [ms for *_, ms in kernels] == sorted((ms for *_, ms in kernels), reverse=True)
+    assert "Per kernel, one profiled forward+backward" in (tmp_path / "kernel_times.md").read_text()
     assert "| kda | strong |" in (tmp_path / "kernel_times.md").read_text()
 
 

@@ -35,6 +35,37 @@ def test_smoke_run_writes_every_setting(bench, tmp_path):
     assert next(r for r in rows if r["setting"] == "packed")["documents"] > 1
     table = (tmp_path / "models.md").read_text()
     assert "| gated-deltanet | gated-deltanet | packed |" in table
+    # One step of each design profiled at the first setting, the earlier call's kept by --merge.
+    assert set(record["anatomy"]) == {"gated-deltanet", "osdn-apf"}
+    for spec, entry in record["anatomy"].items():
+        assert entry["setting"] == "T=32" and set(entry["impls"]) == {"ours"}
+        prof = entry["impls"]["ours"]
+        assert prof["busy_ms"] > 0 and sum(prof["categories"].values()) == pytest.approx(prof["busy_ms"], abs=0.01)
+        assert prof["categories"]["matmul"] > 0 and prof["kernels"][0][2] >= prof["kernels"][-1][2]
+        assert f"| {spec} | ours | {prof['busy_ms']:.2f} |" in table
+
+
+@pytest.mark.parametrize("name, part", [
+    ("chunk_backward_kernel", "recurrence"),  # ours
+    ("inverse_kernel", "recurrence"),
+    ("log_decay_forward_kernel", "recurrence"),
+    ("chunk_kda_fwd_kernel_intra_sub_chunk", "recurrence"),  # fla's
+    ("recompute_w_u_fwd_kernel", "recurrence"),
+    ("short_conv_forward_kernel", "short conv"),
+    ("causal_conv1d_fwd_kernel", "short conv"),
+    ("rms_norm_backward_kernel", "norms"),
+    ("layer_norm_gated_fwd_kernel", "norms"),
+    ("softmax_ce_grad_kernel", "loss"),
+    ("fused_linear_cross_entropy_kernel", "loss"),
+    ("swiglu_forward_kernel", "activation"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>", "attention"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
+])
+def test_a_kernel_name_is_put_in_its_part_of_the_model(name, part):
+    with benchmark_module("anatomy") as anatomy:
+        assert anatomy.category(name) == part
 
 
 def test_packed_batch_and_the_labels_fla_gets(bench):

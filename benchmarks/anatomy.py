@@ -1,0 +1,88 @@
+"""Where one step's device time goes: a profiled call's kernels, summed by name and by the
+part of the model they serve (`CATEGORIES`), so that a whole-model row that misses its
+target says which part limits it (ours and fla's kernels side by side).
+
+On CUDA the profiler's device events are the kernels; on the CPU (the smoke run) the
+operators stand in for them, so the path runs in CI.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+# (category, substrings of a kernel's lowercased name), first match wins. Names are ours
+# (`kernels/triton`, `kernels/*.py`) and fla 0.6.0's; anything unmatched is "other"
+# (torch's elementwise kernels, copies, reductions).
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("loss", ("cross_entropy", "softmax_ce", "logsumexp", "linear_cross", "_ce_", "nll_loss", "log_softmax")),
+    ("attention", ("flash_fwd", "flash_bwd", "fmha", "attention", "sdpa", "cudnn_generated_fort_native_sdpa")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+                "matmul", "aten::linear", "sm90_", "sm80_")),
+    ("short conv", ("conv",)),
+    ("norms", ("norm",)),
+    ("activation", ("swiglu", "swish", "silu", "sigmoid", "relu", "gelu")),
+    ("recurrence", ("inverse_kernel", "prepare_kernel", "state_forward", "state_backward", "output_kernel",
+                    "output_backward", "chunk", "gate_cumsum", "log_decay", "osdn_", "solve_tril", "wy",
+                    "recompute_w_u", "merge_16x16", "kda", "gla", "delta", "rwkv", "cumsum", "fused_recurrent", "gdn_gate",
+                    "compute_dh0", "gate_output_correction", "k_update")),
+)
+OTHER = "other"
+KEPT_KERNELS = 30  # the heaviest kernels a record keeps by name
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for label, needles in CATEGORIES:
+        if any(n in low for n in needles):
+            return label
+    return OTHER
+
+
+def profile(call: Callable[[], None], device: str) -> dict:
+    """Run `call` once under the profiler: `busy_ms` (the kernels' summed device time),
+    `categories` (ms per `CATEGORIES` label) and the `KEPT_KERNELS` heaviest `kernels`
+    as [name, launches, ms]."""
+    cuda = device.startswith("cuda")
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    if cuda:
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[activity]) as prof:
+        call()
+        if cuda:
+            torch.cuda.synchronize()
+    wanted = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    by_name: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type != wanted:
+            continue
+        # CPU operators nest (aten::linear holds aten::addmm): each counts its own time only.
+        us = event.device_time if cuda else event.self_cpu_time_total
+        launches, total = by_name.setdefault(event.name, [0, 0.0])
+        by_name[event.name] = [launches + 1, total + us / 1e3]
+    categories: dict[str, float] = {}
+    for name, (_, ms) in by_name.items():
+        categories[category(name)] = categories.get(category(name), 0.0) + ms
+    heaviest = sorted(by_name.items(), key=lambda item: -item[1][1])[:KEPT_KERNELS]
+    return {
+        "busy_ms": round(sum(ms for _, ms in by_name.values()), 3),
+        "categories": {k: round(v, 3) for k, v in sorted(categories.items(), key=lambda kv: -kv[1])},
+        "kernels": [[name, int(launches), round(ms, 3)] for name, (launches, ms) in heaviest],
+    }
+
+
+def markdown(anatomies: dict[str, dict]) -> list[str]:
+    """A table of every design's profiled step: ms per category, ours and fla's rows."""
+    if not anatomies:
+        return []
+    labels = [label for label, _ in CATEGORIES] + [OTHER]
+    setting = next(iter(anatomies.values()))["setting"]
+    lines = ["", f"Where one forward + loss + backward spends its device time ({setting}, one profiled step, ms "
+             "of kernel time by part of the model; `models.json` keeps the heaviest kernels by name):", "",
+             "| spec | impl | busy ms | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)]
+    for spec in sorted(anatomies):
+        for impl, prof in anatomies[spec]["impls"].items():
+            cells = [f"{prof['categories'].get(label, 0.0):.2f}" for label in labels]
+            lines.append(f"| {spec} | {impl} | {prof['busy_ms']:.2f} | " + " | ".join(cells) + " |")
+    return lines

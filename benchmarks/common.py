@@ -84,7 +84,7 @@ PLANS = [
 def make_inputs(plan: RecurrencePlan, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: Any,
                 gates: str = "mild", seed: int = 0, states: bool = False, lengths: list[int] | None = None) -> dict:
     """Leaf tensors as the plan's layer produces them: unit keys, sigmoid beta and erase,
-    log-sigmoid gates (`GATE_REGIMES`), the OSDN-APF retain gate. `states` adds an initial
+    log-sigmoid gates (`GATE_REGIMES`, float32 or wider), the OSDN-APF retain gate. `states` adds an initial
     state (float32); `lengths` packs sequences of these token counts into one row (`B = 1`,
     `T = sum(lengths)`) and adds `cu_seqlens`."""
     if lengths is not None:
@@ -112,7 +112,11 @@ def make_inputs(plan: RecurrencePlan, B: int, T: int, H: int, K: int, V: int, dt
         x["write_key"] = F.normalize(rand(B, T * n, H, K), dim=-1)
     if plan.preconditioner is not None and plan.preconditioner.apf:
         x["retain"] = torch.sigmoid(rand(B, T, H) + 4.0)
-    out = {name: val.to(dtype).requires_grad_() for name, val in x.items()}
+    # A model forms its log gate in float32 (`kernels/log_decay.py`), fla's layers too: the
+    # gate stays there while the operands take `dtype` (a bfloat16 gate ran kernels the
+    # models never run: GLA-channel's backward faulted on the H200 with the float32 one only).
+    gate_dtype = torch.promote_types(dtype, torch.float32)
+    out = {name: val.to(gate_dtype if name == "g" else dtype).requires_grad_() for name, val in x.items()}
     if states:
         rows = B if lengths is None else len(lengths)
         out["initial_state"] = (0.1 * rand(rows, H, K, V)).requires_grad_()

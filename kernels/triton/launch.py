@@ -81,8 +81,10 @@ _CHANNEL_GATE = dict(inverse_warps=4, state_forward_bv=64, output_warps=8)
 _HALF_FAMILIES = {
     (Mode.DIAGONAL, Gate.NONE): dict(**_DEEP_STATE_FORWARD, state_forward_warps=8),
     (Mode.DIAGONAL, Gate.SCALAR): dict(**_DEEP_STATE_FORWARD, state_forward_warps=8, output_stages=2),
+    # K slices of 64: at 32, with the float32 gate a model forms, chunk_channels_kernel made
+    # an illegal memory access on the H200 (bfloat16 gates ran).
     (Mode.DIAGONAL, Gate.CHANNEL): dict(**_CHANNEL_GATE, inverse_stages=2, output_stages=2, backward_maxnreg=128,
-                                        backward_bk=32),
+                                        backward_bk=64),
     (Mode.HOUSEHOLDER, Gate.NONE): dict(**_DEEP_STATE_FORWARD, prepare_warps=4, backward_warps=4),
     (Mode.HOUSEHOLDER, Gate.SCALAR): dict(**_DEEP_STATE_FORWARD, prepare_warps=4, state_backward_stages=3,
                                           output_stages=2),

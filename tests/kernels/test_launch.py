@@ -55,10 +55,10 @@ def test_half_precision_guards(dtype):
     # 4 backward warps only for the ungated delta rule: at 4 KDA's channel kernels gave
     # gradients 7e-2 off and GLA-channel's an illegal memory access (miscompiles)
     assert {(m, g) for m, g in FAMILIES if entry(m, g).backward_warps == 4} == {(Mode.HOUSEHOLDER, Gate.NONE)}
-    # K slices of 64 with a channel gate's delta rule (32 gave d_k = inf in bfloat16 for KDA
-    # and RWKV-7), 32 for GLA-channel, whose capped registers pay for it
-    assert entry(Mode.HOUSEHOLDER, Gate.CHANNEL).backward_bk == entry(Mode.RWKV7, Gate.CHANNEL).backward_bk == 64
-    assert (entry(Mode.DIAGONAL, Gate.CHANNEL).backward_bk, entry(Mode.DIAGONAL, Gate.CHANNEL).backward_maxnreg) == (32, 128)
+    # K slices of 64 in half precision for every channel gate: 32 gave d_k = inf in bfloat16
+    # for KDA and RWKV-7, and an illegal memory access for GLA-channel with a float32 gate
+    assert {entry(m, Gate.CHANNEL).backward_bk for m in Mode} == {64}
+    assert entry(Mode.DIAGONAL, Gate.CHANNEL).backward_maxnreg == 128
     # 64-wide V blocks in the state backward (32-wide miscompiled with 8-warp chunk kernels)
     assert {entry(m, g).state_bv for m, g in FAMILIES} == {64}
 

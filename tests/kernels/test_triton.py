@@ -317,6 +317,23 @@ def test_small_channel_gated_heads_on_cuda(case: Case, head_dims: tuple[int, int
     _assert_close(_triton(inputs, chunk_size=None), _naive(inputs), tol=3e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("strength", [1.0, 10.0], ids=["mild", "strong"])
+@pytest.mark.parametrize("case", [Case(gate="channel", transition="householder"),  # KDA
+                                  Case(gate="channel", transition="diagonal"),  # GLA
+                                  Case(gate="channel", transition="rwkv7", write_key="untied")],
+                         ids=lambda c: c.id)
+def test_channel_gates_as_a_model_forms_them_on_cuda(case: Case, strength: float) -> None:
+    """The dtypes a model hands the kernel under autocast: bfloat16 operands and the
+    float32 gate of its log-decay, heads of 128 (so the channel backward runs several K
+    slices), against float64. GLA-channel with 32-wide K slices passed with bfloat16 gates
+    and made an illegal memory access with float32 ones on the H200."""
+    inputs = make_inputs(case, B=2, T=300, H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=7,
+                         gate_strength=strength)
+    inputs["g"] = inputs["g"].detach().float().requires_grad_()
+    _assert_close(_triton(inputs, chunk_size=None), _naive(inputs), tol=3e-2)
+
+
 # (case, gate strength, T): strong and mild channel gates, and a slow one whose state
 # carries across chunks; a scalar gate at mild strength.
 GATE_SUM_CASES = [

@@ -615,9 +615,26 @@ def markdown(record: dict[str, Any]) -> str:
                      f"{o['optimizer_ms']:.1f} / {f['optimizer_ms']:.1f} | {_gb(o['peak_mem_bytes'])} / {_gb(f['peak_mem_bytes'])} | {mem} |")
     import common
 
+    lines += measured_notes(rows)
     lines += anatomy.markdown(record.get("anatomy", {}))
     lines += common.run_notes(record)
     return "\n".join(lines) + "\n"
+
+
+def measured_notes(rows: list[dict]) -> list[str]:
+    """Which commit (and kernel sources, `kernels_sha1`) each spec's rows were measured
+    at, where a merged file holds rows of several runs."""
+    runs: dict[tuple, list[str]] = {}
+    for r in rows:
+        m = r.get("measured") or {}
+        key = (m.get("commit"), m.get("kernels_sha1"), m.get("date"))
+        if r["spec"] not in runs.setdefault(key, []):
+            runs[key].append(r["spec"])
+    if len(runs) < 2:
+        return []
+    parts = [f"{', '.join(specs)}: commit {c or '?'}, kernels {k or '?'}, {d or '?'}"
+             for (c, k, d), specs in sorted(runs.items(), key=lambda kv: str(kv[0][2]))]
+    return ["", "Measured in several runs (`--merge`): " + "; ".join(parts) + "."]
 
 
 def write_results(out: Path, record: dict[str, Any]) -> None:
@@ -674,6 +691,8 @@ def main(argv: list[str] | None = None) -> int:
         record["failed"] = {k: v for k, v in earlier.get("failed", {}).items() if k not in names}
         record["anatomy"] = {k: v for k, v in earlier.get("anatomy", {}).items() if k not in names}
         record["earlier_machines"] = [earlier.get("machine"), *earlier.get("earlier_machines", [])]
+    # Each row says which tree it was measured on: `--merge` keeps rows of earlier runs.
+    measured = {k: record["machine"].get(k) for k in ("commit", "kernels_sha1", "date")}
     pinned = picks.pin_from(out, log) if with_fla and not args.retune and size.device == "cuda" else None
     workers = args.warm_workers if args.warm_workers is not None else 0 if args.smoke else 8
     if workers > 0:
@@ -688,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
             break
 
         def keep(rows: list[Row]) -> None:
-            record["rows"] += [asdict(r) for r in rows]
+            record["rows"] += [{**asdict(r), "measured": measured} for r in rows]
             write_results(out, record)
 
         try:

@@ -32,6 +32,7 @@ def test_smoke_run_writes_every_setting(bench, tmp_path):
         assert r["impl"] == "ours" and r["tokens_per_s"] > 0 and r["optimizer_ms"] > 0 and r["params"] > 0
         assert r["batch"] * r["seq_len"] == 64  # equal tokens per step in every setting
         assert r["warmup_s"] is not None and r["warmup_s"] >= 0
+        assert r["measured"]["kernels_sha1"] == record["machine"]["kernels_sha1"]
     assert next(r for r in rows if r["setting"] == "packed")["documents"] > 1
     table = (tmp_path / "models.md").read_text()
     assert "| gated-deltanet | gated-deltanet | packed |" in table
@@ -66,6 +67,16 @@ def test_smoke_run_writes_every_setting(bench, tmp_path):
 def test_a_kernel_name_is_put_in_its_part_of_the_model(name, part):
     with benchmark_module("anatomy") as anatomy:
         assert anatomy.category(name) == part
+
+
+def test_merged_rows_say_which_run_measured_them(bench):
+    def row(spec, commit):
+        return {"spec": spec, "measured": {"commit": commit, "kernels_sha1": commit[:3], "date": "2026-12-0" + commit[-1]}}
+
+    assert bench.measured_notes([row("kda", "aaa1"), row("kda", "aaa1"), row("gla", "aaa1")]) == []  # one run: nothing to say
+    notes = bench.measured_notes([row("kda", "aaa1"), row("gla", "bbb2"), row("rwkv7", "bbb2")])
+    assert notes[-1] == ("Measured in several runs (`--merge`): kda: commit aaa1, kernels aaa, 2026-12-01; "
+                         "gla, rwkv7: commit bbb2, kernels bbb, 2026-12-02.")
 
 
 def test_packed_batch_and_the_labels_fla_gets(bench):

@@ -1,7 +1,7 @@
 """Kernel benchmark: the recurrence of each model spec on the Triton chunk kernel, beside
 flash-linear-attention's kernel of the same recurrence and the plan's floors.
 
-    python benchmarks/kernel_times.py [--plans a,b] [--gates mild,strong] [--rounds 5] [--budget-s S] [--smoke]
+    python benchmarks/kernel_times.py [--plans a,b] [--gates mild,strong,init] [--rounds 5] [--budget-s S] [--smoke]
 
 Each plan is a spec of `specs/models` (some with overrides, `PLANS`), lowered by
 `archspec.lower`. At B=4 T=4096 H=16 K=V=128 bfloat16 it times the forward and the forward
@@ -9,7 +9,8 @@ Each plan is a spec of `specs/models` (some with overrides, `PLANS`), lowered by
 alternately in one process, `--rounds` times each (`triton.testing.do_bench` medians; the
 median of the rounds is reported): the host's speed drifts between runs and over minutes,
 and a call of short kernels waits on it, so only a side-by-side ratio is fair. Gated plans
-are timed with mild gates and, with a channel gate, with strong ones (`common.GATE_REGIMES`).
+are timed with mild gates and, with a channel gate, with strong ones and with those of an
+initialised model (`common.GATE_REGIMES`).
 
 The floors: the fewest bytes a pass must move (every input read once, every output
 written once) over the measured copy rate, and the FLOPs the chunk algorithm performs
@@ -162,7 +163,8 @@ def markdown(results: dict) -> str:
     lines = [f"Kernel times on {m.get('device', 'CPU')} (torch {m['torch']}, triton {m.get('triton')}, fla {m.get('fla')}, "
              f"{m['date']}, commit {m.get('commit')}), B={s['B']} T={s['T']} H={s['H']} K={s['K']} V={s['V']} bfloat16, "
              f"median ms; ours and fla's call timed alternately, {results['rounds']} rounds. Gates: mild "
-             "`logsigmoid(x + 4)`, strong `logsigmoid(x)` clamped at -5 (trained KDA layers' statistics).", "",
+             "`logsigmoid(x + 4)`, strong `logsigmoid(x)` clamped at -5 (trained KDA layers' statistics), init "
+             "`-A softplus(x)` with A in [1, 16] per head (an initialised KDA layer's, which the whole-model benchmark meets).", "",
              "| plan | gates | floor fwd | ours fwd | fla fwd | ours/fla | floor f+b | ours f+b | fla f+b | ours/fla |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PLANS, ROOT, first_line, forward_and_backward, machine, make_inputs, median_ms, run_ours  # noqa: E402
+from common import GATE_REGIMES, PLANS, ROOT, first_line, forward_and_backward, machine, make_inputs, median_ms, run_ours  # noqa: E402
 
 SUSPECT = 1e-2  # relative error against the table's run above which a setting is flagged
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plans", required=True, help=f"comma-separated, of {[b.name for b in PLANS]}")
     parser.add_argument("--set", action="append", default=[], dest="settings", help="NAME=V1,V2 (repeatable)")
-    parser.add_argument("--gates", default="mild", choices=["mild", "strong"])
+    parser.add_argument("--gates", default="mild", choices=list(GATE_REGIMES))
     parser.add_argument("--shape", default="4,4096,16,128,128", help="B,T,H,K,V")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sweep.json")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, no timing: the script runs")

@@ -35,8 +35,8 @@ def test_kernel_times_smoke_writes_every_row(tmp_path: Path) -> None:
         results = bench.main(["--smoke", "--plans", "deltanet,kda,osgdn-apf", "--out", str(tmp_path)])
     written = json.loads((tmp_path / "kernel_times.json").read_text())
     rows = [(r["plan"], r["gates"]) for r in written["rows"]]
-    # kda's channel gate is timed in both regimes, osgdn-apf's scalar gate with mild gates only
-    assert rows == [("deltanet", "none"), ("kda", "mild"), ("kda", "strong"), ("osgdn-apf", "mild")]
+    # kda's channel gate is timed in every regime, osgdn-apf's scalar gate with mild gates only
+    assert rows == [("deltanet", "none"), ("kda", "mild"), ("kda", "strong"), ("kda", "init"), ("osgdn-apf", "mild")]
     assert all(not r["errors"] and set(r["ms"]) == {"forward", "forward+backward"} for r in results["rows"])
     for r in written["rows"]:  # one forward+backward profiled, heaviest kernel first
         kernels = r["kernels"]["ours"]
@@ -84,6 +84,24 @@ def test_plans_come_from_the_specs() -> None:
     assert (plans["gla-scalar"].transition, plans["gla-scalar"].gate) == ("diagonal", "scalar")
     assert plans["osgdn"].preconditioner is not None and not plans["osgdn"].preconditioner.apf
     assert plans["deltaproduct-2"].beta_scale == 2.0  # the spec's beta_range [0, 2]
+
+
+@pytest.mark.parametrize("regime, chunks_within, sub_chunks_within", [
+    ("mild", 1.0, 1.0),  # the one-product path everywhere
+    ("strong", 0.0, 1.0),  # trained KDA layers: the sub-chunk factorization
+    ("init", 0.0, 0.0),  # an initialised model's: pairs within a sub-chunk element by element
+])
+def test_gate_regimes_take_the_paths_they_are_named_for(regime: str, chunks_within: float, sub_chunks_within: float) -> None:
+    """The share of (chunk, head) pairs whose decay stays within `decay.py`'s e^40 in every
+    channel, over the whole chunk and over each 16-token sub-chunk; the gate in float32."""
+    with benchmark_module("common") as common:
+        kda = next(b.plan for b in common.PLANS if b.name == "kda")
+        g = common.make_inputs(kda, 2, 1024, 4, 64, 64, torch.bfloat16, "cpu", gates=regime)["g"]
+    assert g.dtype == torch.float32
+    decay = -g.double().reshape(2, 16, 4, 16, 4, 64)  # [B, chunk, sub-chunk, token, H, K]
+    chunk, sub = decay.sum((2, 3)).amax(-1), decay.sum(3).amax(-1).amax(2)
+    assert (chunk <= 40).double().mean().item() == pytest.approx(chunks_within, abs=0.05)
+    assert (sub <= 40).double().mean().item() == pytest.approx(sub_chunks_within, abs=0.05)
 
 
 def test_fla_mapping_covers_its_recurrences() -> None:

@@ -72,17 +72,25 @@ def profile(call: Callable[[], None], device: str) -> dict:
     }
 
 
-def markdown(anatomies: dict[str, dict]) -> list[str]:
-    """A table of every design's profiled step: ms per category, ours and fla's rows."""
+def markdown(anatomies: dict[str, dict], step_ms: dict[tuple[str, str], float] | None = None) -> list[str]:
+    """A table of every design's profiled step: ms per category, ours and fla's rows.
+    With `step_ms` (the timed step of (spec, impl) at the profiled setting), the share of
+    the step the device spent idle: the host's (Python, launches) where it is large."""
     if not anatomies:
         return []
+    step_ms = step_ms or {}
     labels = [label for label, _ in CATEGORIES] + [OTHER]
     setting = next(iter(anatomies.values()))["setting"]
     lines = ["", f"Where one forward + loss + backward spends its device time ({setting}, one profiled step, ms "
-             "of kernel time by part of the model; `models.json` keeps the heaviest kernels by name):", "",
-             "| spec | impl | busy ms | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)]
+             "of kernel time by part of the model; `idle`: the share of the timed step no kernel ran; "
+             "`models.json` keeps the heaviest kernels by name):", "",
+             "| spec | impl | step ms | busy ms | idle | " + " | ".join(labels) + " |",
+             "|---|---|---|---|---|" + "---|" * len(labels)]
     for spec in sorted(anatomies):
         for impl, prof in anatomies[spec]["impls"].items():
+            step = step_ms.get((spec, impl))
+            timed = "-" if step is None else f"{step:.2f}"
+            idle = "-" if not step else f"{max(0.0, 1 - prof['busy_ms'] / step):.0%}"
             cells = [f"{prof['categories'].get(label, 0.0):.2f}" for label in labels]
-            lines.append(f"| {spec} | {impl} | {prof['busy_ms']:.2f} | " + " | ".join(cells) + " |")
+            lines.append(f"| {spec} | {impl} | {timed} | {prof['busy_ms']:.2f} | {idle} | " + " | ".join(cells) + " |")
     return lines

@@ -616,7 +616,10 @@ def markdown(record: dict[str, Any]) -> str:
     import common
 
     lines += measured_notes(rows)
-    lines += anatomy.markdown(record.get("anatomy", {}))
+    profiled = record.get("anatomy", {})
+    step_ms = {(r["spec"], r["impl"]): r["step_ms"] for r in rows
+               if r.get("step_ms") and r["spec"] in profiled and r["setting"] == profiled[r["spec"]]["setting"]}
+    lines += anatomy.markdown(profiled, step_ms)
     lines += common.run_notes(record)
     return "\n".join(lines) + "\n"
 

@@ -43,7 +43,8 @@ def test_smoke_run_writes_every_setting(bench, tmp_path):
         prof = entry["impls"]["ours"]
         assert prof["busy_ms"] > 0 and sum(prof["categories"].values()) == pytest.approx(prof["busy_ms"], abs=0.01)
         assert prof["categories"]["matmul"] > 0 and prof["kernels"][0][2] >= prof["kernels"][-1][2]
-        assert f"| {spec} | ours | {prof['busy_ms']:.2f} |" in table
+        step = next(r["step_ms"] for r in rows if r["spec"] == spec and r["setting"] == "T=32")
+        assert f"| {spec} | ours | {step:.2f} | {prof['busy_ms']:.2f} |" in table
 
 
 @pytest.mark.parametrize("name, part", [

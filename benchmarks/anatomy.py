@@ -53,17 +53,19 @@ def profile(call: Callable[[], None], device: str) -> dict:
         if cuda:
             torch.cuda.synchronize()
     wanted = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    by_name: dict[str, list[float]] = {}
+    by_name: dict[str, list[float]] = {}  # name -> [launches, ms]
     for event in prof.events():
         if event.device_type != wanted:
             continue
         # CPU operators nest (aten::linear holds aten::addmm): each counts its own time only.
         us = event.device_time if cuda else event.self_cpu_time_total
-        launches, total = by_name.setdefault(event.name, [0, 0.0])
-        by_name[event.name] = [launches + 1, total + us / 1e3]
+        entry = by_name.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += us / 1e3
     categories: dict[str, float] = {}
     for name, (_, ms) in by_name.items():
-        categories[category(name)] = categories.get(category(name), 0.0) + ms
+        label = category(name)
+        categories[label] = categories.get(label, 0.0) + ms
     heaviest = sorted(by_name.items(), key=lambda item: -item[1][1])[:KEPT_KERNELS]
     return {
         "busy_ms": round(sum(ms for _, ms in by_name.values()), 3),

@@ -61,6 +61,7 @@ COPY_BYTES_PER_S = 4.27e12  # device-to-device copy measured on the H200
 MATMUL_FLOPS_PER_S = 692e12  # bf16 8192^3 matmul measured on the H200
 
 PASSES = ("forward", "forward+backward")
+KERNELS_SHOWN = 12  # the heaviest kernels of a profiled forward+backward, kept per implementation
 
 
 def regimes(bench: Bench, asked: tuple[str, ...]) -> list[str]:
@@ -153,9 +154,6 @@ def time_plan(bench: Bench, gates: str, shape: dict, rounds: int, with_fla: bool
     row["kernels"] = {impl: anatomy.profile(fns[impl]["forward+backward"], device)["kernels"][:KERNELS_SHOWN]
                       for impl in row["ms"].get("forward+backward", {})}
     return row
-
-
-KERNELS_SHOWN = 12  # the heaviest kernels of a profiled forward+backward, kept per implementation
 
 
 def markdown(results: dict) -> str:

@@ -540,13 +540,14 @@ def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: i
         by_impl = {t.name: Row(spec.stem if design is None else design, spec.stem, setting, t.name, B, T, docs, t.params)
                    for t in trainees}
         time_side_by_side(trainees, batch, rounds, warmup, size.device, by_impl)
-        if anatomies is not None and not rows:
-            anatomies[spec.stem] = {"setting": setting, "impls": {
-                t.name: profile_step(t, batch) for t in trainees if not by_impl[t.name].refused}}
         measured = list(by_impl.values())
         if with_fla and "fla" not in by_impl:
             measured.append(Row(design or spec.stem, spec.stem, setting, "fla", B, T, docs, refused=refusal))
+        first = not rows
         rows += measured
+        if anatomies is not None and first:  # after the timing, never in it; before the rows are handed on
+            anatomies[spec.stem] = {"setting": setting, "impls": {
+                t.name: profile_step(t, batch) for t in trainees if not by_impl[t.name].refused}}
         on_setting(measured)
         for row in by_impl.values():  # a peer refusing the design (not this setting's size) is not asked again
             if row.impl != "ours" and row.refused and not setting_specific(row.refused):

@@ -19,13 +19,16 @@ empty sub-steps.
 Numerics (why this file exists). With no gate the products are plain `tl.dot`s; with a
 scalar gate the decay is a `[RA, BT]` matrix `exp(Ga - Gb)` applied to one `tl.dot`.
 With a channel gate the usual factorization `(xa * exp(Ga)) (xb * exp(-Gb))^T` forms
-`exp(-G)`, which overflows float32 once a chunk decays by more than e^88. Here the
-chunk is cut into sub-chunks of `SC` sub-steps: a pair in different sub-chunks is
-factorized around the first position of the later sub-chunk (`ref`), which lies
-between them in time, so both factors are `exp(<= 0)`; a pair inside one sub-chunk is
-evaluated element by element as `exp(Ga - Gb)` with the exponent masked to the causal
-pairs. Nothing ever evaluates `exp` of a positive number, whatever the gates, so the
-channel path is exact for every `g <= 0` (at `SC * K` extra exponentials per row).
+`exp(-G)`, which overflows float32 once a chunk decays by more than e^88. The exact path
+avoids it level by level: a pair with `pos_b < pos_a` is factorized around the middle of
+the smallest aligned block holding both (the block of `2w` positions, `w` the highest bit
+in which the positions differ), which lies between them in time, so both factors are
+`exp(<= 0)`. Each of the `log2(BT)` levels is one tensor-core product of rows decayed from
+or to their block's middle, masked to pairs within one block; the pairs at one position
+take no decay. Nothing ever evaluates `exp` of a positive number, whatever the gates, so
+the channel path is exact for every `g <= 0`, at two `[R, K]` exponentials and two
+gathers of gate rows per level. (It replaced pairs within a 16-row sub-chunk formed
+element by element: a dependent loop of 16 gathers, `[R, K]` exponentials and row sums.)
 
 The fastest way, taken when the chunk as a whole decays by at most a bound in every
 channel (`-G_b <= bound` for every row at hand: `_chunk_within_bound`), is the usual
@@ -36,10 +39,8 @@ plain product). Slow gates (under 40/64 = 0.6 nats per token on average; the ben
 `logsigmoid(x + 4)` decays a 64-token chunk by a few nats) take it. Otherwise (decided per
 program, so one launch mixes the three) the sub-chunk forms below apply.
 
-The element-by-element part is a dependent loop of `SC` gathers and `[R, K]` exponentials
-per product, which made the channel-gate kernels several times slower than the rest on
-the H200 (KDA's read-out 0.85 ms against DeltaNet's 0.23). So when a sub-chunk decays by
-at most a bound in every channel (`G_first - G <= bound` inside it, checked per
+The exact path costs `log2(BT)` products and `4 log2(BT)` `[R, K]` gathers and
+exponentials. So when a sub-chunk decays by at most a bound in every channel (`G_first - G <= bound` inside it, checked per
 call over the rows `b` at hand: `_within_bound`), its inner pairs too are factorized
 around its first position, where `exp(ref - Gb) <= e^bound`, in three factors:
 
@@ -54,14 +55,12 @@ exponential (the first form of this path took two per sub-chunk: 8 where there a
 keeps its relative precision) and 8 for float16 operands (max 65504). Typical gates
 (`logsigmoid` of a learned value, a few hundredths to a few units per token) take this
 path; a sub-chunk whose gates decay faster than `bound / SC` per step falls back to the
-exact loop (pairs in earlier sub-chunks factorized around the later one's start, inner
-pairs element by element), decided per program, so neither path ever overflows.
+exact path, decided per program, so neither path ever overflows.
 
-Gathers: the element-wise part needs row `b` of `xb` (or row `a` of `xa`) beside row `a`
-(or `b`); Triton cannot index a register tensor, so those rows are re-read from memory
-(`p_*` point at row 0 of the chunk for this head, `stride_*` is the row stride); they
-are inputs, cached in L1/L2. `p_g` points at the chunk's first token of the cumulative
-gate (one row per token: sub-step `b` reads token `b // NH`).
+Gathers: the gate at a row's sub-chunk start or block middle is re-read from memory
+(Triton cannot index a register tensor; `p_g` points at the chunk's first token of the
+cumulative gate, one row per token: sub-step `b` reads token `b // NH`); those rows are
+inputs, cached in L1/L2.
 
 Column blocks: the decay is per channel, so every product is a sum (scores) or a
 concatenation (apply_left / apply_right) over columns. The `[R, K]` operands may hold only
@@ -80,6 +79,9 @@ from .kinds import ALL_CHUNKS, CHANNEL_GATE, NO_GATE, SCALAR_GATE, WITHIN_BOUND
 # The factorization bound (module docstring): the most a factor may grow is e^40 with
 # bfloat16 and float32 operands (`decay_bound`: e^8 with float16 ones).
 DECAY_BOUND = tl.constexpr(40.0)
+# The exact path's levels: one per bit of a sub-step's position in the chunk (`BT` up to
+# 2^LEVELS; a level a smaller chunk lacks is not compiled).
+LEVELS = tl.constexpr(7)
 
 # Tests only: the CPU interpreter widens bfloat16 operands to float32
 # (`recurrence._operand_dtype`: its own bfloat16 products are wrong), so it cannot show
@@ -282,14 +284,36 @@ def _step_decay(p_g, s_from, s_to, n_sub, stride_g, offs_k, SC: tl.constexpr, NH
 
 
 @triton.jit
-def _exact_sub_chunk(p_g, s, pos_a, valid_a, pos_b, valid_b, n_sub, stride_g, offs_k,
-                     SC: tl.constexpr, NH: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr):
-    """The exact path's sub-chunk `s`: `(ref, in_s, before)`, the gate at its first position,
-    its rows `a`, and the rows `b` before it (none when it is empty: it has no ref)."""
-    ref = _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)
-    in_s = ((pos_a // SC) == s) & valid_a
-    before = (pos_b < s * SC) & valid_b & (s * SC < n_sub)
-    return ref, in_s, before
+def _level_rows(p_g, pos, valid, n_sub, stride_g, offs_k, w: tl.constexpr, UPPER: tl.constexpr,
+                NH: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr):
+    """Level `w` of the exact path (module docstring): `(rows, block, g_mid)`, the rows in
+    the upper (`UPPER`) or lower half of their `2w`-block, that block, and the cumulative
+    gate at its middle (the block's `w`-th position: between every lower row and every upper
+    one in time). A lower row whose block has no middle among the chunk's sub-steps has no
+    partner and is left out (its factor would read a gate of 0)."""
+    block = pos // (2 * w)
+    mid = block * (2 * w) + w
+    if UPPER:
+        rows = ((pos // w) % 2 == 1) & valid
+    else:
+        rows = ((pos // w) % 2 == 0) & valid & (mid < n_sub)
+    return rows, block, load_rows(p_g, mid // NH, rows, stride_g, offs_k, K, ACC)
+
+
+@triton.jit
+def _level_factors(xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_g, stride_g, n_sub, offs_k, w: tl.constexpr,
+                   NH: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr):
+    """`(fa, fb, same)` of level `w`: rows `a` decayed from their block's middle
+    (`exp(Ga - G_mid) <= 1`), rows `b` decayed to it (`exp(G_mid - Gb) <= 1`), zero outside
+    the upper and lower halves, and `same[a, b]`: the pair shares a block. Every pair with
+    `pos_b < pos_a` is at exactly one level, that of the highest bit in which the two
+    positions differ, so the levels and the diagonal (`pos_a == pos_b`) cover each causal
+    pair once, each as one product."""
+    up, block_a, mid_a = _level_rows(p_g, pos_a, valid_a, n_sub, stride_g, offs_k, w, True, NH, K, ACC)
+    low, block_b, mid_b = _level_rows(p_g, pos_b, valid_b, n_sub, stride_g, offs_k, w, False, NH, K, ACC)
+    fa = xa * tl.exp(tl.where(up[:, None], ga - mid_a, float("-inf")))
+    fb = xb * tl.exp(tl.where(low[:, None], mid_b - gb, float("-inf")))
+    return fa, fb, block_a[:, None] == block_b[None, :]
 
 
 @triton.jit
@@ -300,7 +324,6 @@ def _sub_chunk_scores(
 ):
     """`scores` of a chunk that decays by more than the bound: per sub-chunk (unmasked)."""
     offs_k = k0 + tl.arange(0, BK)
-    cols = tl.arange(0, BT)
     ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
     out = tl.zeros([xa.shape[0], BT], dtype=ACC)
     if _within_bound(ref_b, gb, valid_b, OP):
@@ -317,24 +340,14 @@ def _sub_chunk_scores(
             carry = tl.where(((pos_b // SC) == s)[:, None], fb, carry)
             out += tl.where(((pos_a // SC) == s)[:, None], mm(fa, tl.trans(carry), OP, PREC, ACC), 0.0)
     else:
-        # pairs before sub-chunk s: factorized around its start; pairs inside one
-        # sub-chunk: element by element, one partner column at a time
-        for s in tl.static_range(0, BT // SC):
-            ref, in_s, before = _exact_sub_chunk(p_g, s, pos_a, valid_a, pos_b, valid_b, n_sub, stride_g, offs_k,
-                                                 SC, NH, K, ACC)
-            xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
-            xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
-            out += mm(xa_s, tl.trans(xb_s), OP, PREC, ACC)
-        for jj in range(SC):
-            b_of_a = (pos_a // SC) * SC + jj
-            if STRICT:
-                ok = (b_of_a < pos_a) & valid_a & (b_of_a < n_sub)
-            else:
-                ok = (b_of_a <= pos_a) & valid_a & (b_of_a < n_sub)
-            xb_j = load_rows(p_xb, b_of_a, ok, stride_xb, offs_k, K, ACC)
-            gb_j = load_rows(p_g, b_of_a // NH, ok, stride_g, offs_k, K, ACC)
-            val = tl.sum(xa * xb_j * tl.exp(tl.where(ok[:, None], ga - gb_j, float("-inf"))), 1)
-            out += tl.where(cols[None, :] == b_of_a[:, None], val[:, None], 0.0)
+        # level by level (`_level_factors`): one product each, every factor exp(<= 0)
+        for i in tl.static_range(0, LEVELS):
+            if BT >> (i + 1) >= 1:
+                fa, fb, same = _level_factors(xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_g, stride_g, n_sub,
+                                              offs_k, BT >> (i + 1), NH, K, ACC)
+                out += tl.where(same, mm(fa, tl.trans(fb), OP, PREC, ACC), 0.0)
+        if not STRICT:  # the pairs at one position: no decay
+            out += tl.where(pos_a[:, None] == pos_b[None, :], mm(xa, tl.trans(xb), OP, PREC, ACC), 0.0)
     return out
 
 
@@ -346,7 +359,6 @@ def _sub_chunk_left(
 ):
     """`apply_left` of a chunk that decays by more than the bound: per sub-chunk."""
     offs_k = k0 + tl.arange(0, BK)
-    cols = tl.arange(0, BT)
     ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
     out = tl.zeros([m.shape[0], BK], dtype=ACC)
     if _within_bound(ref_b, gb, valid_b, OP):  # as in `scores`
@@ -359,21 +371,14 @@ def _sub_chunk_left(
             out += tl.where(((pos_a // SC) == s)[:, None], mm_fine(m, carry, OP, PREC, ACC), 0.0)
         out = out * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, stride_g, offs_k, SC, NH, K, ACC),
                                     float("-inf")))
-    else:
-        for s in tl.static_range(0, BT // SC):
-            ref, in_s, before = _exact_sub_chunk(p_g, s, pos_a, valid_a, pos_b, valid_b, n_sub, stride_g, offs_k,
-                                                 SC, NH, K, ACC)
-            m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
-            xb_s = xb * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
-            part = mm_fine(m_s, xb_s, OP, PREC, ACC)
-            out += part * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
-        for jj in range(SC):
-            b_of_a = (pos_a // SC) * SC + jj
-            ok = (b_of_a <= pos_a) & valid_a & (b_of_a < n_sub)
-            m_col = tl.sum(tl.where(cols[None, :] == b_of_a[:, None], m, 0.0), 1)
-            xb_j = load_rows(p_xb, b_of_a, ok, stride_xb, offs_k, K, ACC)
-            gb_j = load_rows(p_g, b_of_a // NH, ok, stride_g, offs_k, K, ACC)
-            out += m_col[:, None] * xb_j * tl.exp(tl.where(ok[:, None], ga - gb_j, float("-inf")))
+    else:  # level by level, as in `scores`: rows a take their factor after the product
+        ones = tl.full([m.shape[0], BK], 1.0, dtype=ACC)
+        for i in tl.static_range(0, LEVELS):
+            if BT >> (i + 1) >= 1:
+                fa, fb, same = _level_factors(ones, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_g, stride_g, n_sub,
+                                              offs_k, BT >> (i + 1), NH, K, ACC)
+                out += fa * mm_fine(tl.where(same, m, 0.0), fb, OP, PREC, ACC)
+        out += mm_fine(tl.where(pos_a[:, None] == pos_b[None, :], m, 0.0), xb, OP, PREC, ACC)
     return out
 
 
@@ -385,7 +390,6 @@ def _sub_chunk_right(
 ):
     """`apply_right` of a chunk that decays by more than the bound: per sub-chunk."""
     offs_k = k0 + tl.arange(0, BK)
-    rows_a = tl.arange(0, m.shape[0])
     ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
     out = tl.zeros([BT, BK], dtype=ACC)
     if _within_bound(ref_b, gb, valid_b, OP):  # as in `scores`, the running product backwards in time
@@ -399,23 +403,14 @@ def _sub_chunk_right(
             carry = tl.where(((pos_a // SC) == t)[:, None], fa, carry)
             out += tl.where(((pos_b // SC) == t)[:, None], mm_fine(tl.trans(m), carry, OP, PREC, ACC), 0.0)
         out = out * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
-    else:
-        for s in tl.static_range(0, BT // SC):
-            ref, in_s, before = _exact_sub_chunk(p_g, s, pos_a, valid_a, pos_b, valid_b, n_sub, stride_g, offs_k,
-                                                 SC, NH, K, ACC)
-            m_s = tl.where(in_s[:, None] & before[None, :], m, 0.0)
-            xa_s = xa * tl.exp(tl.where(in_s[:, None], ga - ref[None, :], float("-inf")))
-            part = mm_fine(tl.trans(m_s), xa_s, OP, PREC, ACC)
-            out += part * tl.exp(tl.where(before[:, None], ref[None, :] - gb, float("-inf")))
-        # inside a sub-chunk: for each row b, its partners a of the same sub-chunk, one at a time
-        for aa in range((SC + A_STEP - 1) // A_STEP):
-            a_of_b = ((pos_b // SC) * SC) // A_STEP + aa
-            pos_ab = a_of_b * A_STEP + A_STEP - 1
-            ok = (pos_ab >= pos_b) & (pos_ab // SC == pos_b // SC) & (a_of_b < n_a) & valid_b
-            m_col = tl.sum(tl.where(rows_a[:, None] == a_of_b[None, :], m, 0.0), 0)
-            xa_j = load_rows(p_xa, a_of_b, ok, stride_xa, offs_k, K, ACC)
-            ga_j = load_rows(p_g, (a_of_b * A_STEP) // NH, ok, stride_g, offs_k, K, ACC)
-            out += m_col[:, None] * xa_j * tl.exp(tl.where(ok[:, None], ga_j - gb, float("-inf")))
+    else:  # level by level, as in `scores`: rows b take their factor after the product
+        ones = tl.full([BT, BK], 1.0, dtype=ACC)
+        for i in tl.static_range(0, LEVELS):
+            if BT >> (i + 1) >= 1:
+                fa, fb, same = _level_factors(xa, ga, pos_a, valid_a, ones, gb, pos_b, valid_b, p_g, stride_g, n_sub,
+                                              offs_k, BT >> (i + 1), NH, K, ACC)
+                out += fb * mm_fine(tl.trans(tl.where(same, m, 0.0)), fa, OP, PREC, ACC)
+        out += mm_fine(tl.trans(tl.where(pos_a[:, None] == pos_b[None, :], m, 0.0)), xa, OP, PREC, ACC)
     return out
 
 

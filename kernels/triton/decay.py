@@ -79,9 +79,6 @@ from .kinds import ALL_CHUNKS, CHANNEL_GATE, NO_GATE, SCALAR_GATE, WITHIN_BOUND
 # The factorization bound (module docstring): the most a factor may grow is e^40 with
 # bfloat16 and float32 operands (`decay_bound`: e^8 with float16 ones).
 DECAY_BOUND = tl.constexpr(40.0)
-# The exact path's levels: one per bit of a sub-step's position in the chunk (`BT` up to
-# 2^LEVELS; a level a smaller chunk lacks is not compiled).
-LEVELS = tl.constexpr(7)
 
 # Tests only: the CPU interpreter widens bfloat16 operands to float32
 # (`recurrence._operand_dtype`: its own bfloat16 products are wrong), so it cannot show
@@ -284,7 +281,7 @@ def _step_decay(p_g, s_from, s_to, n_sub, stride_g, offs_k, SC: tl.constexpr, NH
 
 
 @triton.jit
-def _level_rows(p_g, pos, valid, n_sub, stride_g, offs_k, w: tl.constexpr, UPPER: tl.constexpr,
+def _level_rows(p_g, pos, valid, n_sub, stride_g, offs_k, w, UPPER: tl.constexpr,
                 NH: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr):
     """Level `w` of the exact path (module docstring): `(rows, block, g_mid)`, the rows in
     the upper (`UPPER`) or lower half of their `2w`-block, that block, and the cumulative
@@ -301,7 +298,7 @@ def _level_rows(p_g, pos, valid, n_sub, stride_g, offs_k, w: tl.constexpr, UPPER
 
 
 @triton.jit
-def _level_factors(xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_g, stride_g, n_sub, offs_k, w: tl.constexpr,
+def _level_factors(xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_g, stride_g, n_sub, offs_k, w,
                    NH: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr):
     """`(fa, fb, same)` of level `w`: rows `a` decayed from their block's middle
     (`exp(Ga - G_mid) <= 1`), rows `b` decayed to it (`exp(G_mid - Gb) <= 1`), zero outside
@@ -341,11 +338,12 @@ def _sub_chunk_scores(
             out += tl.where(((pos_a // SC) == s)[:, None], mm(fa, tl.trans(carry), OP, PREC, ACC), 0.0)
     else:
         # level by level (`_level_factors`): one product each, every factor exp(<= 0)
-        for i in tl.static_range(0, LEVELS):
-            if BT >> (i + 1) >= 1:
-                fa, fb, same = _level_factors(xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_g, stride_g, n_sub,
-                                              offs_k, BT >> (i + 1), NH, K, ACC)
-                out += tl.where(same, mm(fa, tl.trans(fb), OP, PREC, ACC), 0.0)
+        w = BT // 2
+        while w >= 1:  # a loop, not unrolled: one level's tiles live at a time
+            fa, fb, same = _level_factors(xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_g, stride_g, n_sub,
+                                          offs_k, w, NH, K, ACC)
+            out += tl.where(same, mm(fa, tl.trans(fb), OP, PREC, ACC), 0.0)
+            w = w // 2
         if not STRICT:  # the pairs at one position: no decay
             out += tl.where(pos_a[:, None] == pos_b[None, :], mm(xa, tl.trans(xb), OP, PREC, ACC), 0.0)
     return out
@@ -373,11 +371,12 @@ def _sub_chunk_left(
                                     float("-inf")))
     else:  # level by level, as in `scores`: rows a take their factor after the product
         ones = tl.full([m.shape[0], BK], 1.0, dtype=ACC)
-        for i in tl.static_range(0, LEVELS):
-            if BT >> (i + 1) >= 1:
-                fa, fb, same = _level_factors(ones, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_g, stride_g, n_sub,
-                                              offs_k, BT >> (i + 1), NH, K, ACC)
-                out += fa * mm_fine(tl.where(same, m, 0.0), fb, OP, PREC, ACC)
+        w = BT // 2
+        while w >= 1:
+            fa, fb, same = _level_factors(ones, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_g, stride_g, n_sub,
+                                          offs_k, w, NH, K, ACC)
+            out += fa * mm_fine(tl.where(same, m, 0.0), fb, OP, PREC, ACC)
+            w = w // 2
         out += mm_fine(tl.where(pos_a[:, None] == pos_b[None, :], m, 0.0), xb, OP, PREC, ACC)
     return out
 
@@ -405,11 +404,12 @@ def _sub_chunk_right(
         out = out * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
     else:  # level by level, as in `scores`: rows b take their factor after the product
         ones = tl.full([BT, BK], 1.0, dtype=ACC)
-        for i in tl.static_range(0, LEVELS):
-            if BT >> (i + 1) >= 1:
-                fa, fb, same = _level_factors(xa, ga, pos_a, valid_a, ones, gb, pos_b, valid_b, p_g, stride_g, n_sub,
-                                              offs_k, BT >> (i + 1), NH, K, ACC)
-                out += fb * mm_fine(tl.trans(tl.where(same, m, 0.0)), fa, OP, PREC, ACC)
+        w = BT // 2
+        while w >= 1:
+            fa, fb, same = _level_factors(xa, ga, pos_a, valid_a, ones, gb, pos_b, valid_b, p_g, stride_g, n_sub,
+                                          offs_k, w, NH, K, ACC)
+            out += fb * mm_fine(tl.trans(tl.where(same, m, 0.0)), fa, OP, PREC, ACC)
+            w = w // 2
         out += mm_fine(tl.trans(tl.where(pos_a[:, None] == pos_b[None, :], m, 0.0)), xa, OP, PREC, ACC)
     return out
 

@@ -137,7 +137,7 @@ def k_sums(
                           offs_k, K, V, BV, ACC, OP, PREC)
         x_k += mm(dp, tl.trans(decay_rows(kk, gk, GATE)), OP, PREC, ACC)
         ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
-        s_kw += scores(kk, gk, i_sub, valid, ww, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
+        s_kw += scores(kk, gk, i_sub, valid, ww, gk, i_sub, valid, p_g, stride_g, n_sub,
                        True, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, i_k * BKS, CHUNK_ONLY=CHUNK_ONLY)
     return x_k, s_kw
 
@@ -301,16 +301,16 @@ def channel_grads(
         dkk += decay_rows(tdp, gk, GATE)
         kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
         ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
-        dkk += apply_left(pair_tile(da, BT, BT, ACC), ee, gk, i_sub, valid, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
+        dkk += apply_left(pair_tile(da, BT, BT, ACC), ee, gk, i_sub, valid, gk, i_sub, valid, p_g, stride_g, n_sub,
                           GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
-        dee = apply_right(pair_tile(da, BT, BT, ACC), kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
-                          n_sub, n_sub, 1, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
+        dee = apply_right(pair_tile(da, BT, BT, ACC), kk, gk, i_sub, valid, gk, i_sub, valid, p_g, stride_g,
+                          n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
     if MODE == RWKV7:
         ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
-        dkk += apply_left(pair_tile(ds_kw, BT, BT, ACC), ww, gk, i_sub, valid, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
+        dkk += apply_left(pair_tile(ds_kw, BT, BT, ACC), ww, gk, i_sub, valid, gk, i_sub, valid, p_g, stride_g, n_sub,
                           GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
-        dww = apply_right(pair_tile(ds_kw, BT, BT, ACC), kk, gk, i_sub, valid, gk, i_sub, valid, k + row_k, H * K, p_g, stride_g,
-                          n_sub, n_sub, 1, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
+        dww = apply_right(pair_tile(ds_kw, BT, BT, ACC), kk, gk, i_sub, valid, gk, i_sub, valid, p_g, stride_g,
+                          n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
     if not TIED:  # complete (a tied key adds dw at the end)
         store_rows(dk + row_k, dkk, i_sub, valid, H * K, offs_k, K)
 
@@ -320,11 +320,11 @@ def channel_grads(
     dqq = decay_rows(dq_state, gq, GATE) * scale
     if MODE != DIAGONAL:
         dqq += scale * apply_left(pair_tile(dm_e, BQ, BT, ACC), load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC), gq, pos_q, valid_q, gk,
-                                  i_sub, valid, p_e, H * K, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP,
+                                  i_sub, valid, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP,
                                   PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
     if MODE != HOUSEHOLDER:
         dqq += scale * apply_left(pair_tile(dm_w, BQ, BT, ACC), load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC), gq, pos_q, valid_q, gk,
-                                  i_sub, valid, p_w, H * K, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP,
+                                  i_sub, valid, p_g, stride_g, n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP,
                                   PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
     store_rows(dq + row_q, dqq, i_q, valid_q, H * K, offs_k, K)
 
@@ -361,16 +361,16 @@ def channel_grads(
         ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
         end_e = decay_rows(end_e, to_end, GATE)
         dee += end_e
-        dee += scale * apply_right(pair_tile(dm_e, BQ, BT, ACC), qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
-                                   n_sub, n_tok, NH, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
+        dee += scale * apply_right(pair_tile(dm_e, BQ, BT, ACC), qq, gq, pos_q, valid_q, gk, i_sub, valid, p_g, stride_g,
+                                   n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
         dlast += _sum_rows(ee * end_e, GATE)
         dgam -= ee * dee
     if MODE != HOUSEHOLDER:
         ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
         end_w = decay_rows(end_w, to_end, GATE)
         dww += end_w
-        dww += scale * apply_right(pair_tile(dm_w, BQ, BT, ACC), qq, gq, pos_q, valid_q, gk, i_sub, valid, q + row_q, H * K, p_g, stride_g,
-                                   n_sub, n_tok, NH, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
+        dww += scale * apply_right(pair_tile(dm_w, BQ, BT, ACC), qq, gq, pos_q, valid_q, gk, i_sub, valid, p_g, stride_g,
+                                   n_sub, GATE, NH, BT, SC, K, BKS, ACC, OP, PREC, k0, CHUNK_ONLY=CHUNK_ONLY)
         dlast += _sum_rows(ww * end_w, GATE)
         dgam -= ww * dww
     if GATE != NO_GATE:

@@ -12,9 +12,8 @@ are needed, with `M` a `[RA, BT]` matrix that is already zero outside the causal
     apply_right  out[b]  = sum_a M[a, b] xa[a] * exp(Ga[a] - Gb[b])               [BT, K]
 
 Rows `b` are the chunk's sub-steps (`BT` of them, position `b`). Rows `a` are either
-sub-steps too (`A_STEP = 1`) or query tokens (`A_STEP = NH`: query `t` reads after its
-last sub-step, position `t*NH + NH - 1`), so a read-out is never formed for the `NH - 1`
-empty sub-steps.
+sub-steps too or query tokens (query `t` reads after its last sub-step, position
+`t*NH + NH - 1`), so a read-out is never formed for the `NH - 1` empty sub-steps.
 
 Numerics (why this file exists). With no gate the products are plain `tl.dot`s; with a
 scalar gate the decay is a `[RA, BT]` matrix `exp(Ga - Gb)` applied to one `tl.dot`.
@@ -315,7 +314,7 @@ def _level_factors(xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_g, stride_g
 
 @triton.jit
 def _sub_chunk_scores(
-    xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_xb, stride_xb, p_g, stride_g, n_sub,
+    xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_g, stride_g, n_sub,
     STRICT: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
     K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0,
 ):
@@ -351,7 +350,7 @@ def _sub_chunk_scores(
 
 @triton.jit
 def _sub_chunk_left(
-    m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b, p_xb, stride_xb, p_g, stride_g, n_sub,
+    m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b, p_g, stride_g, n_sub,
     NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
     K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0,
 ):
@@ -383,8 +382,8 @@ def _sub_chunk_left(
 
 @triton.jit
 def _sub_chunk_right(
-    m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b, p_xa, stride_xa, p_g, stride_g, n_sub, n_a,
-    A_STEP: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
+    m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b, p_g, stride_g, n_sub,
+    NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
     K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0,
 ):
     """`apply_right` of a chunk that decays by more than the bound: per sub-chunk."""
@@ -416,8 +415,7 @@ def _sub_chunk_right(
 
 @triton.jit
 def scores(
-    xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b,
-    p_xb, stride_xb, p_g, stride_g, n_sub,
+    xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_g, stride_g, n_sub,
     STRICT: tl.constexpr, GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
     K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0=0,
     CHUNK_ONLY: tl.constexpr = False,
@@ -437,15 +435,14 @@ def scores(
         elif _chunk_within_bound(gb, valid_b, OP):  # exp(Ga - Gb) = exp(Ga) exp(-Gb): one product
             out = mm(_start_decay(xa, ga, valid_a), tl.trans(_start_decay(xb, -gb, valid_b)), OP, PREC, ACC)
         else:
-            out = _sub_chunk_scores(xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_xb, stride_xb, p_g, stride_g, n_sub,
+            out = _sub_chunk_scores(xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_g, stride_g, n_sub,
                                     STRICT, NH, BT, SC, K, BK, ACC, OP, PREC, k0)
         return tl.where(mask, out, 0.0)
 
 
 @triton.jit
 def apply_left(
-    m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b,
-    p_xb, stride_xb, p_g, stride_g, n_sub,
+    m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b, p_g, stride_g, n_sub,
     GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
     K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0=0,
     CHUNK_ONLY: tl.constexpr = False,
@@ -463,24 +460,20 @@ def apply_left(
         elif _chunk_within_bound(gb, valid_b, OP):
             out = _start_decay(mm_fine(m, _start_decay(xb, -gb, valid_b), OP, PREC, ACC), ga, valid_a)
         else:
-            out = _sub_chunk_left(m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b, p_xb, stride_xb, p_g, stride_g, n_sub,
+            out = _sub_chunk_left(m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b, p_g, stride_g, n_sub,
                                   NH, BT, SC, K, BK, ACC, OP, PREC, k0)
         return out
 
 
 @triton.jit
 def apply_right(
-    m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b,
-    p_xa, stride_xa, p_g, stride_g, n_sub, n_a,
-    A_STEP: tl.constexpr, GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
+    m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b, p_g, stride_g, n_sub,
+    GATE: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
     K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0=0,
     CHUNK_ONLY: tl.constexpr = False,
 ):
-    """`out[b] = sum_a m[a, b] exp(Ga_a - Gb_b) * xa[a]` (`m` zero outside the causal pairs).
-
-    `A_STEP` is 1 when rows `a` are sub-steps and `NH` when they are query tokens; `n_a`
-    is the number of valid rows `a`.
-    """
+    """`out[b] = sum_a m[a, b] exp(Ga_a - Gb_b) * xa[a]` (`m` zero outside the causal pairs;
+    rows `a` are sub-steps or query tokens, placed by `pos_a`)."""
     if GATE == NO_GATE:
         return mm(tl.trans(m), xa, OP, PREC, ACC)
     elif GATE == SCALAR_GATE:
@@ -493,6 +486,6 @@ def apply_right(
         elif _chunk_within_bound(gb, valid_b, OP):
             out = _start_decay(mm_fine(tl.trans(m), _start_decay(xa, ga, valid_a), OP, PREC, ACC), -gb, valid_b)
         else:
-            out = _sub_chunk_right(m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b, p_xa, stride_xa, p_g, stride_g, n_sub, n_a,
-                                   A_STEP, NH, BT, SC, K, BK, ACC, OP, PREC, k0)
+            out = _sub_chunk_right(m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b, p_g, stride_g, n_sub,
+                                   NH, BT, SC, K, BK, ACC, OP, PREC, k0)
         return out

@@ -47,11 +47,11 @@ def query_scores(
     if MODE != DIAGONAL:
         p_e = (w if MODE == HOUSEHOLDER else e) + row_k
         ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, OP)
-        m_e = scores(qq, gq, pos_q, valid_q, ee, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
+        m_e = scores(qq, gq, pos_q, valid_q, ee, gk, i_sub, valid, p_g, stride_g, n_sub,
                      False, GATE, NH, BT, SC, K, BK, ACC, OP, PREC, CHUNK_ONLY=CHUNK_ONLY) * scale
     if MODE != HOUSEHOLDER:
         ww = load_rows(w + row_k, i_sub, valid, H * K, offs_k, K, OP)
-        m_w = scores(qq, gq, pos_q, valid_q, ww, gk, i_sub, valid, w + row_k, H * K, p_g, stride_g, n_sub,
+        m_w = scores(qq, gq, pos_q, valid_q, ww, gk, i_sub, valid, p_g, stride_g, n_sub,
                      False, GATE, NH, BT, SC, K, BK, ACC, OP, PREC, CHUNK_ONLY=CHUNK_ONLY) * scale
     return decay_rows(qq, gq, GATE) * scale, m_e, m_w
 

@@ -92,7 +92,7 @@ def inverse_kernel(
             kk = load_rows(k + row_k, i_sub, valid, H * K, offs_k, K, ACC)
             ee = load_rows(p_e, i_sub, valid, H * K, offs_k, K, ACC)
             gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
-            a = scores(kk, gk, i_sub, valid, ee, gk, i_sub, valid, p_e, H * K, p_g, stride_g, n_sub,
+            a = scores(kk, gk, i_sub, valid, ee, gk, i_sub, valid, p_g, stride_g, n_sub,
                        True, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
             if MODE == HOUSEHOLDER:
                 a = a * tl.load(beta + tok0 * NH * H + i_sub * H + i_h, mask=valid, other=0.0).to(ACC)[:, None]
@@ -143,7 +143,7 @@ def prepare_kernel(
         gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_k, GATE, K, ACC)
         p_w = w + row_k
         ww = load_rows(p_w, i_sub, valid, H * K, offs_k, K, ACC)
-        s_kw = scores(kk, gk, i_sub, valid, ww, gk, i_sub, valid, p_w, H * K, p_g, stride_g, n_sub,
+        s_kw = scores(kk, gk, i_sub, valid, ww, gk, i_sub, valid, p_g, stride_g, n_sub,
                       True, GATE, NH, BT, SC, K, BK, ACC, OP, PREC)
         mix = -mm(tinv, s_kw, OP, PREC, ACC)
         if HAS_BETA:

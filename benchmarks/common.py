@@ -273,9 +273,12 @@ def write_results(out: Path, name: str, results: dict, table: str) -> None:
 
 
 def run_notes(record: dict) -> list[str]:
-    """The markdown lines under a per-design table: the designs the budget left out and
-    those that failed, each with its error (a traceback's last line)."""
+    """The markdown lines under a per-design table: the designs with no form at the
+    benchmark's size, those the budget left out and those that failed, each with its
+    problem or error (a traceback's last line)."""
     lines: list[str] = []
+    if record.get("unfit"):
+        lines += ["", "No form at this size: " + "; ".join(f"{k} ({v})" for k, v in record["unfit"].items()) + "."]
     if record.get("skipped"):
         lines += ["", "Not run (budget): " + ", ".join(record["skipped"]) + "."]
     if record.get("failed"):

@@ -130,6 +130,23 @@ def load_plan(spec: Path, size: Size):
     return archspec.lower(archspec.load_spec(spec, list(size.overrides().items())))
 
 
+def unfit_at(names: list[str], size: Size) -> dict[str, str]:
+    """The specs among `names` that have no form at `size`, each with the first problem
+    the spec's validation names (a layout placing attention at layer 14 has no 8-layer
+    form): the run leaves them out and says why, instead of failing on them."""
+    from archspec.errors import ArchspecError
+
+    unfit = {}
+    for name in names:
+        try:
+            load_plan(SPECS / f"{name}.yaml", size)
+        except ArchspecError as err:
+            problem = next((f"{field}: {message}" if field else message for _, field, message in err.problems),
+                           str(err).splitlines()[0])
+            unfit[name] = problem
+    return unfit
+
+
 def fla_design(plan) -> str | None:
     """Which fla model has this plan's design, or None (OSDN, a hybrid stack, or a
     combination fla lacks). fla's `attn` layers have no output gate or q/k norm and size
@@ -686,14 +703,22 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - started:7.1f}s] {msg}", flush=True)
 
+    unfit = unfit_at(names, size)
+    for name, problem in unfit.items():
+        log(f"{name}: left out, no form at this size ({problem})")
+    names = [n for n in names if n not in unfit]
+    if not names:
+        print("no spec to time at this size", file=sys.stderr)
+        return 2
     record: dict[str, Any] = {"machine": machine(), "size": asdict(size), "rounds": args.rounds, "rows": [],
-                              "skipped": [], "failed": {}, "anatomy": {}}
+                              "skipped": [], "failed": {}, "anatomy": {}, "unfit": unfit}
     out = Path(args.out)
     if args.merge and (out / "models.json").exists():
         earlier = json.loads((out / "models.json").read_text())
         record["rows"] = [r for r in earlier.get("rows", []) if r["spec"] not in names]
         record["failed"] = {k: v for k, v in earlier.get("failed", {}).items() if k not in names}
         record["anatomy"] = {k: v for k, v in earlier.get("anatomy", {}).items() if k not in names}
+        record["unfit"] = {**{k: v for k, v in earlier.get("unfit", {}).items() if k not in names}, **unfit}
         record["earlier_machines"] = [earlier.get("machine"), *earlier.get("earlier_machines", [])]
     # Each row says which tree it was measured on: `--merge` keeps rows of earlier runs.
     measured = {k: record["machine"].get(k) for k in ("commit", "kernels_sha1", "date")}

@@ -21,8 +21,12 @@ def bench():
 def test_smoke_run_writes_every_setting(bench, tmp_path):
     quick = ["--smoke", "--out", str(tmp_path), "--rounds", "1", "--warmup", "0"]
     assert bench.main([*quick, "--specs", "gated-deltanet", "--warm-workers", "1"]) == 0  # warmed in a worker
-    assert bench.main([*quick, "--specs", "osdn-apf", "--merge"]) == 0  # a run split over two calls
+    # A run split over two calls; a spec with no form at the size is left out, with its reason.
+    assert bench.main([*quick, "--specs", "osdn-apf,jet-nemotron-placement", "--merge"]) == 0
     record = json.loads((tmp_path / "models.json").read_text())
+    assert list(record["unfit"]) == ["jet-nemotron-placement"]
+    assert "layout.attention_at[0]: layer 14 is past the last layer" in record["unfit"]["jet-nemotron-placement"]
+    assert "No form at this size: jet-nemotron-placement (layout.attention_at[0]" in (tmp_path / "models.md").read_text()
     assert record["machine"]["torch"] == torch.__version__ and "commit" in record["machine"]
     rows = record["rows"]
     assert {(r["spec"], r["setting"]) for r in rows} == {
@@ -45,6 +49,12 @@ def test_smoke_run_writes_every_setting(bench, tmp_path):
         assert prof["categories"]["matmul"] > 0 and prof["kernels"][0][2] >= prof["kernels"][-1][2]
         step = next(r["step_ms"] for r in rows if r["spec"] == spec and r["setting"] == "T=32")
         assert f"| {spec} | ours | {step:.2f} | {prof['busy_ms']:.2f} |" in table
+
+
+def test_a_run_of_specs_without_a_form_at_its_size_times_nothing(bench, tmp_path, capsys):
+    assert bench.main(["--smoke", "--out", str(tmp_path), "--specs", "jet-nemotron-placement"]) == 2
+    assert "no spec to time at this size" in capsys.readouterr().err
+    assert not (tmp_path / "models.json").exists()
 
 
 @pytest.mark.parametrize("name, part", [

@@ -9,11 +9,12 @@ counts
 - when training, one step's activations that autograd must keep for the backward, per
   token and layer: the block's input and the mixer's normalised input (`2 d_model`),
   the projected streams before and after their activation (`2 x` the stream widths),
-  the recurrence's output before and after the output norm (`2 H V`), RWKV-7's erase
+  the recurrence's output (`H V`: the output norm's input), RWKV-7's erase
   vectors and their gate (`2 n_h H K`), the decay (`H`, or `H K` per channel), the
   state at each chunk boundary (`H K V` per chunk, of the longer chunks of the two
-  backends), and the MLP's input and hidden activations (`d_model + 3 hidden` for
-  SwiGLU: gate, up and their product; `2 hidden` for GELU); plus the final norm's input.
+  backends), and the MLP's input and hidden activations (`d_model + 2 hidden`: SwiGLU's
+  gate and up, whose product the fused path forms again; GELU's input and output); plus
+  the final norm's input.
   An attention layer of a hybrid stack keeps, besides the block's input and normalised
   input, its queries, keys and values after RoPE, its output before `o_proj` and, with
   an output gate, the gate's pre-activation (`2 heads D + 2 kv_heads D`, `+ heads D`);
@@ -60,7 +61,9 @@ def _recurrent_elements(m: RecurrencePlan, d: int) -> int:
     # Both backends keep the state at every chunk boundary; the longer chunk of the two
     # keeps fewer, and a lower bound must hold for either.
     chunk = max(torch_tokens_per_chunk(m.n_h, delta=m.transition != "diagonal"), triton_tokens_per_chunk(m.n_h))
-    mixer = 2 * d + 2 * sum(stream_widths(m).values()) + 2 * m.heads * m.value_dim
+    # the output norm's input; its normalised rows are kept by the torch path only (the
+    # fused read-out forms them again in the backward, `kernels.rms_norm_linear`)
+    mixer = 2 * d + 2 * sum(stream_widths(m).values()) + m.heads * m.value_dim
     # what the kernel keeps besides the streams: RWKV-7's erase vectors (and the gate
     # values they are made of), the decay per head (scalar) or per key channel
     mixer += 2 * m.n_h * m.heads * m.head_dim if m.erase else 0
@@ -84,7 +87,8 @@ def activation_elements_per_token(plan: ModelPlan) -> int:
         mlp = 0
     else:
         hidden = mlp_hidden_size(plan.mlp, d, plan.mlp_ratio)
-        mlp = d + (3 if plan.mlp == "swiglu" else 2) * hidden
+        # SwiGLU's gate and up (their product is kept by the torch path only), GELU's two
+        mlp = d + 2 * hidden
     layers = sum(
         _attention_elements(layer, d) if isinstance(layer, AttentionPlan) else _recurrent_elements(layer, d)
         for layer in plan.layer_plans

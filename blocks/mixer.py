@@ -29,8 +29,8 @@ and the recurrence restart at every document, and the state has one row per docu
 Saved for the backward, per layer (what is recomputed instead): each stream's projection
 output (the conv's SiLU, pre-activation and L2 norm are recomputed by the fused conv); the
 gate's projection (its float32 softplus and decay are recomputed, `gates.py`); the
-recurrence's own inputs; the output norm's input and gate (the normalised rows are
-recomputed, `norm.py`); the `o_proj` input.
+recurrence's own inputs; the output norm's input and gate (the normalised rows, `o_proj`'s
+input, are formed again in the backward: `kernels/norm_linear.py`).
 """
 
 from __future__ import annotations
@@ -265,9 +265,9 @@ class Mixer(nn.Module):
     def _read_out(self, o: Tensor, out_gate: Tensor | None) -> Tensor:
         """The backbone's output of the recurrence's `o` `[B, T, H, V]`: the output norm
         (gated by `out_gate` `[B, T, H*V]` for Gated DeltaNet and KDA), then `o_proj`."""
-        B, T, H, V = o.shape
-        o = self.o_norm(o) if out_gate is None else self.o_norm(o, out_gate.reshape(B, T, H, V))
-        return self.o_proj(o.reshape(B, T, H * V))
+        if out_gate is None:
+            return self.o_norm.project(o, self.o_proj)
+        return self.o_norm.project(o, out_gate.reshape(o.shape), self.o_proj)
 
     def step(self, x: Tensor, state: MixerState, *, pre_norm: PreNorm | None = None) -> tuple[Tensor, Tensor]:
         """One token `x` `[B, 1, d_model]` -> `([B, 1, d_model], residual)`, continuing `state`

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from archspec.kernels import add_rms_norm, rms_norm
+from archspec.kernels import add_rms_norm, rms_norm, rms_norm_linear
 from archspec.kernels.fused import compute_dtype
 from archspec.kernels.row_linear import PreNorm
 
@@ -42,6 +42,11 @@ class RMSNorm(nn.RMSNorm):
         the addition fused into the norm's kernels on CUDA."""
         return add_rms_norm(x, h, self.weight, eps=self.eps, out_dtype=compute_dtype(x), backend=self.fused_backend)
 
+    def project(self, x: Tensor, linear: nn.Linear) -> Tensor:
+        """`linear(self(x).flatten(-2))` for per-head rows `x` `[..., H, D]`: a mixer's
+        read-out, the normalised rows not kept for the backward (`kernels.rms_norm_linear`)."""
+        return rms_norm_linear(x, self.weight, linear.weight, eps=self.eps, backend=self.fused_backend)
+
     def pending(self, h: Tensor | None) -> PreNorm:
         """This norm of `x + h`, left for the decoding step's next product to apply in front
         of it (`kernels.row_linear`), where `x` is the residual stream it is given."""
@@ -62,3 +67,10 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
         return rms_norm(x, self.norm.weight, gate, eps=self.norm.eps, activation=self.activation,
                         out_dtype=compute_dtype(x), backend=self.fused_backend)
+
+    def project(self, x: Tensor, gate: Tensor, linear: nn.Linear) -> Tensor:
+        """`linear(self(x, gate).flatten(-2))` for per-head rows `x` `[..., H, D]`: a
+        mixer's read-out, the normalised rows not kept for the backward
+        (`kernels.rms_norm_linear`)."""
+        return rms_norm_linear(x, self.norm.weight, linear.weight, gate, eps=self.norm.eps,
+                               activation=self.activation, backend=self.fused_backend)

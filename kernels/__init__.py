@@ -2,13 +2,14 @@
 
 Imports only torch (and triton, lazily, for the Triton backend): no pydantic, so this
 package runs on a bare GPU machine. Beside the recurrence, the fused pieces of a training
-step (`kernels/fused.py`): linear cross-entropy, gated RMSNorm, short conv, SwiGLU, the
-gates' log decay.
+step (`kernels/fused.py`): linear cross-entropy, gated RMSNorm (and with the read-out's
+projection), short conv, SwiGLU, the gates' log decay.
 """
 
 from .api import BACKENDS, decode_step, linear_recurrence, osdn_write_keys, register_backend, resolve_backend
 from .linear_ce import IGNORE_INDEX, linear_cross_entropy
 from .log_decay import mamba_log_decay
+from .norm_linear import rms_norm_linear
 from .naive import decode_step_naive, linear_recurrence_naive, osdn_write_keys_naive, recurrence_step
 from .rms_norm import add_rms_norm, rms_norm
 from .short_conv import conv_tails, short_conv
@@ -21,6 +22,7 @@ __all__ = [
     "mamba_log_decay",
     "rms_norm",
     "add_rms_norm",
+    "rms_norm_linear",
     "short_conv",
     "swiglu_linear",
     "BACKENDS",

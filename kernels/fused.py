@@ -2,6 +2,8 @@
 
 - `linear_ce.linear_cross_entropy`: the LM head and its cross-entropy without the logits.
 - `rms_norm.rms_norm`: RMSNorm with an optional SiLU or sigmoid output gate.
+- `norm_linear.rms_norm_linear`: a mixer's output norm and `o_proj`, the normalised rows
+  formed again in the backward instead of kept.
 - `short_conv.short_conv`: the causal depthwise convolution with its SiLU (and the
   per-head L2 normalisation of the streams that need unit keys), packed documents and
   carried tails.

@@ -7,6 +7,7 @@ gradient.
 - Short conv + SiLU (+ per-head L2 norm): against a loop over each sequence on its own,
   with carried tails and packed documents.
 - SwiGLU's down projection: against `(g * sigmoid(g) * u) @ W^T` written out in float64.
+- The read-out (output norm, then `o_proj`): against the formula and the product in float64.
 
 Both paths are compared in float64 (the Triton kernels accumulate in float64 for float64
 inputs, as the chunk kernels do; the interpreter runs them on the CPU at small shapes),
@@ -20,7 +21,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from archspec.kernels import add_rms_norm, linear_cross_entropy, mamba_log_decay, rms_norm, short_conv, swiglu_linear
+from archspec.kernels import (
+    add_rms_norm,
+    linear_cross_entropy,
+    mamba_log_decay,
+    rms_norm,
+    rms_norm_linear,
+    short_conv,
+    swiglu_linear,
+)
 from archspec.kernels.linear_ce import IGNORE_INDEX, softmax_ce_grad_
 from archspec.kernels.short_conv import conv_tails
 
@@ -514,3 +523,100 @@ def test_linear_cross_entropy_without_grad_gives_the_loss_alone():
         loss = linear_cross_entropy(hidden, weight, targets, backend="torch")
     assert not loss.requires_grad
     torch.testing.assert_close(loss, F.cross_entropy(hidden @ weight.T, targets).detach())
+
+
+# --------------------------------------------------------------------------- output norm + o_proj
+
+
+def _norm_linear_inputs(activation, dtype, heads=3, D=12, out=5, seed=6):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 7, heads, D, generator=gen, dtype=dtype, requires_grad=True)
+    w = (1 + 0.3 * torch.randn(D, generator=gen, dtype=dtype)).requires_grad_()
+    W = (torch.randn(out, heads * D, generator=gen, dtype=dtype) / (heads * D) ** 0.5).requires_grad_()
+    gate = None if activation == "none" else torch.randn(x.shape, generator=gen, dtype=dtype, requires_grad=True)
+    return [x, w, W] + ([gate] if gate is not None else [])
+
+
+@pytest.mark.parametrize("backend,dtype", PATHS)
+@pytest.mark.parametrize("activation", ["none", "silu", "sigmoid"])
+def test_rms_norm_linear_equals_the_norm_then_the_projection(backend, dtype, activation):
+    """The read-out against the definition written out in float64: values and the
+    gradients of the rows, the gate, the norm's weight and the projection's."""
+    inputs = _norm_linear_inputs(activation, dtype)
+    x, w, W, *gate = inputs
+    y = rms_norm_linear(x, w, W, gate[0] if gate else None, eps=1e-5, activation=activation, backend=backend)
+    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    rx, rw, rW, *rgate = ref_inputs
+    normed = _rms_norm_definition(rx, rw, rgate[0] if rgate else None, activation, 1e-5)
+    ref = normed.flatten(-2) @ rW.t()
+    dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    assert y.shape == (2, 7, 5) and y.dtype == dtype
+    torch.testing.assert_close(y.double(), ref, **_tol(backend, dtype))
+    for g, r in zip(_grads(y, inputs, dy.to(dtype)), _grads(ref, ref_inputs, dy)):
+        torch.testing.assert_close(g.double(), r, **_tol(backend, dtype))
+
+
+@pytest.mark.parametrize("activation", ["none", "silu"])
+def test_rms_norm_linear_keeps_the_norms_inputs_not_its_output(activation):
+    """Fused, autograd keeps the rows, the gate, the per-row scale and the weights: no
+    `[tokens, H D]` tensor of normalised rows, which the two calls apart keep."""
+    x, w, W, *gate = _norm_linear_inputs(activation, torch.float32)
+    kept: dict[str, list[tuple[int, ...]]] = {}
+    for backend in BACKENDS:
+        shapes = kept.setdefault(backend, [])
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            rms_norm_linear(x, w, W, gate[0] if gate else None, activation=activation, backend=backend)
+    rows = (2 * 7, 3 * 12)  # normalised rows as the projection reads them
+    assert rows not in kept["triton"] and (2, 7, 36) not in kept["triton"]
+    assert (2, 7, 36) in kept["torch"] or rows in kept["torch"]
+
+
+def test_rms_norm_linear_under_autocast_projects_in_bfloat16_and_keeps_the_gradients_dtypes():
+    """Under CPU autocast the fused read-out writes bfloat16, as the two calls apart do,
+    and each gradient returns in its input's dtype."""
+    inputs = _norm_linear_inputs("sigmoid", torch.float32)
+    x, w, W, gate = inputs
+    outs = []
+    for backend in BACKENDS:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = rms_norm_linear(x, w, W, gate, activation="sigmoid", backend=backend)
+        assert y.dtype == torch.bfloat16
+        grads = _grads(y.float().sum(), inputs)
+        assert [g.dtype for g in grads] == [torch.float32] * 4
+        outs.append([y, *grads])
+    for fused, apart in zip(*outs):
+        error = ((fused.float() - apart.float()).norm() / apart.float().norm()).item()
+        assert error < 1e-2, f"relative error {error:.2e}"
+
+
+def test_rms_norm_linear_refuses_bad_shapes():
+    x, w, W = _norm_linear_inputs("none", torch.float32)
+    with pytest.raises(ValueError, match=r"linear_weight must be \[out, 36\]"):
+        rms_norm_linear(x, w, W[:, :30])
+    with pytest.raises(ValueError, match="needs a gate"):
+        rms_norm_linear(x, w, W, activation="silu")
+    with pytest.raises(ValueError, match="norm_weight"):
+        rms_norm_linear(x, w[:5], W)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["none", "silu"])
+def test_gpu_rms_norm_linear_equals_the_two_calls(dtype, activation):
+    """The fused read-out on CUDA at a training shape (Gated DeltaNet's: 8 heads of 256)
+    against the norm kernel and `F.linear` apart, values and every gradient."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4, 1024, 8, 256, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    w = (1 + 0.1 * torch.randn(256, device="cuda", generator=gen)).requires_grad_()
+    W = (torch.randn(1024, 8 * 256, device="cuda", generator=gen) / 2048 ** 0.5).requires_grad_()
+    gate = None if activation == "none" else torch.randn(x.shape, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    inputs = [x, w, W] + ([gate] if gate is not None else [])
+    dy = torch.randn(4, 1024, 1024, device="cuda", dtype=dtype, generator=gen)
+    results = []
+    for backend in BACKENDS:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            y = rms_norm_linear(x, w, W, gate, activation=activation, backend=backend)
+        results.append([y, *_grads(y, inputs, dy.to(y.dtype))])
+    for a, b in zip(*results):
+        error = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert error < (2e-2 if dtype == torch.bfloat16 else 1e-4), f"relative error {error:.2e}"

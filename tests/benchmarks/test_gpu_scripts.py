@@ -26,7 +26,7 @@ def benchmark_module(name: str):
         yield importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCHMARKS))
-        for module in (name, "common", "picks", "anatomy"):
+        for module in (name, "common", "picks", "anatomy", "models"):
             sys.modules.pop(module, None)
 
 

@@ -27,6 +27,14 @@ Tensor = torch.Tensor
 GateActivation = Literal["silu", "sigmoid"]
 
 
+def fusable(linear: nn.Module) -> bool:
+    """Whether a read-out may bypass `linear`'s forward and use its weight alone
+    (`kernels.rms_norm_linear`): a plain bias-free `nn.Linear` without hooks. A module
+    replaced or wrapped (a LoRA adapter, a quantised layer) or hooked keeps its own forward."""
+    return (type(linear) is nn.Linear and linear.bias is None
+            and not (linear._forward_hooks or linear._forward_pre_hooks))
+
+
 class RMSNorm(nn.RMSNorm):
     """`nn.RMSNorm` (same parameter, same state-dict key) on the fused kernel."""
 
@@ -45,6 +53,8 @@ class RMSNorm(nn.RMSNorm):
     def project(self, x: Tensor, linear: nn.Linear) -> Tensor:
         """`linear(self(x).flatten(-2))` for per-head rows `x` `[..., H, D]`: a mixer's
         read-out, the normalised rows not kept for the backward (`kernels.rms_norm_linear`)."""
+        if not fusable(linear):
+            return linear(self(x).flatten(-2))
         return rms_norm_linear(x, self.weight, linear.weight, eps=self.eps, backend=self.fused_backend)
 
     def pending(self, h: Tensor | None) -> PreNorm:
@@ -72,5 +82,7 @@ class GatedRMSNorm(nn.Module):
         """`linear(self(x, gate).flatten(-2))` for per-head rows `x` `[..., H, D]`: a
         mixer's read-out, the normalised rows not kept for the backward
         (`kernels.rms_norm_linear`)."""
+        if not fusable(linear):
+            return linear(self(x, gate).flatten(-2))
         return rms_norm_linear(x, self.norm.weight, linear.weight, gate, eps=self.norm.eps,
                                activation=self.activation, backend=self.fused_backend)

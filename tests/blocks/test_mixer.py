@@ -194,3 +194,32 @@ def test_capture_returns_the_kernel_inputs():
     assert osdn["retain"].shape == (1, 5, 2) and osdn["eta"] == 0.5
     w, _ = osdn_write_keys_naive(**osdn)
     torch.testing.assert_close(w, cap["write_key"])
+
+
+@pytest.mark.parametrize("backbone,gate", [("deltanet", "none"), ("gdn", "scalar")])
+def test_a_hooked_or_replaced_o_proj_keeps_its_own_forward(backbone, gate):
+    """The fused read-out uses `o_proj`'s weight alone; an `o_proj` with a forward hook
+    or replaced by another module (an adapter) must still run its own forward."""
+    torch.manual_seed(3)
+    m = Mixer(mixer_plan(backbone, gate), d_model=12).double()
+    for module in m.modules():
+        if hasattr(module, "fused_backend"):
+            module.fused_backend = "triton"  # the fused read-out, on the interpreter
+    m.backend = "naive"
+    x = torch.randn(2, 7, 12, dtype=torch.float64)
+    plain = m(x)[0]
+    handle = m.o_proj.register_forward_hook(lambda module, inputs, output: output + 1)
+    torch.testing.assert_close(m(x)[0], plain + 1)
+    handle.remove()
+
+    class Adapter(torch.nn.Linear):  # what a LoRA wrapper does: its own forward on top
+        def forward(self, rows):
+            return super().forward(rows) + 2 * rows[..., :1]
+
+    adapter = Adapter(m.o_proj.in_features, m.o_proj.out_features, bias=False).double()
+    adapter.weight.data.copy_(m.o_proj.weight.data)
+    normed = []
+    m.o_norm.register_forward_hook(lambda module, inputs, output: normed.append(output))
+    m.o_proj = adapter
+    y = m(x)[0]
+    torch.testing.assert_close(y, plain + 2 * normed[0].flatten(-2)[..., :1])

@@ -38,6 +38,7 @@ from typing import Any
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported: the CUDA path's functions on a CPU
 
 import torch  # noqa: E402
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook  # noqa: E402
 
 import common  # noqa: E402
 from models import ISSUE_SIZE, SPECS, Size, load_plan, unfit_at  # noqa: E402
@@ -95,12 +96,16 @@ def saved_by_site(model: torch.nn.Module, tokens: int) -> tuple[dict[Site, int],
     names = {m: module_name(n, m) for n, m in model.named_modules() if n}
 
     def enter(module: torch.nn.Module, _args: Any) -> None:
-        stack.append(names[module])
+        if module in names:
+            stack.append(names[module])
 
-    def leave(_module: torch.nn.Module, _args: Any, _output: Any) -> None:  # returns None: the output stays
-        stack.pop()
+    def leave(module: torch.nn.Module, _args: Any, _output: Any) -> None:  # returns None: the output stays
+        if module in names:
+            stack.pop()
 
-    hooks = [m.register_forward_pre_hook(enter) for m in names] + [m.register_forward_hook(leave) for m in names]
+    # Global hooks, not the modules' own: a module with hooks of its own may take another
+    # path (the fused read-out runs `o_proj`'s forward only when it is hooked).
+    hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     packed: list[tuple[weakref.ref, Site]] = []
 

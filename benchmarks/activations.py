@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook  # noqa: E402
 
 import common  # noqa: E402
-from models import ISSUE_SIZE, SPECS, Size, load_plan, unfit_at  # noqa: E402
+from models import ISSUE_SIZE, SMOKE_SIZE, SPECS, Size, load_plan, unfit_at  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_TOKENS = ISSUE_SIZE.tokens  # the whole-model benchmark's tokens a step
@@ -199,8 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", choices=("issue", "smoke"), default="issue",
                     help="the benchmark's model size, or models.py's tiny smoke size (tests)")
     args = ap.parse_args(argv)
-    from models import SMOKE_SIZE
-
     size = ISSUE_SIZE if args.size == "issue" else SMOKE_SIZE
     short, long = (int(t) for t in args.tokens.split(","))
     if not 0 < short < long:

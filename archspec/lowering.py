@@ -91,6 +91,7 @@ def lower_mixer(mixer: MixerSpec) -> RecurrencePlan:
         short_conv=mixer.short_conv,
         stable=stable,
         caveats=caveats,
+        decay=mixer.resolved_decay,
     )
 
 

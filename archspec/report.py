@@ -29,12 +29,17 @@ def _binary(n: int) -> str:
     return f"{n} B"
 
 
+def _gate_text(layer: RecurrencePlan) -> str:
+    """The gate kind, with its decay form where it has one: `channel (rwkv7 decay)`."""
+    return layer.gate if layer.gate == "none" else f"{layer.gate} ({layer.decay} decay)"
+
+
 def plan_rows(plan: ModelPlan) -> list[tuple[str, str]]:
     """The plan as (field, value) rows, every lowering decision visible."""
     m = plan.mixer
     rows = [
         ("backbone", m.backbone),
-        ("gate", m.gate),
+        ("gate", _gate_text(m)),
         ("transition", m.transition),
         ("n_h (sub-steps per token)", str(m.n_h)),
         ("beta", "none" if m.beta_scale is None else f"{m.beta_scale:g} * sigmoid  (range [0, {m.beta_scale:g}])"),
@@ -89,7 +94,7 @@ def layer_design(layer: LayerPlan) -> str:
         parts.append("full" if layer.window is None else f"window {layer.window}")
         parts += [name for name, on in (("output gate", layer.output_gate), ("qk-norm", layer.qk_norm)) if on]
         return ", ".join(parts)
-    text = f"{layer.backbone}, {layer.transition} n_h={layer.n_h}, gate {layer.gate}"
+    text = f"{layer.backbone}, {layer.transition} n_h={layer.n_h}, gate {_gate_text(layer)}"
     if layer.beta_scale is not None:
         text += f", beta [0, {layer.beta_scale:g}]"
     if layer.preconditioner is not None:

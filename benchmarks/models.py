@@ -24,8 +24,9 @@ parameter counts are printed and must agree within 2%, and the two models are ti
 one process in alternating rounds. GLA's and RWKV-7's fla layers spend a different number
 of parameters on gates and low-rank maps than ours (their ranks are not config fields), so
 their MLP width is set to bring the totals level (`BALANCED_MLP`); fla's RWKV-7 is its own
-macro design (token shift, LoRAs, squared-ReLU MLP), ours the RWKV-7 transition in the KDA
-backbone: that row compares equal-sized models around the same transition. Where fla refuses (an import error, a kernel that will
+macro design (token shift, LoRAs, squared-ReLU MLP), ours the RWKV-7 transition and decay
+(`decay: rwkv7`, at most 0.61 nats a token on both sides) in the KDA backbone: that row
+compares equal-sized models around the same recurrence. Where fla refuses (an import error, a kernel that will
 not run on this machine) the refusal's text is recorded and ours is shown alone. OSDN
 and hybrid stacks have no fla model (fla's attention layers lack our output gate and q/k
 norm and size their heads from the width).

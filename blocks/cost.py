@@ -68,12 +68,15 @@ def _mixer_matrices(plan: RecurrencePlan, d_model: int) -> list[tuple[int, int]]
 
 
 def _mixer_vectors(plan: RecurrencePlan) -> int:
-    """Parameters of one `Mixer` that are not matrices: biases, A_log, dt_bias, d_0, the
-    output norm's weight. They take no multiply-adds."""
+    """Parameters of one `Mixer` that are not matrices: biases, A_log, dt_bias or w0, d_0,
+    the output norm's weight. They take no multiply-adds."""
     H, K, V, n = plan.heads, plan.head_dim, plan.value_dim, plan.n_h
     total = V  # output RMSNorm weight
     total += n * H * K if plan.transition == "rwkv7" else 0  # erase bias
-    total += {"none": 0, "scalar": 2 * H, "channel": H + H * K}[plan.gate]  # A_log, dt_bias
+    # the gate's bias (dt_bias or w0) per head or key channel, and mamba2's learned rate A_log
+    # (rwkv7's rate is a constant)
+    total += {"none": 0, "scalar": H, "channel": H * K}[plan.gate]
+    total += H if plan.gate != "none" and plan.decay == "mamba2" else 0
     if plan.preconditioner is not None:
         total += H if plan.preconditioner.apf else 0  # retain bias
         total += H * K if plan.preconditioner.init == "learned" else 0  # d_0

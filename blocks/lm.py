@@ -19,8 +19,8 @@ another, each as if it ran alone.
 Initialisation (nanoGPT / fla): every linear and embedding weight ~ N(0, 0.02); the
 projections that write into the residual stream (`o_proj`, `down_proj`) are scaled by
 1/sqrt(2 * layers) so the residual's variance does not grow with depth. Biases and the
-gates' own parameters (A_log, dt_bias, the APF bias, d_0) keep the values their modules
-set; the short convs keep PyTorch's default.
+gates' own parameters (A_log, dt_bias, RWKV-7's w0 with its depth-dependent speeds, the
+APF bias, d_0) keep the values their modules set; the short convs keep PyTorch's default.
 """
 
 from __future__ import annotations
@@ -49,20 +49,20 @@ INIT_STD = 0.02
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
 
 
-def sequence_mixer(layer: LayerPlan, d_model: int, norm_eps: float) -> Mixer | Attention:
-    """The module of one layer plan."""
+def sequence_mixer(layer: LayerPlan, d_model: int, norm_eps: float, depth: float = 0.5) -> Mixer | Attention:
+    """The module of one layer plan; `depth` its place in the stack (0 first, 1 last)."""
     if isinstance(layer, AttentionPlan):
         return Attention(layer, d_model, norm_eps=norm_eps)
-    return Mixer(layer, d_model, norm_eps=norm_eps)
+    return Mixer(layer, d_model, norm_eps=norm_eps, depth=depth)
 
 
 class Block(nn.Module):
-    def __init__(self, plan: ModelPlan, layer: LayerPlan | None = None):
+    def __init__(self, plan: ModelPlan, layer: LayerPlan | None = None, depth: float = 0.5):
         super().__init__()
         self.mixer_norm = RMSNorm(plan.d_model, eps=plan.norm_eps)
         # `mixer` is the block's sequence mixer, recurrent or attention (one name, so
         # that state-dict keys do not depend on the layer kind's spelling)
-        self.mixer = sequence_mixer(plan.mixer if layer is None else layer, plan.d_model, plan.norm_eps)
+        self.mixer = sequence_mixer(plan.mixer if layer is None else layer, plan.d_model, plan.norm_eps, depth)
         self.mlp_norm = RMSNorm(plan.d_model, eps=plan.norm_eps) if plan.mlp != "none" else None
         self.mlp = MLP(plan.mlp, plan.d_model, plan.mlp_ratio) if plan.mlp != "none" else None
 
@@ -100,7 +100,8 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.plan = plan
         self.embed = nn.Embedding(plan.vocab_size, plan.d_model)
-        self.blocks = nn.ModuleList(Block(plan, layer) for layer in plan.layer_plans)
+        last = max(plan.layers - 1, 1)
+        self.blocks = nn.ModuleList(Block(plan, layer, depth=i / last) for i, layer in enumerate(plan.layer_plans))
         self.norm = RMSNorm(plan.d_model, eps=plan.norm_eps)
         self.head = nn.Linear(plan.d_model, plan.vocab_size, bias=False)
         self.fused_backend = "auto"  # the loss's path; `set_backend` changes it

@@ -14,8 +14,9 @@ DeltaNet / GatedDeltaNet / GatedDeltaProduct / KDA / GLA layers:
 4. RWKV-7: erase `e = a * k` with `a = beta_scale * sigmoid(low-rank(x))` per key channel,
    an untied write key `w` (its own projection) and write strength `b = 1`.
 5. OSDN (`write_key = preconditioned`): `w = d * k` from `osdn_write_keys`.
-6. The gate chosen by the plan (`scalar`: Mamba2 per head; `channel`: KDA per channel),
-   whatever the backbone: the backbone only fixes the defaults and the read-out below.
+6. The gate chosen by the plan (`scalar`: per head; `channel`: per key channel, KDA), in
+   the plan's decay form (`mamba2` or `rwkv7`, `gates.py`), whatever the backbone: the
+   backbone only fixes the defaults and the read-out below.
 7. `linear_recurrence`, then the backbone's output: DeltaNet `RMSNorm(o)`; Gated DeltaNet
    `RMSNorm(o) * SiLU(W_g x)`; KDA `RMSNorm(o) * sigmoid(low-rank(x))`; then `o_proj`.
 
@@ -28,7 +29,7 @@ and the recurrence restart at every document, and the state has one row per docu
 
 Saved for the backward, per layer (what is recomputed instead): each stream's projection
 output (the conv's SiLU, pre-activation and L2 norm are recomputed by the fused conv); the
-gate's projection (its float32 softplus and decay are recomputed, `gates.py`); the
+gate's projection (its float32 softplus or sigmoid and decay are recomputed, `gates.py`); the
 recurrence's own inputs; the output norm's input and gate (the normalised rows, `o_proj`'s
 input, are formed again in the backward: `kernels/norm_linear.py`).
 """
@@ -116,7 +117,9 @@ def stream_widths(plan: RecurrencePlan) -> dict[str, int]:
 
 
 class Mixer(nn.Module):
-    def __init__(self, plan: RecurrencePlan, d_model: int, norm_eps: float = 1e-6):
+    def __init__(self, plan: RecurrencePlan, d_model: int, norm_eps: float = 1e-6, depth: float = 0.5):
+        """`depth`: the layer's place in the stack, 0 the first layer and 1 the last (an
+        rwkv7-form gate's initial decay speeds depend on it, as in RWKV-7)."""
         super().__init__()
         check_plan(plan)
         self.plan = plan
@@ -134,9 +137,10 @@ class Mixer(nn.Module):
         self.a_proj = LowRankLinear(d_model, K, n * H * K, bias=True) if plan.transition == "rwkv7" else None
         self.gate: nn.Module | None = None
         if plan.gate == "scalar":
-            self.gate = ScalarGate(d_model, H)
+            self.gate = ScalarGate(d_model, H, form=plan.decay, depth=depth)
         elif plan.gate == "channel":
-            self.gate = ChannelGate(d_model, H, K, rank=V)  # rank = head_v_dim, as in KDA
+            # rank = head_v_dim, as in KDA
+            self.gate = ChannelGate(d_model, H, K, rank=V, form=plan.decay, depth=depth)
         self.preconditioner = (
             OSDNPreconditioner(plan.preconditioner, d_model, H, K) if plan.preconditioner is not None else None
         )
@@ -310,10 +314,10 @@ class Mixer(nn.Module):
             erase = plan.beta_scale * torch.sigmoid(self._up(self.a_proj, token["erase"])).reshape(B, n, H, K) * k
         g, decay = None, None
         if isinstance(self.gate, ScalarGate):
-            g, decay = token["gate"], (self.gate.A_log, self.gate.dt_bias)
+            g, decay = token["gate"], self.gate.decay_params()
         elif isinstance(self.gate, ChannelGate):
             g = self._up(self.gate.f_proj, token["gate"]).reshape(B, 1, H, K)
-            decay = (self.gate.A_log, self.gate.dt_bias)
+            decay = self.gate.decay_params()
         osdn: dict = {}
         if self.preconditioner is not None:
             pre = self.preconditioner.plan
@@ -322,7 +326,7 @@ class Mixer(nn.Module):
                         beta_aware=pre.beta_aware, eps=pre.eps)
         beta = None if self.b_proj is None else token["beta"].reshape(B, n, H)
         o = decode_step(q, k, v, state.recurrent, g=g, gate=plan.gate, beta=beta, write_key=write_key, erase=erase,
-                        n_h=n, scale=self.scale, backend=self.backend, decay=decay,
+                        n_h=n, scale=self.scale, backend=self.backend, decay=decay, decay_form=plan.decay,
                         beta_scale=None if beta is None else plan.beta_scale, **osdn)
         out_gate = None
         if self.g_proj is not None:
@@ -336,7 +340,7 @@ class Mixer(nn.Module):
     def _up(self, low_rank: LowRankLinear, down: Tensor) -> Tensor:
         """The second stage of a low-rank projection in the decoding step, on the
         low-rank row `down` (a column slice of the joined projection's output)."""
-        return row_linear(down, low_rank.up.weight, low_rank.up.bias, backend=self.fused_backend)[0]
+        return row_linear(low_rank.activate(down), low_rank.up.weight, low_rank.up.bias, backend=self.fused_backend)[0]
 
     def _store_capture(self, kwargs: dict, osdn_inputs: dict | None) -> None:
         """Diagnostics (docs/interfaces.md): the kernel's exact inputs, detached."""

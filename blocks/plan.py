@@ -16,6 +16,7 @@ from typing import ClassVar, Literal
 
 Backbone = Literal["deltanet", "gdn", "kda"]
 Gate = Literal["none", "scalar", "channel"]
+DecayForm = Literal["mamba2", "rwkv7"]
 Transition = Literal["diagonal", "householder", "rwkv7"]
 WriteKey = Literal["tied", "preconditioned", "untied"]
 Mlp = Literal["swiglu", "gelu", "none"]
@@ -39,6 +40,8 @@ class RecurrencePlan:
     """One mixer layer's recurrence, fully decided.
 
     - `gate`: decay applied once per token before the sub-steps.
+    - `decay`: how the gate forms its log decay from its projection (`blocks/gates.py`):
+      `mamba2` `-exp(A_log) softplus(.)`, `rwkv7` `-exp(-1/2) sigmoid(.)` (at most 0.61 a token).
     - `transition`: `diagonal` (S += w v^T), `householder` (delta rule), `rwkv7`
       (erase vector plus untied write key).
     - `n_h`: sub-steps (Householder factors) per token.
@@ -66,6 +69,7 @@ class RecurrencePlan:
     short_conv: int  # causal depthwise conv kernel size, 0 = off
     stable: bool
     caveats: tuple[str, ...] = ()
+    decay: DecayForm = "mamba2"
 
     kind: ClassVar[str] = "recurrent"
 

@@ -8,7 +8,7 @@ projection), short conv, SwiGLU, the gates' log decay.
 
 from .api import BACKENDS, decode_step, linear_recurrence, osdn_write_keys, register_backend, resolve_backend
 from .linear_ce import IGNORE_INDEX, linear_cross_entropy
-from .log_decay import mamba_log_decay
+from .log_decay import gate_log_decay
 from .norm_linear import rms_norm_linear
 from .naive import decode_step_naive, linear_recurrence_naive, osdn_write_keys_naive, recurrence_step
 from .rms_norm import add_rms_norm, rms_norm
@@ -19,7 +19,7 @@ __all__ = [
     "IGNORE_INDEX",
     "conv_tails",
     "linear_cross_entropy",
-    "mamba_log_decay",
+    "gate_log_decay",
     "rms_norm",
     "add_rms_norm",
     "rms_norm_linear",

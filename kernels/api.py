@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from .kinds import Gate, triton_interpreter_on
+from .kinds import DecayForm, Gate, triton_interpreter_on
 from .naive import decode_step_naive, linear_recurrence_naive, osdn_write_keys_naive
 from .packed import check_offsets
 
@@ -390,6 +390,7 @@ def decode_step(
     eps: float = 1e-6,
     beta_scale: float | None = None,
     decay: tuple[Tensor, Tensor] | None = None,
+    decay_form: str = "mamba2",
     backend: str = "auto",
 ) -> Tensor:
     """One token of `linear_recurrence` for every row of a batch, in place: the decoding step.
@@ -406,9 +407,10 @@ def decode_step(
     in place too.
 
     The model's step hands over raw projections: with `beta_scale`, `beta` holds logits and
-    the step takes `beta_scale * sigmoid(beta)`; with `decay = (A_log [H], dt_bias [H] or
-    [H, K])`, `g` holds the gate's projection and the step takes its log decay
-    `-exp(A_log) * softplus(g + dt_bias)` (`mamba_log_decay`), in float32 either way. A
+    the step takes `beta_scale * sigmoid(beta)`; with `decay = (A_log [H], bias [H] or
+    [H, K])`, `g` holds the gate's projection and the step takes its log decay in
+    `decay_form` (`gate_log_decay`: `-exp(A_log) * softplus(g + bias)` for `"mamba2"`,
+    `sigmoid` for `"rwkv7"`), in float32 either way. A
     token tensor may be a column slice of a wider `[B, ...]` output (each row contiguous).
 
     Returns `o` `[B, 1, H, V]` in the dtype of `v`. Running a prefill through
@@ -424,12 +426,13 @@ def decode_step(
         raise ValueError(f"decode_step: need 0 < d_min <= d_max, got [{d_min}, {d_max}]")
     kind = Gate.of(g) if kind is None else kind
     _check_raw_step_inputs(q, g, kind, beta, beta_scale, decay)
+    form = DecayForm.named(decay_form)
     name = resolve_backend(backend, q.device)
     _check_backend_device("decode_step", name, q.device)
     fn = _get(_STEP_BACKENDS, name)
     raw = {}
     if name == "triton":
-        raw = dict(beta_scale=beta_scale, decay=decay)
+        raw = dict(beta_scale=beta_scale, decay=decay, decay_form=form)
     else:  # the definitions take beta and g themselves
         if beta_scale is not None:
             beta = beta_scale * torch.sigmoid(beta.to(torch.promote_types(beta.dtype, torch.float32)))
@@ -437,7 +440,7 @@ def decode_step(
             from .log_decay import log_decay_ref  # (log_decay needs this module)
 
             g = log_decay_ref(decay[0].reshape(-1, *([1] if kind == Gate.CHANNEL else [])), g,
-                              decay[1].reshape(g.shape[2:]))[0]
+                              decay[1].reshape(g.shape[2:]), form)[0]
     with torch.no_grad():
         return fn(q, k, v, state, g=g, gate=kind, beta=beta, write_key=write_key, erase=erase, n_h=n_h, scale=scale,
                   d=d, retain=retain, eta=eta, d_min=d_min, d_max=d_max, beta_aware=beta_aware, eps=eps, **raw)
@@ -454,10 +457,10 @@ def _check_raw_step_inputs(q: Tensor, g: Tensor | None, kind: Gate, beta: Tensor
     H, K = q.shape[2], q.shape[3]
     _check_step(g is not None, "decay forms the log decay from the gate's projection: pass g too")
     _check_step(isinstance(decay, tuple) and len(decay) == 2 and all(isinstance(t, Tensor) for t in decay),
-                "decay must be a pair of tensors (A_log, dt_bias)")
-    A_log, dt_bias = decay
+                "decay must be a pair of tensors (A_log, bias)")
+    A_log, bias = decay
     bias_shapes = [(H,)] if kind == Gate.SCALAR else [(H, K), (H * K,)]
     _check_step(tuple(A_log.shape) == (H,), f"decay's A_log must be [H] = {(H,)}, got {tuple(A_log.shape)}")
-    _check_step(tuple(dt_bias.shape) in bias_shapes,
-                f"decay's dt_bias must be one of {bias_shapes}, got {tuple(dt_bias.shape)}")
-    _check_step(A_log.device == q.device and dt_bias.device == q.device, "decay's tensors must be on q's device")
+    _check_step(tuple(bias.shape) in bias_shapes,
+                f"decay's bias must be one of {bias_shapes}, got {tuple(bias.shape)}")
+    _check_step(A_log.device == q.device and bias.device == q.device, "decay's tensors must be on q's device")

@@ -8,7 +8,7 @@
   per-head L2 normalisation of the streams that need unit keys), packed documents and
   carried tails.
 - `swiglu.swiglu_linear`: SwiGLU's down projection, the product recomputed in the backward.
-- `log_decay.mamba_log_decay`: the decay gates' `-exp(A_log) * softplus(proj + dt_bias)`.
+- `log_decay.gate_log_decay`: the decay gates' `-exp(A_log) * f(proj + bias)`, `f` softplus or sigmoid.
 
 Each has a plain torch path (the definition, and what runs on the CPU) and a Triton path
 in `kernels/triton/`; `backend="auto"` takes Triton on CUDA tensors and torch elsewhere,

@@ -1,8 +1,9 @@
 """Names for what selects a code path: the gate kind, the transition (the kernel's mode),
 and whether Triton runs its interpreter.
 
-The plan (`blocks.plan.RecurrencePlan`) says `gate: "none" | "scalar" | "channel"` and
-`transition: "diagonal" | "householder" | "rwkv7"`; these enums carry the same names to
+The plan (`blocks.plan.RecurrencePlan`) says `gate: "none" | "scalar" | "channel"`,
+`decay: "mamba2" | "rwkv7"` and `transition: "diagonal" | "householder" | "rwkv7"`; these
+enums carry the same names to
 the backends, and their integer values are what the Triton kernels specialize on
 (`triton/kinds.py` names them there as `tl.constexpr`s).
 """
@@ -36,6 +37,22 @@ class Gate(IntEnum):
         if g is None:
             return cls.NONE
         return cls.SCALAR if g.dim() == 3 else cls.CHANNEL
+
+
+class DecayForm(IntEnum):
+    """How a gate's log decay is formed from its projection `z` (bias included):
+    `g = -exp(A_log) * f(z)`."""
+
+    MAMBA2 = 0  # f = softplus: unbounded below (Mamba2, Gated DeltaNet, KDA)
+    RWKV7 = 1  # f = sigmoid: at most exp(A_log) nats a token (RWKV-7, A_log = -1/2)
+
+    @classmethod
+    def named(cls, name: str) -> DecayForm:
+        """`DecayForm.named("rwkv7")`: the plan's name of a decay form."""
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(f"decay form must be one of {[f.name.lower() for f in cls]}, got {name!r}") from None
 
 
 class Mode(IntEnum):

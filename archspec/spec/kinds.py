@@ -77,7 +77,8 @@ def _check_model_spec(path: str, overrides: Iterable[str]) -> str:
     spec = load_spec(path, list(overrides))
     m = spec.mixer
     extra = ", osdn" + (" apf" if m.preconditioner.setting("apf") else "") if m.preconditioner.enabled else ""
-    return f"model spec {spec.name}: {m.backbone}, {m.transition.type} n_h={m.transition.n_h}, gate {m.resolved_gate}{extra}{_layout_note(spec)}"
+    gate = m.resolved_gate if m.resolved_gate == "none" else f"{m.resolved_gate} ({m.resolved_decay} decay)"
+    return f"model spec {spec.name}: {m.backbone}, {m.transition.type} n_h={m.transition.n_h}, gate {gate}{extra}{_layout_note(spec)}"
 
 
 def _layout_note(spec) -> str:

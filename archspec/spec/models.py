@@ -30,11 +30,13 @@ from archspec.spec.rules import spec_problems
 
 Backbone = Literal["deltanet", "gdn", "kda"]
 GateKind = Literal["none", "scalar", "channel"]
+DecayForm = Literal["mamba2", "rwkv7"]
 TransitionKind = Literal["diagonal", "householder", "rwkv7"]
 
 # Each backbone's own decay (RECURRENCE.md, "Gate"): DeltaNet has none, Gated DeltaNet a
 # scalar Mamba2-style gate, KDA (Kimi Delta Attention) a per-channel gate.
 BACKBONE_GATE: dict[str, GateKind] = {"deltanet": "none", "gdn": "scalar", "kda": "channel"}
+DEFAULT_DECAY: DecayForm = "mamba2"
 DEFAULT_BETA_RANGE = (0.0, 1.0)
 # OSDN paper defaults (Zhou, Li et al. 2026, 340M configuration).
 OSDN_DEFAULTS: dict[str, Any] = {"apf": False, "eta": 0.003, "bounds": (0.5, 2.0), "beta_aware": True, "init": "ones"}
@@ -145,6 +147,13 @@ class MixerSpec(_Section):
     gate: GateKind | None = Field(
         None, description="Decay once per token: none, scalar or channel. Default from the backbone: deltanet none, gdn scalar, kda channel."
     )
+    decay: DecayForm | None = Field(
+        None,
+        description="How the gate forms its log decay g: mamba2 g = -exp(A) softplus(W x + dt_bias), learned "
+        "rate A per head (Mamba2, Gated DeltaNet, KDA; unbounded, several nats a token at initialisation), "
+        "or rwkv7 g = -exp(-1/2) sigmoid(z), z = w0 + tanh(x W1) W2 per channel (W x + w0 per head for a scalar "
+        "gate): RWKV-7's decay, at most 0.61 nats a token. Default mamba2; only with a gate.",
+    )
     preconditioner: PreconditionerSpec = Field(default_factory=PreconditionerSpec)
     heads: int = Field(4, gt=0, description="Number of heads.")
     head_dim: int = Field(64, gt=0, description="Key dimension K of each head.")
@@ -154,6 +163,10 @@ class MixerSpec(_Section):
     @property
     def resolved_gate(self) -> GateKind:
         return self.gate if self.gate is not None else BACKBONE_GATE[self.backbone]
+
+    @property
+    def resolved_decay(self) -> DecayForm:
+        return self.decay if self.decay is not None else DEFAULT_DECAY
 
     @property
     def value_dim(self) -> float:

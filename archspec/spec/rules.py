@@ -68,6 +68,13 @@ def mixer_problems(mixer: MixerSpec) -> list[tuple[RulePath, str]]:
                 f"preconditioner.type: osdn or remove {name}",
             ))
 
+    if mixer.decay is not None and mixer.resolved_gate == "none":
+        problems.append((
+            ("decay",),
+            f"decay sets how a gate forms its log decay, and this mixer has no gate (backbone "
+            f"{mixer.backbone!r} defaults to none); set gate: scalar or channel, or remove decay",
+        ))
+
     value_dim = mixer.value_dim
     if value_dim != int(value_dim) or value_dim < 1:
         problems.append((

@@ -18,7 +18,7 @@ Flags (`tl.constexpr`, one specialization each, named as `kinds.py` names them):
     HAS_WRITE_KEY an untied write key (else `w = k`, or `d * k` with OSDN)
     OSDN, APF, BETA_AWARE   the preconditioner, its retain gate and its update rule
     BETA_LOGITS   beta given as logits (`beta_scale * sigmoid`)
-    DECAY         g given as the gate's projection (the log decay formed here)
+    DECAY, FORM   g given as the gate's projection (the log decay formed here, in that form)
     ACC           float32, or float64 for a float64 state
 
 Layout: the token tensors as `kernels.decode_step` takes them (`[B, n_h, H, ...]`, each
@@ -26,7 +26,7 @@ row contiguous, read through its batch stride); `state` `[B, H, K, V]` and `d` `
 contiguous, updated in place.
 
 With `decay` the gate's log decay is formed in the step from its projection
-(`-exp(A_log) * softplus(proj + dt_bias)`), and with `beta_scale` beta from its logits:
+(`-exp(A_log) * f(proj + bias)`, `log_decay.decay_of`), and with `beta_scale` beta from its logits:
 the model's step hands over one projection's output instead of launching the gate and
 the sigmoid apart. Every token tensor is read through its batch stride, so column slices
 of that output go in without a copy.
@@ -44,9 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kinds import Gate, Mode
+from ..kinds import DecayForm, Gate, Mode
 from .kinds import CHANNEL_GATE, DIAGONAL, HOUSEHOLDER, SCALAR_GATE, accumulation
-from .log_decay import softplus
+from .log_decay import decay_of
 from .launch import DECODE_LAUNCH, SHORT_CONV_LAUNCH, DecodeLaunch, ShortConvLaunch, overlapped, pow2
 
 Tensor = torch.Tensor
@@ -56,13 +56,13 @@ MAX_HEAD_DIM = 256  # K of one program's tile (the chunk kernel's limit too)
 
 @triton.jit
 def decode_step_kernel(
-    q, k, v, g, beta, w, e, retain, state, d, o, a_log, dt_bias,
+    q, k, v, g, beta, w, e, retain, state, d, o, a_log, decay_bias,
     q_sb, k_sb, v_sb, g_sb, beta_sb, w_sb, e_sb,
     scale, beta_scale, eta, d_min, d_max, eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NH: tl.constexpr,
     MODE: tl.constexpr, GATE: tl.constexpr, HAS_BETA: tl.constexpr, HAS_WRITE_KEY: tl.constexpr,
     OSDN: tl.constexpr, APF: tl.constexpr, BETA_AWARE: tl.constexpr, BETA_LOGITS: tl.constexpr,
-    DECAY: tl.constexpr, OVERLAP: tl.constexpr, ACC: tl.constexpr,
+    DECAY: tl.constexpr, FORM: tl.constexpr, OVERLAP: tl.constexpr, ACC: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b = i_bh // H
@@ -85,17 +85,17 @@ def decode_step_kernel(
     b = i_b.to(tl.int64)
 
     # The gate, once per token, before the sub-steps; with DECAY, g holds the gate's
-    # projection and the log decay is formed here (`kernels.mamba_log_decay`).
+    # projection and the log decay is formed here (`kernels.gate_log_decay`).
     if GATE == SCALAR_GATE:
         gv = tl.load(g + b * g_sb + i_h).to(ACC)
         if DECAY:
-            gv = -tl.exp(tl.load(a_log + i_h).to(ACC)) * softplus(gv + tl.load(dt_bias + i_h).to(ACC))
+            gv = -tl.exp(tl.load(a_log + i_h).to(ACC)) * decay_of(gv + tl.load(decay_bias + i_h).to(ACC), FORM)
         S = S * tl.exp(gv)
     elif GATE == CHANNEL_GATE:
         gv = tl.load(g + b * g_sb + i_h * K + kk, mask=k_ok, other=0.0).to(ACC)
         if DECAY:
-            bias = tl.load(dt_bias + i_h * K + kk, mask=k_ok, other=0.0).to(ACC)
-            gv = -tl.exp(tl.load(a_log + i_h).to(ACC)) * softplus(gv + bias)
+            bias = tl.load(decay_bias + i_h * K + kk, mask=k_ok, other=0.0).to(ACC)
+            gv = -tl.exp(tl.load(a_log + i_h).to(ACC)) * decay_of(gv + bias, FORM)
         S = S * tl.exp(gv)[:, None]
 
     if OSDN:
@@ -179,6 +179,7 @@ def decode_step_triton(
     eps: float = 1e-6,
     beta_scale: float | None = None,
     decay: tuple[Tensor, Tensor] | None = None,
+    decay_form: DecayForm = DecayForm.MAMBA2,
     launch: DecodeLaunch = DECODE_LAUNCH,
 ) -> Tensor:
     """`kernels.decode_step` on one launch (arguments checked by the API)."""
@@ -196,7 +197,7 @@ def decode_step_triton(
     (q, q_sb), (k, k_sb), (v, v_sb), (g, g_sb), (beta, beta_sb), (write_key, w_sb), (erase, e_sb) = (
         _rows(t) for t in (q, k, v, g, beta, write_key, erase))
     retain = None if retain is None else retain.contiguous()
-    a_log, dt_bias = (q, q) if decay is None else (decay[0].contiguous(), decay[1].contiguous())
+    a_log, decay_bias = (q, q) if decay is None else (decay[0].contiguous(), decay[1].contiguous())
     mode = Mode.of(beta, erase)
     acc = accumulation(state.dtype)[1]
     overlap = overlapped(q.device)
@@ -204,12 +205,12 @@ def decode_step_triton(
     decode_step_kernel[grid](
         q, k, v, q if g is None else g, q if beta is None else beta, q if write_key is None else write_key,
         q if erase is None else erase, q if retain is None else retain, state, state if d is None else d, o,
-        a_log, dt_bias, q_sb, k_sb, v_sb, g_sb, beta_sb, w_sb, e_sb,
+        a_log, decay_bias, q_sb, k_sb, v_sb, g_sb, beta_sb, w_sb, e_sb,
         scale, float(beta_scale or 1.0), float(eta), float(d_min), float(d_max), float(eps),
         H=H, K=K, V=V, BK=max(16, pow2(K)), BV=BV, NH=n_h,
         MODE=int(mode), GATE=int(gate), HAS_BETA=beta is not None, HAS_WRITE_KEY=write_key is not None,
         OSDN=d is not None, APF=retain is not None, BETA_AWARE=bool(beta_aware), BETA_LOGITS=beta_scale is not None,
-        DECAY=decay is not None, OVERLAP=overlap, ACC=acc, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        DECAY=decay is not None, FORM=int(decay_form), OVERLAP=overlap, ACC=acc, num_warps=launch.num_warps, num_stages=launch.num_stages,
         **({"launch_pdl": True} if overlap else {}),
     )
     return o

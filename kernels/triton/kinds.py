@@ -1,7 +1,7 @@
 """The kinds of `..kinds` as `tl.constexpr`s, for the kernels' specializing branches, and
 the accumulation dtype every kernel takes from its inputs' (`accumulation`).
 
-A kernel takes `GATE`, `MODE` and `CHANNEL_PASS` as constexpr arguments (each value
+A kernel takes `GATE`, `MODE`, `FORM` (a gate's decay form) and `CHANNEL_PASS` as constexpr arguments (each value
 compiles its own specialization) and compares them with these names, never with bare
 integers: `if GATE == CHANNEL_GATE:`.
 """
@@ -13,7 +13,7 @@ from enum import IntEnum
 import torch
 import triton.language as tl
 
-from ..kinds import Gate, Mode
+from ..kinds import DecayForm, Gate, Mode
 
 
 def accumulation(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype]:
@@ -25,6 +25,9 @@ def accumulation(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype]:
 NO_GATE = tl.constexpr(int(Gate.NONE))
 SCALAR_GATE = tl.constexpr(int(Gate.SCALAR))
 CHANNEL_GATE = tl.constexpr(int(Gate.CHANNEL))
+
+MAMBA2_DECAY = tl.constexpr(int(DecayForm.MAMBA2))
+RWKV7_DECAY = tl.constexpr(int(DecayForm.RWKV7))
 
 DIAGONAL = tl.constexpr(int(Mode.DIAGONAL))
 HOUSEHOLDER = tl.constexpr(int(Mode.HOUSEHOLDER))

@@ -1,13 +1,16 @@
-"""The gates' log decay `g = -exp(A_log) * softplus(proj + dt_bias)`, forward and
-backward, one pass each over `[tokens, channels]` in float32 registers.
+"""The gates' log decay `g = -exp(A_log) * f(proj + bias)` (`f` softplus or sigmoid, as
+`FORM` says: `kinds.DecayForm`), forward and backward, one pass each over `[tokens,
+channels]` in float32 registers.
 
 Each program owns `rows x block_c` of the flattened `[N, C]` tensor (`C` the channels a
 token's gate has: H for a scalar gate, H * K for a channel gate); the per-channel rate
 `exp(A_log)` and bias are loaded once per program. The backward writes `d proj` and, per
 program, the partial sums over its rows of `d g * g` (for `A_log`) and of `d proj`'s
-float32 value (for `dt_bias`); the host adds the partials.
+float32 value (for `bias`); the host adds the partials.
 
-`softplus(z) = max(z, 0) + log(1 + exp(-|z|))`, `d softplus(z) / dz = sigmoid(z)`.
+`softplus(z) = max(z, 0) + log(1 + exp(-|z|))`, `d softplus(z) / dz = sigmoid(z)`;
+`d sigmoid(z) / dz = sigmoid(z) (1 - sigmoid(z))`. `decay_of` is the one definition of the
+form on Triton; the decoding step (`decode.py`) takes it too.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .kinds import accumulation
+from ..kinds import DecayForm
+from .kinds import MAMBA2_DECAY, accumulation
 from .launch import LOG_DECAY_LAUNCH, LogDecayLaunch
 
 Tensor = torch.Tensor
@@ -41,27 +45,45 @@ def softplus(z):
 
 
 @triton.jit
-def log_decay_forward_kernel(proj, a_log, bias, g, N, C, ROWS: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
+def decay_of(z, FORM: tl.constexpr):
+    """`f(z)` of the log decay `-rate * f(z)`."""
+    if FORM == MAMBA2_DECAY:
+        return softplus(z)
+    return tl.sigmoid(z)
+
+
+@triton.jit
+def decay_slope(z, FORM: tl.constexpr):
+    """`f'(z)`."""
+    s = tl.sigmoid(z)
+    if FORM == MAMBA2_DECAY:
+        return s
+    return s * (1.0 - s)
+
+
+@triton.jit
+def log_decay_forward_kernel(proj, a_log, bias, g, N, C, ROWS: tl.constexpr, BC: tl.constexpr, FORM: tl.constexpr,
+                             ACC: tl.constexpr):
     _, offs, mask, rate, z = _tile(proj, a_log, bias, N, C, ROWS, BC, ACC)
-    tl.store(g + offs, (-rate[None, :] * softplus(z)).to(g.dtype.element_ty), mask=mask)
+    tl.store(g + offs, (-rate[None, :] * decay_of(z, FORM)).to(g.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def log_decay_backward_kernel(proj, a_log, bias, dg, d_proj, d_rate_part, d_bias_part, N, C,
-                              ROWS: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
+                              ROWS: tl.constexpr, BC: tl.constexpr, FORM: tl.constexpr, ACC: tl.constexpr):
     cols, offs, mask, rate, z = _tile(proj, a_log, bias, N, C, ROWS, BC, ACC)
     d = tl.load(dg + offs, mask=mask, other=0.0).to(ACC)  # masked entries: d = 0, so they add nothing
-    d_logits = -rate[None, :] * tl.sigmoid(z) * d
+    d_logits = -rate[None, :] * decay_slope(z, FORM) * d
     tl.store(d_proj + offs, d_logits.to(d_proj.dtype.element_ty), mask=mask)
     part = tl.program_id(0).to(tl.int64) * C + cols
-    tl.store(d_rate_part + part, tl.sum(-rate[None, :] * softplus(z) * d, axis=0), mask=cols < C)
+    tl.store(d_rate_part + part, tl.sum(-rate[None, :] * decay_of(z, FORM) * d, axis=0), mask=cols < C)
     tl.store(d_bias_part + part, tl.sum(d_logits, axis=0), mask=cols < C)
 
 
-def _layout(A_log: Tensor, proj: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor, int, int]:
+def _layout(A_log: Tensor, proj: Tensor, bias: Tensor) -> tuple[Tensor, Tensor, int, int]:
     """(per-channel A_log, per-channel bias, N, C) of `proj` flattened to `[N, C]`."""
-    C = dt_bias.numel()
-    return A_log.expand(dt_bias.shape).reshape(C).contiguous(), dt_bias.reshape(C).contiguous(), proj.numel() // max(C, 1), C
+    C = bias.numel()
+    return A_log.expand(bias.shape).reshape(C).contiguous(), bias.reshape(C).contiguous(), proj.numel() // max(C, 1), C
 
 
 def _grid(N: int, C: int, launch: LogDecayLaunch) -> tuple[tuple[int, int], int]:
@@ -69,23 +91,24 @@ def _grid(N: int, C: int, launch: LogDecayLaunch) -> tuple[tuple[int, int], int]
     return (triton.cdiv(N, launch.rows), triton.cdiv(C, block_c)), block_c
 
 
-def log_decay_forward_triton(A_log: Tensor, proj: Tensor, dt_bias: Tensor,
+def log_decay_forward_triton(A_log: Tensor, proj: Tensor, bias: Tensor, form: DecayForm = DecayForm.MAMBA2,
                              launch: LogDecayLaunch = LOG_DECAY_LAUNCH) -> Tensor:
     """`g` in at least float32, shaped like `proj` (contiguous)."""
-    a, b, N, C = _layout(A_log, proj, dt_bias)
+    a, b, N, C = _layout(A_log, proj, bias)
     dtype, acc = accumulation(torch.promote_types(proj.dtype, torch.float32))
     g = torch.empty(proj.shape, device=proj.device, dtype=dtype)
     if proj.numel():
         grid, block_c = _grid(N, C, launch)
-        log_decay_forward_kernel[grid](proj, a, b, g, N, C, ROWS=launch.rows, BC=block_c, ACC=acc, num_warps=launch.num_warps)
+        log_decay_forward_kernel[grid](proj, a, b, g, N, C, ROWS=launch.rows, BC=block_c, FORM=int(form), ACC=acc,
+                                       num_warps=launch.num_warps)
     return g
 
 
-def log_decay_backward_triton(A_log: Tensor, proj: Tensor, dt_bias: Tensor, dg: Tensor,
+def log_decay_backward_triton(A_log: Tensor, proj: Tensor, bias: Tensor, dg: Tensor, form: DecayForm = DecayForm.MAMBA2,
                               launch: LogDecayLaunch = LOG_DECAY_LAUNCH) -> tuple[Tensor, Tensor, Tensor]:
-    """(`d A_log` shaped like A_log and `d dt_bias` like dt_bias, in the accumulation
+    """(`d A_log` shaped like A_log and `d bias` like bias, in the accumulation
     dtype; `d proj` like proj); `proj`, `dg` contiguous."""
-    a, b, N, C = _layout(A_log, proj, dt_bias)
+    a, b, N, C = _layout(A_log, proj, bias)
     dtype, acc = accumulation(torch.promote_types(proj.dtype, torch.float32))
     grid, block_c = _grid(N, C, launch)
     d_proj = torch.empty_like(proj)
@@ -93,6 +116,6 @@ def log_decay_backward_triton(A_log: Tensor, proj: Tensor, dt_bias: Tensor, dg: 
     d_bias = torch.zeros(grid[0], C, device=proj.device, dtype=dtype)
     if proj.numel():
         log_decay_backward_kernel[grid](proj, a, b, dg, d_proj, d_rate, d_bias, N, C, ROWS=launch.rows, BC=block_c,
-                                        ACC=acc, num_warps=launch.num_warps)
-    d_A = d_rate.sum(0).reshape(dt_bias.shape).sum_to_size(A_log.shape)
-    return d_A, d_proj, d_bias.sum(0).reshape(dt_bias.shape)
+                                        FORM=int(form), ACC=acc, num_warps=launch.num_warps)
+    d_A = d_rate.sum(0).reshape(bias.shape).sum_to_size(A_log.shape)
+    return d_A, d_proj, d_bias.sum(0).reshape(bias.shape)

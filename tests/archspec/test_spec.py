@@ -41,6 +41,18 @@ def test_defaults_resolve_from_the_backbone(tmp_path):
     assert load_spec({"name": "x", "mixer": {"backbone": "gdn", "gate": "none"}}).mixer.resolved_gate == "none"
 
 
+def test_decay_form_defaults_to_mamba2_and_needs_a_gate(tmp_path):
+    assert load_spec({"name": "x", "mixer": {"backbone": "kda"}}).mixer.resolved_decay == "mamba2"
+    spec = load_spec(spec_file(tmp_path, "name: x\nmixer: {backbone: kda, transition: {type: rwkv7}, decay: rwkv7}\n"))
+    assert spec.mixer.resolved_decay == "rwkv7"
+    got = refused(spec_file(tmp_path, "name: x\nmixer:\n  backbone: deltanet\n  decay: rwkv7\n"))
+    line, column, message = got["mixer.decay"]
+    assert (line, column) == (4, 10)
+    assert "no gate" in message and "gate: scalar or channel" in message
+    got = refused(spec_file(tmp_path, "name: x\nmixer:\n  backbone: kda\n  decay: rwkv\n"))
+    assert "did you mean rwkv7?" in got["mixer.decay"][2]
+
+
 def test_unknown_key_suggests_the_nearest_valid_one(tmp_path):
     got = refused(spec_file(tmp_path, """\
         name: x

@@ -2,8 +2,8 @@
 
 `mixer_plan(...)` fills in what lowering would decide (write key, erase, beta scale) from
 the transition, gate and preconditioner; `COMBINATIONS` covers every backbone, gate,
-transition, n_h 1..3, beta range, OSDN variant (APF, learned init, beta-free) and short
-conv setting at least once.
+transition, n_h 1..3, beta range, decay form, OSDN variant (APF, learned init, beta-free)
+and short conv setting at least once.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def mixer_plan(
     head_dim: int = 4,
     value_dim: int = 6,
     short_conv: int = 4,
+    decay: str = "mamba2",
 ) -> RecurrencePlan:
     write_key = {"diagonal": "tied", "householder": "preconditioned" if osdn else "tied", "rwkv7": "untied"}[transition]
     return RecurrencePlan(
@@ -38,6 +39,7 @@ def mixer_plan(
         value_dim=value_dim,
         short_conv=short_conv,
         stable=False,
+        decay=decay,
     )
 
 
@@ -64,6 +66,9 @@ COMBINATIONS: dict[str, RecurrencePlan] = {
     "rwkv7-nh1-channel": mixer_plan("kda", "channel", "rwkv7"),  # RWKV-7 itself (its own no-grad chain in chunked.py)
     "rwkv7-nh2-b2-channel": mixer_plan("kda", "channel", "rwkv7", n_h=2, beta_scale=2.0),
     "rwkv7-nh3-none": mixer_plan("deltanet", "none", "rwkv7", n_h=3),
+    # RWKV-7's own decay form (bounded sigmoid, tanh LoRA), per channel and per head
+    "rwkv7-decay-channel": mixer_plan("kda", "channel", "rwkv7", decay="rwkv7"),
+    "rwkv7-decay-scalar-gdn": mixer_plan("gdn", "scalar", decay="rwkv7"),
     # OSDN variants
     "osdn": mixer_plan("deltanet", "none", osdn=_osdn()),
     "osdn-apf-nh2": mixer_plan("deltanet", "none", n_h=2, osdn=_osdn(apf=True)),

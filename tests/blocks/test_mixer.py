@@ -3,6 +3,8 @@ it claims to be (checked against a hand-written float64 reference); capture work
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,8 +31,9 @@ def test_every_plan_builds_runs_and_backpropagates(name):
     # the gradient reaches every kind of parameter, not only the residual path
     mixer = model.mixers()[0]
     assert mixer.proj["k"].weight.grad.abs().sum() > 0
-    if mixer.gate is not None:
-        assert mixer.gate.A_log.grad.abs().sum() > 0
+    if mixer.gate is not None:  # the learned rate (mamba2) or the bias (every form)
+        assert mixer.gate.bias.grad.abs().sum() > 0
+        assert mixer.gate.A_log.grad is None if mixer.gate.form == "rwkv7" else mixer.gate.A_log.grad.abs().sum() > 0
 
 
 def test_mlp_none_and_tied_embeddings():
@@ -87,13 +90,19 @@ def _reference_mixer(m: Mixer, x: torch.Tensor) -> torch.Tensor:
         a_logits = (x @ m.a_proj.down.weight.T) @ m.a_proj.up.weight.T + m.a_proj.up.bias
         kw["erase"] = p.beta_scale * torch.sigmoid(a_logits).reshape(B, T * n, H, K) * k
         kw["write_key"] = _unit(stream("w").reshape(B, T * n, H, K))
-    if p.gate == "scalar":
+    if p.gate == "scalar" and p.decay == "mamba2":
         gate = m.gate
         kw["g"] = -torch.exp(gate.A_log) * F.softplus(x @ gate.a_proj.weight.T + gate.dt_bias)
-    elif p.gate == "channel":
+    elif p.gate == "channel" and p.decay == "mamba2":
         gate = m.gate
         logits = (x @ gate.f_proj.down.weight.T) @ gate.f_proj.up.weight.T + gate.dt_bias
         kw["g"] = -torch.exp(gate.A_log)[:, None] * F.softplus(logits.reshape(B, T, H, K))
+    elif p.gate == "channel":  # RWKV-7: w = exp(-e^{-1/2} sigmoid(w0 + tanh(x W1) W2))
+        gate = m.gate
+        logits = torch.tanh(x @ gate.f_proj.down.weight.T) @ gate.f_proj.up.weight.T + gate.w0
+        kw["g"] = -math.exp(-0.5) * torch.sigmoid(logits.reshape(B, T, H, K))
+    elif p.gate == "scalar":
+        kw["g"] = -math.exp(-0.5) * torch.sigmoid(x @ m.gate.a_proj.weight.T + m.gate.w0)
     if p.preconditioner is not None:
         pre, pp = m.preconditioner, p.preconditioner
         retain = torch.sigmoid(x @ pre.retain_proj.weight.T + pre.retain_proj.bias) if pp.apf else None
@@ -121,8 +130,10 @@ def _reference_mixer(m: Mixer, x: torch.Tensor) -> torch.Tensor:
         mixer_plan("kda", "channel", "rwkv7", n_h=2, beta_scale=2.0, short_conv=4),
         mixer_plan("deltanet", "channel", n_h=2, osdn=_osdn(apf=True, init="learned"), short_conv=2),
         mixer_plan("gdn", "channel", "diagonal", short_conv=0),
+        mixer_plan("kda", "channel", "rwkv7", short_conv=4, decay="rwkv7"),
+        mixer_plan("gdn", "scalar", short_conv=2, decay="rwkv7"),
     ],
-    ids=["gated-deltaproduct", "rwkv7-kda", "osdn-apf-learned", "gla-like"],
+    ids=["gated-deltaproduct", "rwkv7-kda", "osdn-apf-learned", "gla-like", "rwkv7-own-decay", "gdn-rwkv7-decay"],
 )
 def test_mixer_equals_reference_composition(plan):
     torch.manual_seed(1)
@@ -223,3 +234,23 @@ def test_a_hooked_or_replaced_o_proj_keeps_its_own_forward(backbone, gate):
     m.o_proj = adapter
     y = m(x)[0]
     torch.testing.assert_close(y, plain + 2 * normed[0].flatten(-2)[..., :1])
+
+
+def test_rwkv7_decay_is_bounded_and_starts_at_rwkv7s_decay_speeds():
+    """The rwkv7 form: w0 at RWKV-7's per-channel speeds for each layer's depth (written
+    out here from the reference model's time-mix init), no learned rate in the state dict,
+    and never more than e^{-1/2} nats a token, however large the input."""
+    layers = 3
+    model = build_model(model_plan(COMBINATIONS["rwkv7-decay-channel"], layers=layers))
+    for i, mixer in enumerate(model.mixers()):
+        gate = mixer.gate
+        channels = gate.heads * gate.head_dim
+        ratio_0_to_1 = i / (layers - 1)
+        speeds = [-7 + 5 * (n / (channels - 1)) ** (0.85 + 1.0 * ratio_0_to_1**0.5) for n in range(channels)]
+        torch.testing.assert_close(gate.w0.detach().double(), torch.tensor(speeds, dtype=torch.float64) + 0.5,
+                                   rtol=0, atol=1e-6)
+        g = gate(1e3 * torch.randn(2, 7, model.plan.d_model))
+        assert bool(((g <= 0) & (g >= -math.exp(-0.5))).all())
+    keys = model.state_dict().keys()
+    assert not any(k.endswith("gate.A_log") or k.endswith("gate.dt_bias") for k in keys)
+    assert sum(k.endswith("gate.w0") for k in keys) == layers

@@ -325,13 +325,14 @@ def test_bad_stream_step_arguments_are_named():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("gate", ["scalar", "channel"])
-def test_raw_projections_equal_the_formed_gate_and_beta(backend, gate):
+@pytest.mark.parametrize("form", ["mamba2", "rwkv7"])
+def test_raw_projections_equal_the_formed_gate_and_beta(backend, gate, form):
     """`decode_step` with `decay` and `beta_scale` (the gate's projection and beta's logits,
     column slices of one wider row, as the model's step hands them over) against the same
-    step with `mamba_log_decay`'s g and `beta_scale * sigmoid(logits)` formed first."""
+    step with `gate_log_decay`'s g and `beta_scale * sigmoid(logits)` formed first."""
     if backend == "triton":
         pytest.importorskip("triton")
-    from archspec.kernels import mamba_log_decay
+    from archspec.kernels import gate_log_decay
 
     device = "cuda" if CUDA and backend == "triton" else "cpu"
     gen = torch.Generator().manual_seed(5)
@@ -346,12 +347,12 @@ def test_raw_projections_equal_the_formed_gate_and_beta(backend, gate):
     k = F.normalize(torch.randn(B, n, H, K, generator=gen, dtype=torch.float64), dim=-1).to(device)
     v = torch.randn(B, n, H, V, generator=gen, dtype=torch.float64).to(device)
     state = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64).to(device)
-    g = mamba_log_decay(A_log[:, None] if gate == "channel" else A_log, proj, dt_bias, backend="torch")
+    g = gate_log_decay(A_log[:, None] if gate == "channel" else A_log, proj, dt_bias, form=form, backend="torch")
     want_state = state.clone()
     want = decode_step(q, k, v, want_state, g=g, beta=2.0 * torch.sigmoid(logits), n_h=n, backend="torch")
     got_state = state.clone()
-    got = decode_step(q, k, v, got_state, g=proj, decay=(A_log, dt_bias), beta=logits, beta_scale=2.0, n_h=n,
-                      backend=backend)
+    got = decode_step(q, k, v, got_state, g=proj, decay=(A_log, dt_bias), decay_form=form, beta=logits, beta_scale=2.0,
+                      n_h=n, backend=backend)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(got_state, want_state, rtol=1e-10, atol=1e-10)
 
@@ -363,7 +364,9 @@ def test_bad_raw_projection_arguments_are_named():
         decode_step(q, k, v, state, beta_scale=1.0)
     with pytest.raises(ValueError, match="decay's A_log must be \\[H\\] = \\(3,\\)"):
         decode_step(q, k, v, state, g=torch.zeros(2, 1, 3), decay=(torch.zeros(4), torch.zeros(3)))
-    with pytest.raises(ValueError, match="decay's dt_bias must be one of \\[\\(3, 4\\), \\(12,\\)\\]"):
+    with pytest.raises(ValueError, match="decay's bias must be one of \\[\\(3, 4\\), \\(12,\\)\\]"):
         decode_step(q, k, v, state, g=torch.zeros(2, 1, 3, 4), decay=(torch.zeros(3), torch.zeros(3)))
     with pytest.raises(ValueError, match="decay forms the log decay from the gate's projection: pass g too"):
         decode_step(q, k, v, state, decay=(torch.zeros(3), torch.zeros(3)))
+    with pytest.raises(ValueError, match="decay form must be one of \\['mamba2', 'rwkv7'\\], got 'softplus'"):
+        decode_step(q, k, v, state, g=torch.zeros(2, 1, 3), decay=(torch.zeros(3), torch.zeros(3)), decay_form="softplus")

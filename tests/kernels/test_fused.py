@@ -17,6 +17,8 @@ in float32 and bfloat16 at training shapes, against the torch path.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from archspec.kernels import (
     add_rms_norm,
     linear_cross_entropy,
-    mamba_log_decay,
+    gate_log_decay,
     rms_norm,
     rms_norm_linear,
     short_conv,
@@ -343,16 +345,27 @@ def _log_decay_inputs(shapes, dtype, seed=0):
     return A_log, proj, dt_bias
 
 
+# Each form written out from its source, in float64: Mamba2's softplus, RWKV-7's
+# `w = exp(-exp(-softplus(-z) - 1/2))` (its reference code's decay, whose log is -e^{-1/2} sigmoid(z)
+# when A_log = -1/2).
+DECAY_FORMULAS = {
+    "mamba2": lambda A_log, z: -torch.exp(A_log) * torch.log1p(torch.exp(z)),
+    "rwkv7": lambda A_log, z: -torch.exp(A_log) * torch.exp(-torch.log1p(torch.exp(-z))),
+}
+
+
 @pytest.mark.parametrize("backend,dtype", [*PATHS, ("triton", torch.bfloat16)])
 @pytest.mark.parametrize("gate", LOG_DECAY_SHAPES)
-def test_log_decay_equals_the_formula(backend, dtype, gate):
-    """Against `-exp(A_log) * softplus(proj + dt_bias)` in float64 on the same (rounded)
-    inputs: the decay and the gradients of all three inputs, with a random cotangent."""
+@pytest.mark.parametrize("form", DECAY_FORMULAS)
+def test_log_decay_equals_the_formula(backend, dtype, gate, form):
+    """Against `-exp(A_log) * f(proj + dt_bias)` in float64 on the same (rounded) inputs,
+    `f` softplus or sigmoid: the decay and the gradients of all three inputs, with a random
+    cotangent."""
     A_log, proj, dt_bias = _log_decay_inputs(LOG_DECAY_SHAPES[gate], dtype)
-    g = mamba_log_decay(A_log, proj, dt_bias, backend=backend)
+    g = gate_log_decay(A_log, proj, dt_bias, form=form, backend=backend)
     assert g.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and g.shape == proj.shape
     refs = [t.detach().double().requires_grad_() for t in (A_log, proj, dt_bias)]
-    want = -torch.exp(refs[0]) * torch.log1p(torch.exp(refs[1] + refs[2]))
+    want = DECAY_FORMULAS[form](refs[0], refs[1] + refs[2])
     dg = torch.randn(g.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     tol = _tol(backend, torch.float32 if dtype == torch.bfloat16 else dtype)  # float32 arithmetic on bf16 inputs
     torch.testing.assert_close(g.double(), want, **tol)
@@ -363,11 +376,24 @@ def test_log_decay_equals_the_formula(backend, dtype, gate):
         torch.testing.assert_close(a.double(), b, **(_tol(backend, dtype) if name == "proj" else tol), msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_log_decay_refuses_mismatched_shapes():
-    with pytest.raises(ValueError, match=r"must end in dt_bias's shape \(3, 5\)"):
-        mamba_log_decay(torch.zeros(3, 1), torch.zeros(2, 4, 3, 6), torch.zeros(3, 5))
+def test_log_decay_refuses_mismatched_shapes_and_unknown_forms():
+    with pytest.raises(ValueError, match=r"must end in bias's shape \(3, 5\)"):
+        gate_log_decay(torch.zeros(3, 1), torch.zeros(2, 4, 3, 6), torch.zeros(3, 5))
     with pytest.raises(ValueError, match="A_log"):
-        mamba_log_decay(torch.zeros(4), torch.zeros(2, 4, 3), torch.zeros(3))
+        gate_log_decay(torch.zeros(4), torch.zeros(2, 4, 3), torch.zeros(3))
+    with pytest.raises(ValueError, match=r"decay form must be one of \['mamba2', 'rwkv7'\], got 'gla'"):
+        gate_log_decay(torch.zeros(3), torch.zeros(2, 4, 3), torch.zeros(3), form="gla")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rwkv7_decay_is_bounded_by_its_rate(backend):
+    """RWKV-7's form never decays a token by more than exp(A_log) = e^{-1/2} nats, however
+    large the logits; the chunk kernel's fastest path counts on it (64 tokens, <= 39 nats)."""
+    proj = torch.tensor([[-1e4, -30.0, 0.0, 30.0, 1e4]], dtype=torch.float32)
+    g = gate_log_decay(torch.full((5,), -0.5), proj, torch.zeros(5), form="rwkv7", backend=backend)
+    bound = math.exp(-0.5)
+    assert bool(((g <= 0) & (g >= -bound)).all())
+    torch.testing.assert_close(g[0, -1], torch.tensor(-bound), atol=1e-7, rtol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -409,7 +435,8 @@ def test_gpu_linear_cross_entropy_kernel_equals_torch(dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_log_decay_kernel_equals_torch():
+@pytest.mark.parametrize("form", DECAY_FORMULAS)
+def test_gpu_log_decay_kernel_equals_torch(form):
     """A KDA layer's channel gate at the whole-model benchmark's size, bfloat16 logits."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     A_log = torch.log(torch.empty(8, 1, device="cuda").uniform_(1, 16, generator=gen)).requires_grad_()
@@ -418,7 +445,7 @@ def test_gpu_log_decay_kernel_equals_torch():
     dg = torch.randn(proj.shape, device="cuda", generator=gen)
     results = []
     for backend in BACKENDS:
-        g = mamba_log_decay(A_log, proj, dt_bias, backend=backend)
+        g = gate_log_decay(A_log, proj, dt_bias, form=form, backend=backend)
         results.append([g, *_grads(g, [A_log, proj, dt_bias], dg)])
     for name, a, b in zip(("g", "A_log", "proj", "dt_bias"), *results):  # d proj: bf16, one rounding apart
         tol = _tol("triton", torch.bfloat16) if name == "proj" else dict(atol=1e-3, rtol=1e-3)

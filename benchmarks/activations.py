@@ -1,7 +1,7 @@
 """What one training step keeps for its backward: the tensors autograd saves, per token,
 by the module and the call that saved them, for each model spec.
 
-    python benchmarks/activations.py [--specs a,b] [--out DIR] [--tokens T]
+    python benchmarks/activations.py [--specs a,b] [--out DIR] [--tokens T] [--merge]
 
 The whole-model benchmark (`models.py`) measures peak memory; this says what it is made
 of. Each spec is built at the benchmark's size (d_model 1024, 8 layers, 8 heads of 128,
@@ -20,12 +20,15 @@ Times 16,384 (the benchmark's tokens a step) the sum is the activations' share o
 step's peak memory; the rest of the peak is the weights, their gradients and AdamW's
 moments (16 bytes a parameter) and the backward's transient buffers.
 
-Results: `DIR/activations.json` and `DIR/activations.md`.
+Results: `DIR/activations.json` and `DIR/activations.md`. `--merge` keeps an earlier
+file's specs that are not counted now, each with the commit it was counted at (a full
+count takes about an hour on two cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -164,6 +167,31 @@ def per_token(spec: Path, size: Size, short: int, long: int) -> dict[str, Any]:
             "step_activations_gb": total * STEP_TOKENS / 1e9, "rows": rows}
 
 
+def keep_earlier(record: dict[str, Any], earlier: dict[str, Any], names: list[str]) -> None:
+    """`--merge`: the earlier file's specs not counted now, each with the commit it was
+    counted at (the earlier run's, where the spec does not say), so the file can be
+    brought up to date one spec at a time."""
+    if earlier.get("size") != record["size"] or earlier.get("tokens") != record["tokens"]:
+        raise SystemExit("--merge: the earlier results were counted at another size or token lengths; "
+                         "count every spec again instead")
+    commit = (earlier.get("machine") or {}).get("commit")
+    record["specs"] = {name: {"measured": {"commit": commit}, **spec}
+                       for name, spec in earlier.get("specs", {}).items() if name not in names}
+    record["unfit"] = {**{k: v for k, v in earlier.get("unfit", {}).items() if k not in names}, **record["unfit"]}
+    record["failed"] = {k: v for k, v in earlier.get("failed", {}).items() if k not in names}
+
+
+def commit_notes(record: dict[str, Any]) -> list[str]:
+    """Which commit each spec was counted at, where a merged file holds several."""
+    commits: dict[str, list[str]] = {}
+    for name, spec in record["specs"].items():
+        commits.setdefault((spec.get("measured") or {}).get("commit") or "?", []).append(name)
+    if len(commits) < 2:
+        return []
+    return ["", "Counted at several commits (`--merge`): "
+            + "; ".join(f"{', '.join(names)}: {commit}" for commit, names in commits.items()) + "."]
+
+
 def markdown(record: dict[str, Any]) -> str:
     s = record["size"]
     lines = [
@@ -187,6 +215,7 @@ def markdown(record: dict[str, Any]) -> str:
                   "|---|---|---|---|---|"]
         lines += [f"| {r['module']} | `{r['saved_by']}` | {'; '.join(r['shapes'])} | {r['dtype']} | {r['bytes_per_token']:,.0f} |"
                   for r in d["rows"]]
+    lines += commit_notes(record)
     lines += common.run_notes(record)
     return "\n".join(lines) + "\n"
 
@@ -198,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default=f"{SHORT},{LONG}", help="the two lengths whose difference is counted")
     ap.add_argument("--size", choices=("issue", "smoke"), default="issue",
                     help="the benchmark's model size, or models.py's tiny smoke size (tests)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep an earlier results file's specs that are not counted now (each spec records its commit)")
     args = ap.parse_args(argv)
     size = ISSUE_SIZE if args.size == "issue" else SMOKE_SIZE
     short, long = (int(t) for t in args.tokens.split(","))
@@ -213,16 +244,21 @@ def main(argv: list[str] | None = None) -> int:
     unfit = unfit_at(names, size)
     record: dict[str, Any] = {"machine": common.machine(), "size": asdict(size), "tokens": [short, long],
                               "specs": {}, "unfit": unfit, "failed": {}}
+    out = Path(args.out)
+    if args.merge and (out / "activations.json").exists():
+        keep_earlier(record, json.loads((out / "activations.json").read_text()), names)
+    measured = {"commit": record["machine"]["commit"]}
     for name in names:
         if name in unfit:
             continue
         try:
-            record["specs"][name] = per_token(SPECS / f"{name}.yaml", size, short, long)
+            record["specs"][name] = {**per_token(SPECS / f"{name}.yaml", size, short, long), "measured": measured}
             print(f"{name}: {record['specs'][name]['bytes_per_token']:,.0f} bytes per token", flush=True)
         except Exception as exc:  # one spec failing must not lose the others
             record["failed"][name] = traceback.format_exc()
             print(f"{name} failed: {common.first_line(exc)}", flush=True)
-    common.write_results(Path(args.out), "activations", record, markdown(record))
+    record["specs"] = dict(sorted(record["specs"].items()))
+    common.write_results(out, "activations", record, markdown(record))
     return 1 if record["failed"] else 0
 
 

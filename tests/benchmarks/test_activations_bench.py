@@ -74,3 +74,25 @@ def test_a_spec_without_a_form_at_the_size_is_left_out(record):
     assert set(data["specs"]) == {"deltanet", "gated-deltanet"}
     assert "layer 14 is past the last layer" in data["unfit"]["jet-nemotron-placement"]
     assert "No form at this size: jet-nemotron-placement" in table
+
+
+def test_merge_keeps_the_specs_not_counted_again_with_their_commit(record, tmp_path):
+    data, _ = record
+    earlier = {**data, "machine": {**data["machine"], "commit": "0123abc"}}
+    earlier["specs"] = {name: {k: v for k, v in spec.items() if k != "measured"} for name, spec in data["specs"].items()}
+    (tmp_path / "activations.json").write_text(json.dumps(earlier))
+    with benchmark_module("activations") as bench:
+        assert bench.main(["--size", "smoke", "--tokens", SMOKE_TOKENS, "--out", str(tmp_path),
+                           "--specs", "deltanet", "--merge"]) == 0
+    merged = json.loads((tmp_path / "activations.json").read_text())
+    assert list(merged["specs"]) == ["deltanet", "gated-deltanet"]
+    assert merged["specs"]["gated-deltanet"]["measured"] == {"commit": "0123abc"}
+    assert merged["specs"]["gated-deltanet"]["rows"] == data["specs"]["gated-deltanet"]["rows"]
+    assert merged["specs"]["deltanet"]["measured"] == {"commit": merged["machine"]["commit"]}
+    assert merged["specs"]["deltanet"]["bytes_per_token"] == data["specs"]["deltanet"]["bytes_per_token"]
+    assert "jet-nemotron-placement" in merged["unfit"]
+    table = (tmp_path / "activations.md").read_text()
+    assert "Counted at several commits (`--merge`)" in table and "gated-deltanet: 0123abc" in table
+    with benchmark_module("activations") as bench:  # another size cannot be merged into these counts
+        with pytest.raises(SystemExit, match="another size or token lengths"):
+            bench.main(["--size", "smoke", "--tokens", "64,192", "--out", str(tmp_path), "--specs", "deltanet", "--merge"])

@@ -1,7 +1,7 @@
 """The decay gates, in log space: `g <= 0`, the state is multiplied by `exp(g)` per token.
 
 A gate's log decay is `g = -exp(A_log) * f(z)` of its projection `z` (bias included),
-in one of two forms (the plan's `decay`):
+in one of three forms (the plan's `decay`, `DECAY_FORMS`):
 
 - `mamba2` (the default): `f = softplus`, `A_log` a learned per-head rate, the bias the
   learned `dt_bias`: Mamba2's parameterisation, as Gated DeltaNet and KDA use it in
@@ -11,6 +11,8 @@ in one of two forms (the plan's `decay`):
   `w = exp(-e^{-1/2} sigmoid(w0 + tanh(x W1) W2))`: at most 0.61 nats a token, so a 64-token
   chunk decays by at most 39 nats and the chunk kernel always takes its fastest path
   (`kernels/triton/decay.py`). `w0` starts at RWKV-7's per-channel decay speeds.
+- `gla`: `f(z) = softplus(-z)` with the fixed `A_log = -ln 16`, GLA's
+  `logsigmoid(W2 W1 x + b) / 16`; the bias starts at 0 (about 0.04 nats a token).
 
 - `ScalarGate` (Gated DeltaNet): one value per token and head, `g` `[B, T, H]`.
 - `ChannelGate` (KDA): one value per key channel, `g` `[B, T, H, K]`, through a low-rank
@@ -25,19 +27,33 @@ is what the decoding step forms the same `g` from.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from archspec.kernels import gate_log_decay
 
-from .lowrank import LowRankLinear
+from .lowrank import Inner, LowRankLinear
 from .plan import DecayForm
 
 Tensor = torch.Tensor
 
-# RWKV-7's fixed rate: its log decay is -e^{-1/2} sigmoid(.), A_log = -1/2.
-RWKV7_LOG_RATE = -0.5
+
+@dataclass(frozen=True)
+class DecayFormSetting:
+    """What a decay form fixes in a gate."""
+
+    log_rate: float | None  # the constant A_log; None: a learned rate per head
+    bias: str  # the bias parameter's name (as its source names it)
+    inner: Inner  # the activation inside a channel gate's low-rank map
+
+
+DECAY_FORMS: dict[str, DecayFormSetting] = {
+    "mamba2": DecayFormSetting(log_rate=None, bias="dt_bias", inner="none"),
+    "rwkv7": DecayFormSetting(log_rate=-0.5, bias="w0", inner="tanh"),  # -e^{-1/2} sigmoid(.)
+    "gla": DecayFormSetting(log_rate=-math.log(16), bias="gk_bias", inner="none"),  # logsigmoid(.) / 16
+}
 
 
 def inverse_softplus(y: Tensor) -> Tensor:
@@ -66,22 +82,31 @@ class _Gate(nn.Module):
     def _add_decay_parameters(self, rates: int, biases: int, depth: float) -> None:
         """The rate and the bias, registered after the projection: a mamba2 gate's state
         dict and random draws keep the order of a gate that has only that form."""
-        if self.form == "mamba2":
+        setting = DECAY_FORMS[self.form]
+        self.rates = rates
+        if setting.log_rate is None:
             self.A_log = nn.Parameter(torch.zeros(rates))
-            self.dt_bias = nn.Parameter(torch.zeros(biases))
-        else:
-            # A constant, not a parameter (RWKV-7 learns no rate), and not in the state dict.
-            self.register_buffer("A_log", torch.full((rates,), RWKV7_LOG_RATE), persistent=False)
-            self.w0 = nn.Parameter(rwkv7_decay_bias(biases, depth))
+        start = rwkv7_decay_bias(biases, depth) if self.form == "rwkv7" else torch.zeros(biases)
+        self.register_parameter(setting.bias, nn.Parameter(start))
+
+    def log_rate(self) -> Tensor:
+        """`A_log` `[H]`: the learned parameter (mamba2), or the form's constant (RWKV-7 and
+        GLA learn no rate), made in the bias's arithmetic (float64 for a float64 model) and
+        never cast with the model's weights, so that GLA's 1/16 stays exact."""
+        constant = DECAY_FORMS[self.form].log_rate
+        if constant is None:
+            return self.A_log
+        bias = self.bias
+        return torch.full((self.rates,), constant, device=bias.device, dtype=torch.promote_types(bias.dtype, torch.float32))
 
     @property
     def bias(self) -> Tensor:
-        """The bias inside `f`: `dt_bias` (mamba2) or `w0` (rwkv7)."""
-        return self.dt_bias if self.form == "mamba2" else self.w0
+        """The bias inside `f`: `dt_bias` (mamba2), `w0` (rwkv7) or `gk_bias` (gla)."""
+        return getattr(self, DECAY_FORMS[self.form].bias)
 
     def decay_params(self) -> tuple[Tensor, Tensor]:
         """`(A_log [H], bias)` as `kernels.decode_step`'s `decay` takes them."""
-        return self.A_log, self.bias
+        return self.log_rate(), self.bias
 
     def _log_decay(self, A_log: Tensor, proj: Tensor, bias: Tensor) -> Tensor:
         return gate_log_decay(A_log, proj, bias, form=self.form, backend=self.fused_backend)
@@ -105,19 +130,18 @@ class ScalarGate(_Gate):
 
     def forward(self, x: Tensor) -> Tensor:
         """`x` `[B, T, d_model]` -> `g` `[B, T, H]`."""
-        return self._log_decay(self.A_log, self.a_proj(x), self.bias)
+        return self._log_decay(self.log_rate(), self.a_proj(x), self.bias)
 
 
 class ChannelGate(_Gate):
     """KDA's per-channel decay through a low-rank projection; mamba2's initialisation as
-    KDA, rwkv7's as RWKV-7 (with its LoRA's tanh)."""
+    KDA, rwkv7's as RWKV-7 (with its LoRA's tanh), gla's as GLA."""
 
     def __init__(self, d_model: int, heads: int, head_dim: int, rank: int, form: DecayForm = "mamba2",
                  depth: float = 0.5):
         super().__init__(form)
         self.heads, self.head_dim = heads, head_dim
-        self.f_proj = LowRankLinear(d_model, rank, heads * head_dim, bias=False,
-                                    inner="tanh" if form == "rwkv7" else "none")
+        self.f_proj = LowRankLinear(d_model, rank, heads * head_dim, bias=False, inner=DECAY_FORMS[form].inner)
         self._add_decay_parameters(heads, heads * head_dim, depth)
         if form == "mamba2":
             with torch.no_grad():
@@ -126,4 +150,4 @@ class ChannelGate(_Gate):
     def forward(self, x: Tensor) -> Tensor:
         """`x` `[B, T, d_model]` -> `g` `[B, T, H, K]`."""
         proj = self.f_proj(x).unflatten(-1, (self.heads, self.head_dim))
-        return self._log_decay(self.A_log[:, None], proj, self.bias.view(self.heads, self.head_dim))
+        return self._log_decay(self.log_rate()[:, None], proj, self.bias.view(self.heads, self.head_dim))

@@ -15,7 +15,7 @@ DeltaNet / GatedDeltaNet / GatedDeltaProduct / KDA / GLA layers:
    an untied write key `w` (its own projection) and write strength `b = 1`.
 5. OSDN (`write_key = preconditioned`): `w = d * k` from `osdn_write_keys`.
 6. The gate chosen by the plan (`scalar`: per head; `channel`: per key channel, KDA), in
-   the plan's decay form (`mamba2` or `rwkv7`, `gates.py`), whatever the backbone: the
+   the plan's decay form (`mamba2`, `rwkv7` or `gla`, `gates.py`), whatever the backbone: the
    backbone only fixes the defaults and the read-out below.
 7. `linear_recurrence`, then the backbone's output: DeltaNet `RMSNorm(o)`; Gated DeltaNet
    `RMSNorm(o) * SiLU(W_g x)`; KDA `RMSNorm(o) * sigmoid(low-rank(x))`; then `o_proj`.
@@ -47,7 +47,7 @@ from archspec.kernels.row_linear import HeadNorm, PreNorm, row_linear
 from archspec.kernels.short_conv import stream_step
 
 from .conv import ShortConv
-from .gates import ChannelGate, ScalarGate
+from .gates import DECAY_FORMS, ChannelGate, ScalarGate
 from .joined import JoinedWeights
 from .lowrank import LowRankLinear
 from .norm import GatedRMSNorm, RMSNorm
@@ -101,6 +101,8 @@ def check_plan(plan: RecurrencePlan) -> None:
         problems.append("erase is the rwkv7 transition's")
     if (plan.write_key == "preconditioned") != (plan.preconditioner is not None):
         problems.append("a preconditioned write key and a preconditioner go together")
+    if plan.decay not in DECAY_FORMS:
+        problems.append(f"decay must be one of {sorted(DECAY_FORMS)}, got {plan.decay!r}")
     if min(plan.heads, plan.head_dim, plan.value_dim, plan.n_h) < 1 or plan.short_conv < 0:
         problems.append("sizes must be positive (short_conv >= 0)")
     if problems:

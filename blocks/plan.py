@@ -16,7 +16,7 @@ from typing import ClassVar, Literal
 
 Backbone = Literal["deltanet", "gdn", "kda"]
 Gate = Literal["none", "scalar", "channel"]
-DecayForm = Literal["mamba2", "rwkv7"]
+DecayForm = Literal["mamba2", "rwkv7", "gla"]
 Transition = Literal["diagonal", "householder", "rwkv7"]
 WriteKey = Literal["tied", "preconditioned", "untied"]
 Mlp = Literal["swiglu", "gelu", "none"]
@@ -41,7 +41,8 @@ class RecurrencePlan:
 
     - `gate`: decay applied once per token before the sub-steps.
     - `decay`: how the gate forms its log decay from its projection (`blocks/gates.py`):
-      `mamba2` `-exp(A_log) softplus(.)`, `rwkv7` `-exp(-1/2) sigmoid(.)` (at most 0.61 a token).
+      `mamba2` `-exp(A_log) softplus(.)`, `rwkv7` `-exp(-1/2) sigmoid(.)` (at most 0.61 a
+      token), `gla` `logsigmoid(.) / 16`.
     - `transition`: `diagonal` (S += w v^T), `householder` (delta rule), `rwkv7`
       (erase vector plus untied write key).
     - `n_h`: sub-steps (Householder factors) per token.

@@ -410,8 +410,8 @@ def decode_step(
     the step takes `beta_scale * sigmoid(beta)`; with `decay = (A_log [H], bias [H] or
     [H, K])`, `g` holds the gate's projection and the step takes its log decay in
     `decay_form` (`gate_log_decay`: `-exp(A_log) * softplus(g + bias)` for `"mamba2"`,
-    `sigmoid` for `"rwkv7"`), in float32 either way. A
-    token tensor may be a column slice of a wider `[B, ...]` output (each row contiguous).
+    `sigmoid` for `"rwkv7"`, `softplus(-(g + bias))` for `"gla"`), in float32 either way.
+    A token tensor may be a column slice of a wider `[B, ...]` output (each row contiguous).
 
     Returns `o` `[B, 1, H, V]` in the dtype of `v`. Running a prefill through
     `linear_recurrence` and then tokens through this step equals running the whole sequence

@@ -2,7 +2,7 @@
 and whether Triton runs its interpreter.
 
 The plan (`blocks.plan.RecurrencePlan`) says `gate: "none" | "scalar" | "channel"`,
-`decay: "mamba2" | "rwkv7"` and `transition: "diagonal" | "householder" | "rwkv7"`; these
+`decay: "mamba2" | "rwkv7" | "gla"` and `transition: "diagonal" | "householder" | "rwkv7"`; these
 enums carry the same names to
 the backends, and their integer values are what the Triton kernels specialize on
 (`triton/kinds.py` names them there as `tl.constexpr`s).
@@ -45,6 +45,7 @@ class DecayForm(IntEnum):
 
     MAMBA2 = 0  # f = softplus: unbounded below (Mamba2, Gated DeltaNet, KDA)
     RWKV7 = 1  # f = sigmoid: at most exp(A_log) nats a token (RWKV-7, A_log = -1/2)
+    GLA = 2  # f(z) = softplus(-z), so g = exp(A_log) logsigmoid(z) (GLA, A_log = -ln 16)
 
     @classmethod
     def named(cls, name: str) -> DecayForm:

@@ -1,6 +1,6 @@
 """The decay gates' log decay, `g = -exp(A_log) * f(proj + bias)`, saving only its inputs.
 
-Two forms (`kinds.DecayForm`):
+Three forms (`kinds.DecayForm`):
 
 - `mamba2`: `f = softplus`. Mamba2's parameterisation, as Gated DeltaNet's scalar gate and
   KDA's channel gate use it in flash-linear-attention: `A_log` a learned per-head rate,
@@ -8,6 +8,9 @@ Two forms (`kinds.DecayForm`):
 - `rwkv7`: `f = sigmoid`. RWKV-7's decay `w = exp(-e^{-1/2} sigmoid(.))`: with the fixed
   `A_log = -1/2` a token decays by at most `e^{-1/2} = 0.61` nats, so a 64-token chunk by
   at most 39 nats, within the chunk kernel's factorization bound (`triton/decay.py`).
+- `gla`: `f(z) = softplus(-z)`, so `g = exp(A_log) logsigmoid(z)`: GLA's
+  `logsigmoid(.) / 16` with the fixed `A_log = -ln 16`. Unbounded below, but at
+  initialisation (bias 0) about 0.04 nats a token.
 
 `g` is formed in float32 (float64 for float64 inputs): the chunk kernel sums log decays
 over a chunk, and bfloat16's 8-bit mantissa would put errors of about 1% into every decay.
@@ -39,7 +42,7 @@ def log_decay_ref(A_log: Tensor, proj: Tensor, bias: Tensor,
     dtype = torch.promote_types(proj.dtype, torch.float32)
     z = proj.to(dtype) + bias.to(dtype)
     rate = torch.exp(A_log.to(dtype))
-    f = F.softplus(z) if form == DecayForm.MAMBA2 else torch.sigmoid(z)
+    f = {DecayForm.MAMBA2: F.softplus, DecayForm.RWKV7: torch.sigmoid, DecayForm.GLA: lambda x: F.softplus(-x)}[form](z)
     return -rate * f, rate, z
 
 
@@ -48,8 +51,9 @@ def _log_decay_backward_ref(A_log: Tensor, proj: Tensor, bias: Tensor, dg: Tenso
     g, rate, z = log_decay_ref(A_log, proj, bias, form)
     dg = dg.to(g.dtype)
     s = torch.sigmoid(z)
-    # d softplus(z) / dz = sigmoid(z); d sigmoid(z) / dz = sigmoid(z) (1 - sigmoid(z))
-    slope = s if form == DecayForm.MAMBA2 else s * (1 - s)
+    # d softplus(z) / dz = sigmoid(z); d sigmoid(z) / dz = sigmoid(z) (1 - sigmoid(z));
+    # d softplus(-z) / dz = -sigmoid(-z) = sigmoid(z) - 1
+    slope = {DecayForm.MAMBA2: s, DecayForm.RWKV7: s * (1 - s), DecayForm.GLA: s - 1}[form]
     d_logits = -rate * slope * dg
     d_A = (g * dg).sum_to_size(A_log.shape)  # d(-exp(A) f) / dA = -exp(A) f = g
     return d_A, d_logits, d_logits.sum_to_size(bias.shape)
@@ -80,8 +84,8 @@ class _LogDecay(torch.autograd.Function):
 
 def gate_log_decay(A_log: Tensor, proj: Tensor, bias: Tensor, *, form: str | DecayForm = "mamba2",
                    backend: str = "auto") -> Tensor:
-    """`-exp(A_log) * f(proj + bias)` in at least float32, `f` softplus (`form="mamba2"`) or
-    sigmoid (`"rwkv7"`). `bias` has the trailing shape of `proj` (`[H]` for a scalar gate,
+    """`-exp(A_log) * f(proj + bias)` in at least float32, `f` softplus (`form="mamba2"`),
+    sigmoid (`"rwkv7"`) or `softplus(-z)` (`"gla"`). `bias` has the trailing shape of `proj` (`[H]` for a scalar gate,
     `[H, K]` for a channel gate), and `A_log` broadcasts to it (`[H]`, or `[H, 1]` for a
     channel gate)."""
     decay_form = DecayForm.named(form) if isinstance(form, str) else DecayForm(form)

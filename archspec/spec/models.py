@@ -30,7 +30,7 @@ from archspec.spec.rules import spec_problems
 
 Backbone = Literal["deltanet", "gdn", "kda"]
 GateKind = Literal["none", "scalar", "channel"]
-DecayForm = Literal["mamba2", "rwkv7"]
+DecayForm = Literal["mamba2", "rwkv7", "gla"]
 TransitionKind = Literal["diagonal", "householder", "rwkv7"]
 
 # Each backbone's own decay (RECURRENCE.md, "Gate"): DeltaNet has none, Gated DeltaNet a
@@ -151,8 +151,9 @@ class MixerSpec(_Section):
         None,
         description="How the gate forms its log decay g: mamba2 g = -exp(A) softplus(W x + dt_bias), learned "
         "rate A per head (Mamba2, Gated DeltaNet, KDA; unbounded, several nats a token at initialisation), "
-        "or rwkv7 g = -exp(-1/2) sigmoid(z), z = w0 + tanh(x W1) W2 per channel (W x + w0 per head for a scalar "
-        "gate): RWKV-7's decay, at most 0.61 nats a token. Default mamba2; only with a gate.",
+        "rwkv7 g = -exp(-1/2) sigmoid(z), z = w0 + tanh(x W1) W2 per channel (W x + w0 per head for a scalar "
+        "gate): RWKV-7's decay, at most 0.61 nats a token, or gla g = logsigmoid(W x + b) / 16: GLA's decay. "
+        "Default mamba2; only with a gate.",
     )
     preconditioner: PreconditionerSpec = Field(default_factory=PreconditionerSpec)
     heads: int = Field(4, gt=0, description="Number of heads.")

@@ -28,6 +28,7 @@ CHANNEL_GATE = tl.constexpr(int(Gate.CHANNEL))
 
 MAMBA2_DECAY = tl.constexpr(int(DecayForm.MAMBA2))
 RWKV7_DECAY = tl.constexpr(int(DecayForm.RWKV7))
+GLA_DECAY = tl.constexpr(int(DecayForm.GLA))
 
 DIAGONAL = tl.constexpr(int(Mode.DIAGONAL))
 HOUSEHOLDER = tl.constexpr(int(Mode.HOUSEHOLDER))

@@ -1,5 +1,5 @@
-"""The gates' log decay `g = -exp(A_log) * f(proj + bias)` (`f` softplus or sigmoid, as
-`FORM` says: `kinds.DecayForm`), forward and backward, one pass each over `[tokens,
+"""The gates' log decay `g = -exp(A_log) * f(proj + bias)` (`f` softplus, sigmoid or
+`softplus(-z)`, as `FORM` says: `kinds.DecayForm`), forward and backward, one pass each over `[tokens,
 channels]` in float32 registers.
 
 Each program owns `rows x block_c` of the flattened `[N, C]` tensor (`C` the channels a
@@ -9,7 +9,7 @@ program, the partial sums over its rows of `d g * g` (for `A_log`) and of `d pro
 float32 value (for `bias`); the host adds the partials.
 
 `softplus(z) = max(z, 0) + log(1 + exp(-|z|))`, `d softplus(z) / dz = sigmoid(z)`;
-`d sigmoid(z) / dz = sigmoid(z) (1 - sigmoid(z))`. `decay_of` is the one definition of the
+`d sigmoid(z) / dz = sigmoid(z) (1 - sigmoid(z))`; GLA's `softplus(-z)` has slope `-sigmoid(-z)`. `decay_of` is the one definition of the
 form on Triton; the decoding step (`decode.py`) takes it too.
 """
 
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..kinds import DecayForm
-from .kinds import MAMBA2_DECAY, accumulation
+from .kinds import GLA_DECAY, MAMBA2_DECAY, accumulation
 from .launch import LOG_DECAY_LAUNCH, LogDecayLaunch
 
 Tensor = torch.Tensor
@@ -49,15 +49,19 @@ def decay_of(z, FORM: tl.constexpr):
     """`f(z)` of the log decay `-rate * f(z)`."""
     if FORM == MAMBA2_DECAY:
         return softplus(z)
+    elif FORM == GLA_DECAY:
+        return softplus(-z)
     return tl.sigmoid(z)
 
 
 @triton.jit
 def decay_slope(z, FORM: tl.constexpr):
     """`f'(z)`."""
-    s = tl.sigmoid(z)
     if FORM == MAMBA2_DECAY:
-        return s
+        return tl.sigmoid(z)
+    elif FORM == GLA_DECAY:
+        return -tl.sigmoid(-z)
+    s = tl.sigmoid(z)
     return s * (1.0 - s)
 
 

@@ -66,9 +66,10 @@ COMBINATIONS: dict[str, RecurrencePlan] = {
     "rwkv7-nh1-channel": mixer_plan("kda", "channel", "rwkv7"),  # RWKV-7 itself (its own no-grad chain in chunked.py)
     "rwkv7-nh2-b2-channel": mixer_plan("kda", "channel", "rwkv7", n_h=2, beta_scale=2.0),
     "rwkv7-nh3-none": mixer_plan("deltanet", "none", "rwkv7", n_h=3),
-    # RWKV-7's own decay form (bounded sigmoid, tanh LoRA), per channel and per head
+    # RWKV-7's own decay form (bounded sigmoid, tanh LoRA), per channel and per head; GLA's
     "rwkv7-decay-channel": mixer_plan("kda", "channel", "rwkv7", decay="rwkv7"),
     "rwkv7-decay-scalar-gdn": mixer_plan("gdn", "scalar", decay="rwkv7"),
+    "gla-decay-diagonal": mixer_plan("kda", "channel", "diagonal", decay="gla"),
     # OSDN variants
     "osdn": mixer_plan("deltanet", "none", osdn=_osdn()),
     "osdn-apf-nh2": mixer_plan("deltanet", "none", n_h=2, osdn=_osdn(apf=True)),

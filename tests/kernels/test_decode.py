@@ -325,7 +325,7 @@ def test_bad_stream_step_arguments_are_named():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("gate", ["scalar", "channel"])
-@pytest.mark.parametrize("form", ["mamba2", "rwkv7"])
+@pytest.mark.parametrize("form", ["mamba2", "rwkv7", "gla"])
 def test_raw_projections_equal_the_formed_gate_and_beta(backend, gate, form):
     """`decode_step` with `decay` and `beta_scale` (the gate's projection and beta's logits,
     column slices of one wider row, as the model's step hands them over) against the same
@@ -368,5 +368,5 @@ def test_bad_raw_projection_arguments_are_named():
         decode_step(q, k, v, state, g=torch.zeros(2, 1, 3, 4), decay=(torch.zeros(3), torch.zeros(3)))
     with pytest.raises(ValueError, match="decay forms the log decay from the gate's projection: pass g too"):
         decode_step(q, k, v, state, decay=(torch.zeros(3), torch.zeros(3)))
-    with pytest.raises(ValueError, match="decay form must be one of \\['mamba2', 'rwkv7'\\], got 'softplus'"):
+    with pytest.raises(ValueError, match="decay form must be one of \\['mamba2', 'rwkv7', 'gla'\\], got 'softplus'"):
         decode_step(q, k, v, state, g=torch.zeros(2, 1, 3), decay=(torch.zeros(3), torch.zeros(3)), decay_form="softplus")

@@ -347,10 +347,11 @@ def _log_decay_inputs(shapes, dtype, seed=0):
 
 # Each form written out from its source, in float64: Mamba2's softplus, RWKV-7's
 # `w = exp(-exp(-softplus(-z) - 1/2))` (its reference code's decay, whose log is -e^{-1/2} sigmoid(z)
-# when A_log = -1/2).
+# when A_log = -1/2), GLA's `logsigmoid(z) / 16` (the rate exp(A_log) = 1/16 in place of 1/16).
 DECAY_FORMULAS = {
     "mamba2": lambda A_log, z: -torch.exp(A_log) * torch.log1p(torch.exp(z)),
     "rwkv7": lambda A_log, z: -torch.exp(A_log) * torch.exp(-torch.log1p(torch.exp(-z))),
+    "gla": lambda A_log, z: torch.exp(A_log) * F.logsigmoid(z),
 }
 
 
@@ -381,8 +382,8 @@ def test_log_decay_refuses_mismatched_shapes_and_unknown_forms():
         gate_log_decay(torch.zeros(3, 1), torch.zeros(2, 4, 3, 6), torch.zeros(3, 5))
     with pytest.raises(ValueError, match="A_log"):
         gate_log_decay(torch.zeros(4), torch.zeros(2, 4, 3), torch.zeros(3))
-    with pytest.raises(ValueError, match=r"decay form must be one of \['mamba2', 'rwkv7'\], got 'gla'"):
-        gate_log_decay(torch.zeros(3), torch.zeros(2, 4, 3), torch.zeros(3), form="gla")
+    with pytest.raises(ValueError, match=r"decay form must be one of \['mamba2', 'rwkv7', 'gla'\], got 'mamba'"):
+        gate_log_decay(torch.zeros(3), torch.zeros(2, 4, 3), torch.zeros(3), form="mamba")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

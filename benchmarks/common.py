@@ -11,6 +11,7 @@ import datetime
 import functools
 import hashlib
 import json
+import math
 import platform
 import subprocess
 import time
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from archspec.blocks.gates import rwkv7_decay_bias
 from archspec.blocks.plan import RecurrencePlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,10 +34,12 @@ SPECS = ROOT / "specs" / "models"
 # Gate statistics (log-decay per token). Mild: `logsigmoid(x + 4)`, a few nats per 64-token
 # chunk, so a channel gate's chunks stay within `decay.py`'s bound (one product each).
 # Strong: `logsigmoid(x)` clamped at -5, what the channel gates of trained KDA layers
-# produce: most chunks decay past the bound (the sub-chunk paths). Init: `-A softplus(x)`,
-# A uniform in [1, 16] per head, what KDA's initialisation (and ours, `blocks/gates.py`:
-# dt_bias 0) produces, about 6-8 nats a token: the gates every whole-model benchmark step
-# of a channel-gated design meets, where no 16-token sub-chunk stays within the bound.
+# produce: most chunks decay past the bound (the sub-chunk paths). Init: what an initialised
+# layer of the plan's decay form produces (`blocks/gates.py`), the gates every whole-model
+# benchmark step meets: mamba2 `-A softplus(x)`, A uniform in [1, 16] per head, KDA's
+# initialisation with dt_bias 0, about 6-8 nats a token, where no 16-token sub-chunk of a
+# channel gate stays within the bound; rwkv7 `-e^{-1/2} sigmoid(w0 + x)` with RWKV-7's
+# initial speeds w0 (a middle layer's); gla `logsigmoid(x) / 16`.
 GATE_REGIMES = ("mild", "strong", "init")
 STRONG_GATE_FLOOR = -5.0
 INIT_DECAY_RATE = (1.0, 16.0)
@@ -105,6 +109,11 @@ def make_inputs(plan: RecurrencePlan, B: int, T: int, H: int, K: int, V: int, dt
             return F.logsigmoid(x + 4.0)
         if gates == "strong":
             return F.logsigmoid(x).clamp_min(STRONG_GATE_FLOOR)
+        if plan.decay == "rwkv7":
+            w0 = rwkv7_decay_bias(math.prod(shape[2:]), depth=0.5).view(shape[2:]).to(x)
+            return -math.exp(-0.5) * torch.sigmoid(w0 + x)
+        if plan.decay == "gla":
+            return F.logsigmoid(x) / 16
         rate = torch.empty(shape[2], dtype=torch.float64).uniform_(*INIT_DECAY_RATE, generator=gen)
         return -rate.to(x).view(shape[2], *[1] * (len(shape) - 3)) * F.softplus(x)  # one rate per head
 

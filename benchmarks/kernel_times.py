@@ -162,7 +162,9 @@ def markdown(results: dict) -> str:
              f"{m['date']}, commit {m.get('commit')}), B={s['B']} T={s['T']} H={s['H']} K={s['K']} V={s['V']} bfloat16, "
              f"median ms; ours and fla's call timed alternately, {results['rounds']} rounds. Gates: mild "
              "`logsigmoid(x + 4)`, strong `logsigmoid(x)` clamped at -5 (trained KDA layers' statistics), init "
-             "`-A softplus(x)` with A in [1, 16] per head (an initialised KDA layer's, which the whole-model benchmark meets).", "",
+             "what an initialised layer of the plan's decay form produces, which the whole-model benchmark meets: "
+             "mamba2 `-A softplus(x)` with A in [1, 16] per head (KDA's), rwkv7 `-e^{-1/2} sigmoid(w0 + x)` "
+             "(RWKV-7's), gla `logsigmoid(x) / 16`.", "",
              "| plan | gates | floor fwd | ours fwd | fla fwd | ours/fla | floor f+b | ours f+b | fla f+b | ours/fla |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731

@@ -141,3 +141,22 @@ def test_sweep_smoke_screens_each_setting(tmp_path: Path) -> None:
             sweep.parse_settings(["backward_warp=4"])
     assert [r["setting"] for r in results["rows"]] == ["table", "backward_bk=16", "scan_prefetch=2"]
     assert all(r["worst_vs_table"] < 1e-4 and not r["suspect"] for r in results["rows"])
+
+
+def test_init_gates_are_those_of_each_specs_decay_form() -> None:
+    """The kernel benchmark's `init` regime: KDA's initialised gate decays every 64-token
+    chunk past the factorization bound (40 nats in some channel), RWKV-7's own decay
+    (at most e^{-1/2} a token) and GLA's (logsigmoid / 16) keep every chunk within it."""
+    import math
+
+    import archspec
+
+    specs = BENCHMARKS.parent / "specs" / "models"
+    with benchmark_module("common") as common:
+        for name, within in (("kda", False), ("rwkv7", True), ("gla", True)):
+            plan = archspec.lower(archspec.load_spec(specs / f"{name}.yaml")).mixer
+            g = common.make_inputs(plan, 1, 256, 4, 16, 16, torch.float32, "cpu", gates="init")["g"].detach()
+            chunk_decay = -g.view(1, 4, 64, 4, 16).sum(2)  # per 64-token chunk, head and channel
+            assert bool(chunk_decay.max() <= 40) == within, name
+            if name == "rwkv7":
+                assert g.min() >= -math.exp(-0.5) and g.max() < 0

@@ -30,6 +30,7 @@ hf = pytest.importorskip("archspec.hf")
 ROOT = Path(__file__).resolve().parents[2]
 GDN = str(ROOT / "specs" / "models" / "gated-deltanet.yaml")
 OSDN = str(ROOT / "specs" / "models" / "osdn.yaml")
+RWKV7 = str(ROOT / "specs" / "models" / "rwkv7.yaml")  # RWKV-7's own decay form
 SMALL = [("model.d_model", 32), ("mixer.heads", 2), ("mixer.head_dim", 8), ("model.layers", 2), ("model.vocab_size", 256)]
 # Qwen3-Next-style: Gated DeltaNet layers and a gated GQA attention layer (RoPE, q/k norm)
 HYBRID = (str(ROOT / "specs" / "models" / "qwen3-next-hybrid.yaml"),
@@ -51,12 +52,13 @@ def _ids(shape, seed=1):
     return torch.randint(1, 256, shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("path,extra", [(OSDN, []), HYBRID], ids=["osdn", "hybrid"])
+@pytest.mark.parametrize("path,extra", [(OSDN, []), (RWKV7, []), HYBRID], ids=["osdn", "rwkv7", "hybrid"])
 def test_forward_and_cached_continuation_equal_the_compiled_model(path, extra):
     model, spec = _compiled(path, extra)
     wrapped = hf.ArchspecForCausalLM.from_archspec(model, spec).eval()
-    assert ("attention" in wrapped.layer_kinds) == (path != OSDN)
-    assert wrapped.config.layer_types == ["linear_attention"] * 2 if path == OSDN else \
+    recurrent_only = path != HYBRID[0]
+    assert ("attention" in wrapped.layer_kinds) == (not recurrent_only)
+    assert wrapped.config.layer_types == ["linear_attention"] * 2 if recurrent_only else \
         ["linear_attention"] * 3 + ["full_attention"]
     ids = _ids((2, 9))
     with torch.no_grad():
@@ -72,7 +74,7 @@ def test_forward_and_cached_continuation_equal_the_compiled_model(path, extra):
         for t in (7, 8):  # one token: the decoding step
             pieces.append(wrapped(ids[:, t : t + 1], cache=piece.cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(pieces, dim=1), want, rtol=1e-5, atol=1e-5)
-    assert piece.cache.get_seq_length() == 9 and all(piece.cache.is_linear) == (path == OSDN)
+    assert piece.cache.get_seq_length() == 9 and all(piece.cache.is_linear) == recurrent_only
     # labels: the next-token cross-entropy, shifted inside
     labels = ids.clone()
     labels[0, :3] = -100

@@ -11,8 +11,20 @@ the backends, and their integer values are what the Triton kernels specialize on
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import TypeVar
 
 import torch
+
+Kind = TypeVar("Kind", bound=IntEnum)
+
+
+def named_kind(kind: type[Kind], name: str, label: str) -> Kind:
+    """The member of `kind` the plan calls `name` (its lower-case name), or a ValueError
+    that lists the names `label` takes."""
+    try:
+        return kind[name.upper()]
+    except KeyError:
+        raise ValueError(f"{label} must be one of {[k.name.lower() for k in kind]}, got {name!r}") from None
 
 
 class Gate(IntEnum):
@@ -26,10 +38,7 @@ class Gate(IntEnum):
     @classmethod
     def named(cls, name: str) -> Gate:
         """`Gate.named("scalar")`: the plan's name of a gate kind."""
-        try:
-            return cls[name.upper()]
-        except KeyError:
-            raise ValueError(f"gate must be one of {[g.name.lower() for g in cls]}, got {name!r}") from None
+        return named_kind(cls, name, "gate")
 
     @classmethod
     def of(cls, g: torch.Tensor | None) -> Gate:
@@ -50,10 +59,7 @@ class DecayForm(IntEnum):
     @classmethod
     def named(cls, name: str) -> DecayForm:
         """`DecayForm.named("rwkv7")`: the plan's name of a decay form."""
-        try:
-            return cls[name.upper()]
-        except KeyError:
-            raise ValueError(f"decay form must be one of {[f.name.lower() for f in cls]}, got {name!r}") from None
+        return named_kind(cls, name, "decay form")
 
 
 class Mode(IntEnum):

@@ -9,14 +9,16 @@ and carries its own on: no token reads another document's inputs.
 
 The conv, its SiLU and (for the streams that need unit keys) the per-head L2 norm run as
 one `archspec.kernels.short_conv` call: one Triton kernel each way on CUDA, whose backward
-recomputes the pre-activation instead of saving it; plain torch elsewhere.
+recomputes the pre-activation instead of saving it; plain torch elsewhere. `recipe` hands
+the recurrence that call, so that the conv's output is formed again in the recurrence's
+backward rather than kept beside the conv's input.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from archspec.kernels import conv_tails, short_conv
+from archspec.kernels import Recompute, conv_tails, short_conv
 
 Tensor = torch.Tensor
 
@@ -48,9 +50,20 @@ class ShortConv(nn.Module):
         channels when it is > 0. `tail`
         (`[B, W-1, C]`, or `[N, W-1, C]` with `cu_seqlens`) continues each sequence; the new
         tail has the same layout, or is None when `return_tail` is False."""
-        if tail is not None:
-            tail = tail.to(x.dtype)
-        y = short_conv(x, self.conv.weight, tail=tail, cu_seqlens=cu_seqlens, activation=activation,
-                       head_dim=head_dim, eps=norm_eps, backend=self.fused_backend)
-        new_tail = conv_tails(x, tail, cu_seqlens, self.kernel_size) if return_tail else None
+        recipe = self.recipe(x, tail, cu_seqlens=cu_seqlens, activation=activation, head_dim=head_dim,
+                             norm_eps=norm_eps)
+        y = recipe.fn(*recipe.args, **recipe.kwargs)
+        new_tail = conv_tails(x, recipe.kwargs["tail"], cu_seqlens, self.kernel_size) if return_tail else None
         return y, new_tail
+
+    def recipe(self, x: Tensor, tail: Tensor | None = None, *, cu_seqlens: Tensor | None = None,
+               activation: bool = False, head_dim: int = 0, norm_eps: float = 1e-6,
+               shape: tuple[int, ...] | None = None) -> Recompute:
+        """`forward`'s output as a `kernels.Recompute` (the one call `forward` makes), so a
+        kernel that reads the output can form it again in its backward from `x`, which
+        the conv's own backward keeps, instead of keeping it too; `shape` reshapes it as
+        the kernel takes it."""
+        return Recompute(short_conv, (x, self.conv.weight),
+                         dict(tail=None if tail is None else tail.to(x.dtype), cu_seqlens=cu_seqlens,
+                              activation=activation, head_dim=head_dim, eps=norm_eps, backend=self.fused_backend),
+                         shape)

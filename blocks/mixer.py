@@ -28,10 +28,12 @@ Packed documents (`cu_seqlens`, B = 1) run as if each were alone: the conv, the 
 and the recurrence restart at every document, and the state has one row per document.
 
 Saved for the backward, per layer (what is recomputed instead): each stream's projection
-output (the conv's SiLU, pre-activation and L2 norm are recomputed by the fused conv); the
-gate's projection (its float32 softplus or sigmoid and decay are recomputed, `gates.py`); the
-recurrence's own inputs; the output norm's input and gate (the normalised rows, `o_proj`'s
-input, are formed again in the backward: `kernels/norm_linear.py`).
+output (the conv's SiLU, pre-activation and L2 norm are recomputed by the fused conv, and
+on the Triton path the recurrence forms the conv's output again from it in its own
+backward, `ShortConv.recipe`, rather than keep it too); the gate's projection (its float32
+softplus or sigmoid and decay are recomputed, `gates.py`); the recurrence's other inputs;
+the output norm's input and gate (the normalised rows, `o_proj`'s input, are formed again
+in the backward: `kernels/norm_linear.py`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from archspec.kernels import decode_step, linear_recurrence
+from archspec.kernels import Recompute, decode_step, linear_recurrence
 from archspec.kernels.row_linear import HeadNorm, PreNorm, row_linear
 from archspec.kernels.short_conv import stream_step
 
@@ -196,22 +198,28 @@ class Mixer(nn.Module):
         return MixerState(torch.zeros(batch_size, H, K, V, device=device, dtype=acc), conv, d)
 
     def _stream(self, name: str, x: Tensor, state: MixerState | None, tails: dict[str, Tensor],
-                cu_seqlens: Tensor | None, unit: bool, return_state: bool) -> Tensor:
+                cu_seqlens: Tensor | None, unit: bool, return_state: bool, shape: tuple[int, ...],
+                recipes: dict[str, Recompute]) -> Tensor:
         """Projection, optional short conv (its new tail goes to `tails` when the state is
-        returned), SiLU, and with `unit` the L2 norm of each head: the conv, SiLU and norm
-        are one fused call that recomputes rather than saves its intermediates."""
+        returned), SiLU, and with `unit` the L2 norm of each head, reshaped to `shape`: the
+        conv, SiLU and norm are one fused call that recomputes rather than saves its
+        intermediates, and its recipe goes to `recipes` (the recurrence forms the output
+        again in its backward instead of keeping it beside the conv's input)."""
         h = self.proj[name](x)
         head_dim = self.plan.head_dim if unit else 0
         if self.conv is not None:
-            h, tail = self.conv[name](h, None if state is None else state.conv[name], cu_seqlens=cu_seqlens,
-                                      activation=True, head_dim=head_dim, norm_eps=L2_EPS, return_tail=return_state)
+            conv, tail = self.conv[name], None if state is None else state.conv[name]
+            y, new_tail = conv(h, tail, cu_seqlens=cu_seqlens, activation=True, head_dim=head_dim, norm_eps=L2_EPS,
+                               return_tail=return_state)
             if return_state:
-                tails[name] = tail
-            return h
+                tails[name] = new_tail
+            recipes[name] = conv.recipe(h, tail, cu_seqlens=cu_seqlens, activation=True, head_dim=head_dim,
+                                        norm_eps=L2_EPS, shape=shape)
+            return y.reshape(shape)
         h = F.silu(h)
         if unit:
             h = F.normalize(h.unflatten(-1, (-1, head_dim)), dim=-1, eps=L2_EPS).flatten(-2)
-        return h
+        return h.reshape(shape)
 
     def forward(
         self, x: Tensor, state: MixerState | None = None, return_state: bool = False, *, cu_seqlens: Tensor | None = None
@@ -228,10 +236,11 @@ class Mixer(nn.Module):
         tails: dict[str, Tensor] = {}
         unit = plan.transition != "diagonal"  # the delta rule and RWKV-7 need unit q, k
 
-        q = self._stream("q", x, state, tails, cu_seqlens, unit, return_state).reshape(B, T, H, K)
+        recipes: dict[str, Recompute] = {}
+        q = self._stream("q", x, state, tails, cu_seqlens, unit, return_state, (B, T, H, K), recipes)
         # (t, n, h, d) order: the n_h sub-steps of token t are rows t*n_h .. t*n_h + n_h - 1.
-        k = self._stream("k", x, state, tails, cu_seqlens, unit, return_state).reshape(B, T * n, H, K)
-        v = self._stream("v", x, state, tails, cu_seqlens, False, return_state).reshape(B, T * n, H, V)
+        k = self._stream("k", x, state, tails, cu_seqlens, unit, return_state, (B, T * n, H, K), recipes)
+        v = self._stream("v", x, state, tails, cu_seqlens, False, return_state, (B, T * n, H, V), recipes)
 
         beta = erase = write_key = None
         if self.b_proj is not None:
@@ -239,7 +248,8 @@ class Mixer(nn.Module):
         if self.a_proj is not None:
             erase = plan.beta_scale * torch.sigmoid(self.a_proj(x)).reshape(B, T * n, H, K) * k
         if "w" in self.proj:
-            write_key = self._stream("w", x, state, tails, cu_seqlens, True, return_state).reshape(B, T * n, H, K)
+            write_key = self._stream("w", x, state, tails, cu_seqlens, True, return_state, (B, T * n, H, K), recipes)
+            recipes["write_key"] = recipes.pop("w", None)
 
         d_final, osdn_inputs = None, None
         if self.preconditioner is not None:
@@ -262,7 +272,8 @@ class Mixer(nn.Module):
             output_final_state=return_state,
             cu_seqlens=cu_seqlens,
         )
-        o, final = linear_recurrence(**kwargs, backend=self.backend)
+        o, final = linear_recurrence(**kwargs, recompute={k: r for k, r in recipes.items() if r is not None},
+                                     backend=self.backend)
         if self.capture:
             self._store_capture(kwargs, osdn_inputs)
         y = self._read_out(o, None if self.g_proj is None else self.g_proj(x))

@@ -10,6 +10,7 @@ from .api import BACKENDS, decode_step, linear_recurrence, osdn_write_keys, regi
 from .linear_ce import IGNORE_INDEX, linear_cross_entropy
 from .log_decay import gate_log_decay
 from .norm_linear import rms_norm_linear
+from .recompute import Recompute
 from .naive import decode_step_naive, linear_recurrence_naive, osdn_write_keys_naive, recurrence_step
 from .rms_norm import add_rms_norm, rms_norm
 from .short_conv import conv_tails, short_conv
@@ -23,6 +24,7 @@ __all__ = [
     "rms_norm",
     "add_rms_norm",
     "rms_norm_linear",
+    "Recompute",
     "short_conv",
     "swiglu_linear",
     "BACKENDS",

@@ -7,6 +7,7 @@ owns the shape contract so that each backend can assume well-formed inputs.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from .kinds import DecayForm, Gate, triton_interpreter_on
 from .naive import decode_step_naive, linear_recurrence_naive, osdn_write_keys_naive
 from .packed import check_offsets
+from .recompute import Recompute
 
 Tensor = torch.Tensor
 
@@ -203,6 +205,7 @@ def linear_recurrence(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
+    recompute: Mapping[str, Recompute] | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """Run the recurrence of `RECURRENCE.md`.
@@ -220,14 +223,22 @@ def linear_recurrence(
     `gate` names the gate kind (`"none"`, `"scalar"`, `"channel"`, as a plan says it); the
     backends specialize on it. Left out, it is read from `g`'s shape; given, `g`'s shape
     must match it.
+
+    `recompute` (keys among `RECOMPUTABLE`): how to form an input again, `Recompute`
+    (`kernels/recompute.py`); its result must equal the input. The Triton backend keeps
+    the recipe's tensors instead of the input and forms it again in the backward (the
+    model passes its short convs' recipes: the conv's own backward keeps their inputs
+    anyway). The torch backends keep what autograd keeps and ignore it.
     """
     kind = Gate.named(gate) if isinstance(gate, str) else gate
     check_recurrence_inputs(q, k, v, g, beta, write_key, erase, n_h, initial_state, cu_seqlens, kind)
+    _check_recompute(recompute, write_key)
     _check_number("linear_recurrence", "scale", scale, optional=True)
     kind = Gate.of(g) if kind is None else kind
     name = resolve_backend(backend, q.device)
     _check_backend_device("linear_recurrence", name, q.device)
     fn = _get(_RECURRENCE_BACKENDS, name)
+    extra = {"recompute": dict(recompute)} if recompute and name == "triton" else {}
     return fn(
         q,
         k,
@@ -242,7 +253,24 @@ def linear_recurrence(
         initial_state=initial_state,
         output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
+        **extra,
     )
+
+
+# The inputs of `linear_recurrence` a `Recompute` may stand for.
+RECOMPUTABLE = ("q", "k", "v", "write_key")
+
+
+def _check_recompute(recompute: Mapping[str, Recompute] | None, write_key: Tensor | None) -> None:
+    if recompute is None:
+        return
+    if not isinstance(recompute, Mapping) or not all(isinstance(r, Recompute) for r in recompute.values()):
+        raise ValueError("linear_recurrence: recompute must map input names to kernels.recompute.Recompute recipes")
+    unknown = sorted(set(recompute) - set(RECOMPUTABLE))
+    if unknown:
+        raise ValueError(f"linear_recurrence: recompute names {unknown}; it takes {list(RECOMPUTABLE)}")
+    if "write_key" in recompute and write_key is None:
+        raise ValueError("linear_recurrence: recompute has a write_key recipe but no write_key was passed")
 
 
 def osdn_write_keys(

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ..chunking import TRITON_CHUNK_SIZE
 from ..kinds import Gate, Mode, triton_interpreter_on
+from ..recompute import Recompute, pack, unpack
 from . import decay, launch
 from .backward import chunk_backward_kernel
 from .backward_channel import chunk_channels_kernel, chunk_pairs_kernel
@@ -172,10 +173,14 @@ def _common(p: Plan, state: bool = False) -> dict:
                 ACC=p.tl_acc, OP=p.tl_op, PREC=p.prec)
 
 
+# The tensors `ChunkRecurrence` saves before its recipes' (`kernels/recompute.py`).
+_KEPT = 12
+
+
 class ChunkRecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, gate, beta, write_key, erase, initial_state, scale, n_h, output_final_state, cu_seqlens,
-                chunk_size):
+                chunk_size, recompute=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         g = None if g is None else g.contiguous()
         beta = None if beta is None else beta.contiguous()
@@ -232,8 +237,14 @@ class ChunkRecurrence(torch.autograd.Function):
             )
         # P, Y and the chunk states (K x V per chunk and head, as much as P and Y together)
         # are not kept: the backward forms them again from Tinv, as fla's kernels recompute
-        # theirs from their A
-        ctx.save_for_backward(q, k, v, beta, w, e, G, Tinv, initial_state, cu_seqlens, table, offsets)
+        # theirs from their A. Inputs with a `Recompute` are formed again too, from what
+        # their recipe needs (`kernels/recompute.py`).
+        again = dict(recompute or {})
+        inputs = {"q": q, "k": k, "v": v, "write_key": None if write_key is None else w}
+        kept = [None if name in again else t for name, t in inputs.items()]
+        recipe_tensors, ctx.recipes = pack(again)
+        ctx.save_for_backward(*kept, beta, e, G, Tinv, initial_state, cu_seqlens, table, offsets, *recipe_tensors)
+        ctx.shapes = {name: (t.shape, t.dtype) for name, t in inputs.items() if name in again}
         ctx.plan, ctx.scale, ctx.tied = p, scale, write_key is None
         ctx.has_h0 = initial_state is not None
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, None if g is None else g.dtype, None if beta is None else beta.dtype,
@@ -244,7 +255,16 @@ class ChunkRecurrence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        q, k, v, beta, w, e, G, Tinv, initial_state, cu_seqlens, table, offsets = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        q, k, v, w, beta, e, G, Tinv, initial_state, cu_seqlens, table, offsets = saved[:_KEPT]
+        again = unpack(ctx.recipes, saved[_KEPT:])
+        for name, t in again.items():
+            shape, dtype = ctx.shapes[name]
+            if t.shape != shape or t.dtype != dtype:
+                raise RuntimeError(f"linear_recurrence: the recompute of {name} gave {tuple(t.shape)} {t.dtype}, "
+                                   f"the forward had {tuple(shape)} {dtype}")
+        q, k, v = (again[n].contiguous() if n in again else t for n, t in (("q", q), ("k", k), ("v", v)))
+        w = k if ctx.tied else again["write_key"].contiguous() if "write_key" in again else w
         p, scale = ctx.plan, ctx.scale
         run = p.launch
         varlen = cu_seqlens is not None
@@ -297,7 +317,8 @@ class ChunkRecurrence(torch.autograd.Function):
                 dummy if dbeta is None else dbeta, dummy if dg is None else dg,
                 cu_seqlens, table, p.T, p.NT, scale, TIED=ctx.tied, **flags,
             )
-        return (dq, dk, dv, dg, None, dbeta, dw, de, None if dh0 is None else dh0.to(th), None, None, None, None, None, None)
+        return (dq, dk, dv, dg, None, dbeta, dw, de, None if dh0 is None else dh0.to(th), None, None, None, None, None,
+                None, None)
 
 
 def _chunk_states(p: Plan, k, w, e, beta, v, G, Tinv, initial_state, final, cu_seqlens, table,
@@ -374,13 +395,18 @@ def linear_recurrence_triton(
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
     chunk_size: int | None = None,
+    recompute: dict[str, Recompute] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The Triton backend of `archspec.kernels.linear_recurrence` (inputs already checked;
-    `gate` is the kind of `g`, as the API resolved it).
+    `gate` is the kind of `g`, as the API resolved it). `recompute`: the inputs the
+    backward forms again instead of keeping (`kernels/recompute.py`); an input the call
+    changes on its way to the kernel (float64 queries take the scale, half-precision heads
+    below 64 are padded) is kept instead.
 
     `chunk_size` (sub-steps per chunk, a power of two >= 16) is for tests; the default is
     `TRITON_CHUNK_SIZE`.
     """
+    recompute = dict(recompute or {})
     gate = Gate.of(g) if gate is None else gate
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if q.shape[1] == 0:  # nothing to run: the state passes through unchanged
@@ -396,13 +422,15 @@ def linear_recurrence_triton(
         # A float argument reaches a compiled kernel as float32: the scale would carry 7
         # digits (1.8e-8 off at K = 48 on the H200). In float64 the queries take it here.
         q, scale = q * scale, 1.0
+        recompute.pop("q", None)
     K, V = q.shape[-1], v.shape[-1]
     padded = half_precision_head_dims(K, V)
     if q.is_cuda and launch.Precision.of(q.dtype) == launch.Precision.HALF and padded != (K, V):
         return _with_padded_heads(q, k, v, g, gate, beta, write_key, erase, n_h, scale, initial_state,
                                   output_final_state, cu_seqlens, chunk_size, padded)
     return ChunkRecurrence.apply(
-        q, k, v, g, gate, beta, write_key, erase, initial_state, scale, n_h, output_final_state, cu_seqlens, chunk_size
+        q, k, v, g, gate, beta, write_key, erase, initial_state, scale, n_h, output_final_state, cu_seqlens, chunk_size,
+        recompute,
     )
 
 

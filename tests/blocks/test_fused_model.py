@@ -39,7 +39,8 @@ def test_loss_path_refuses_mismatched_labels():
         model(torch.zeros(2, 4, dtype=torch.long), labels=torch.zeros(2, 3, dtype=torch.long))
 
 
-@pytest.mark.parametrize("name,packed", [("gdn-scalar", False), ("kda-channel", False), ("osdn-apf-nh2", True)])
+@pytest.mark.parametrize("name,packed", [("gdn-scalar", False), ("kda-channel", False), ("osdn-apf-nh2", True),
+                                         ("rwkv7-decay-channel", True)])
 def test_model_on_triton_pieces_equals_torch(name, packed):
     """Every fused piece on its Triton path (the interpreter), float32, one small layer;
     packed documents through the Triton conv, OSDN scan and recurrence."""

@@ -1,6 +1,8 @@
 """The memory estimate against the built module: weights exactly, and activations as a
 lower bound of what autograd really saves on the torch backend (counted with
-`saved_tensors_hooks`, each storage once), within a factor of 3 of it."""
+`saved_tensors_hooks`, each storage once), within a factor of 3.5 of it. (The bound counts
+the streams once, as the Triton path keeps them; the torch path keeps each stream before
+and after its conv.)"""
 
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ def saved_activation_bytes(model: torch.nn.Module, batch: int, seq_len: int) -> 
     return sum(size for pointer, size in storages.items() if pointer not in weights)
 
 
+# How far above the bound the torch path's saved bytes may lie (module docstring).
+TIGHTNESS = 3.5
+
 CASES = [(path.stem, SMALL) for path in SHIPPED] + [
     ("deltanet", []),
     ("deltaproduct-3", ["mixer.expand_v=2", "model.mlp=gelu"]),
@@ -57,7 +62,7 @@ def test_the_estimate_is_a_close_lower_bound_of_what_training_keeps(name, overri
     assert estimate.weights == weights and estimate.params == sum(p.numel() for p in model.parameters())
     assert estimate.gradients_and_optimizer == (TRAINING_COPIES - 1) * weights
     measured = saved_activation_bytes(model, batch, seq_len)
-    assert estimate.activations <= measured <= 3 * estimate.activations, (measured, estimate.activations)
+    assert estimate.activations <= measured <= TIGHTNESS * estimate.activations, (measured, estimate.activations)
 
 
 def test_activations_scale_with_the_tokens_and_vanish_without_training():

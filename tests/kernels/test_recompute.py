@@ -14,16 +14,18 @@ pytest.importorskip("triton")
 from archspec.kernels import Recompute, linear_recurrence, short_conv  # noqa: E402
 
 B, T, H, K, V = 2, 40, 2, 16, 16
+# The Triton backend on CUDA where there is one, else under the interpreter (conftest.py).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _streams(seed: int = 0):
     """Leaf projections and a conv weight; q, k, v are their short convs (SiLU, unit q and k),
     as a mixer forms them, each with its recipe."""
     gen = torch.Generator().manual_seed(seed)
-    leaves = {name: torch.randn(B, T, H * width, generator=gen, dtype=torch.float32).requires_grad_()
+    leaves = {name: torch.randn(B, T, H * width, generator=gen, dtype=torch.float32).to(DEVICE).requires_grad_()
               for name, width in (("q", K), ("k", K), ("v", V))}
-    weight = torch.randn(H * K, 1, 4, generator=gen).requires_grad_()
-    weight_v = torch.randn(H * V, 1, 4, generator=gen).requires_grad_()
+    weight = torch.randn(H * K, 1, 4, generator=gen).to(DEVICE).requires_grad_()
+    weight_v = torch.randn(H * V, 1, 4, generator=gen).to(DEVICE).requires_grad_()
     recipes = {}
     out = {}
     for name, w, head in (("q", weight, K), ("k", weight, K), ("v", weight_v, 0)):
@@ -32,7 +34,7 @@ def _streams(seed: int = 0):
                            (B, T, H, width))
         out[name] = short_conv(leaves[name], w, activation=True, head_dim=head, backend="triton").reshape(B, T, H, width)
         recipes[name] = recipe
-    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen)).requires_grad_()
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen)).to(DEVICE).requires_grad_()
     return leaves, (weight, weight_v), out, recipes, beta
 
 
@@ -48,7 +50,7 @@ def _run(recompute: bool, seed: int = 0):
         o, _ = linear_recurrence(x["q"], x["k"], x["v"], beta=beta, recompute=recipes if recompute else None,
                                  backend="triton")
     inputs = [*leaves.values(), *weights, beta]
-    grads = torch.autograd.grad((o * torch.linspace(-1, 1, V)).sum(), inputs)
+    grads = torch.autograd.grad((o * torch.linspace(-1, 1, V, device=DEVICE)).sum(), inputs)
     stream_storages = {x[n].untyped_storage().data_ptr() for n in "qkv"}
     return o, grads, stream_storages & set(saved)
 
@@ -90,7 +92,7 @@ def test_bad_recompute_arguments_are_named():
 
 
 def test_the_torch_backends_ignore_recipes():
-    _, _, x, recipes, beta = _streams(4)
+    _, _, x, recipes, beta = _streams(4)  # (the torch backend runs on either device)
     want, _ = linear_recurrence(x["q"], x["k"], x["v"], beta=beta, backend="torch")
     got, _ = linear_recurrence(x["q"], x["k"], x["v"], beta=beta, recompute=recipes, backend="torch")
     assert torch.equal(got, want)

@@ -148,10 +148,25 @@ def unfit_at(names: list[str], size: Size) -> dict[str, str]:
     return unfit
 
 
+# The decay form of each fla design's gate (`blocks/gates.py`): a plan whose gate forms its
+# decay otherwise is not that design.
+FLA_DECAY = {"gated-deltaproduct": "mamba2", "gated-deltanet": "mamba2", "kda": "mamba2", "gla": "gla",
+             "rwkv7": "rwkv7"}
+
+
 def fla_design(plan) -> str | None:
     """Which fla model has this plan's design, or None (OSDN, a hybrid stack, or a
     combination fla lacks). fla's `attn` layers have no output gate or q/k norm and size
     their heads from the width, so a hybrid of ours has no field-by-field counterpart."""
+    design = _fla_layer(plan)
+    gated = plan.mixer.gate != "none"
+    if design is not None and gated and plan.mixer.decay != FLA_DECAY.get(design):
+        return None
+    return design
+
+
+def _fla_layer(plan) -> str | None:
+    """fla's layer of this plan's transition, gate kind and backbone (the decay form aside)."""
     m = plan.mixer
     if m.preconditioner is not None or plan.hybrid:
         return None

@@ -4,6 +4,7 @@ installed) that every mapped fla config has our parameter count within 2%."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -191,3 +192,14 @@ def test_a_peer_refusing_the_design_is_not_asked_again(bench, monkeypatch, error
     assert [r.setting for r in theirs] == [name for name, _, _ in size.settings()]
     assert all(r.refused == bench.refusal_text(error) and r.tokens_per_s is None for r in theirs)
     assert all(r.tokens_per_s > 0 for r in rows if r.impl == "ours")
+
+
+def test_fla_designs_take_their_own_decay_form(bench):
+    """A spec is fla's design only with that design's decay: RWKV-7's and GLA's own forms,
+    Mamba2's for KDA; with another form it has no fla counterpart."""
+    for name, design in (("rwkv7", "rwkv7"), ("gla", "gla"), ("kda", "kda")):
+        plan = bench.load_plan(bench.SPECS / f"{name}.yaml", bench.SMOKE_SIZE)
+        assert bench.fla_design(plan) == design
+        other = "mamba2" if plan.mixer.decay != "mamba2" else "rwkv7"
+        changed = dataclasses.replace(plan, mixer=dataclasses.replace(plan.mixer, decay=other))
+        assert bench.fla_design(changed) is None, name

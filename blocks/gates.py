@@ -21,7 +21,8 @@ in one of three forms (the plan's `decay`, `DECAY_FORMS`):
 
 `g` itself is `kernels.gate_log_decay` (float32, one Triton kernel each way on CUDA);
 `fused_backend` picks its path and is set by `LanguageModel.set_backend`. `decay_params`
-is what the decoding step forms the same `g` from.
+is what the decoding step forms the same `g` from; `with_recipe` hands the recurrence how
+to form `g` again in its backward.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from archspec.kernels import gate_log_decay
+from archspec.kernels import Recompute, gate_log_decay
 
 from .lowrank import Inner, LowRankLinear
 from .plan import DecayForm
@@ -108,8 +109,21 @@ class _Gate(nn.Module):
         """`(A_log [H], bias)` as `kernels.decode_step`'s `decay` takes them."""
         return self.log_rate(), self.bias
 
-    def _log_decay(self, A_log: Tensor, proj: Tensor, bias: Tensor) -> Tensor:
-        return gate_log_decay(A_log, proj, bias, form=self.form, backend=self.fused_backend)
+    def with_recipe(self, x: Tensor) -> tuple[Tensor, Recompute]:
+        """`forward(x)` and its `kernels.Recompute`: the log decay formed again from the
+        projection, which `gate_log_decay` keeps anyway (the recurrence then keeps neither
+        `g` nor its float32 chunk sums)."""
+        A_log, proj, bias = self._decay_inputs(x)
+        recipe = Recompute(gate_log_decay, (A_log, proj, bias), dict(form=self.form, backend=self.fused_backend))
+        return recipe.fn(*recipe.args, **recipe.kwargs), recipe
+
+    def forward(self, x: Tensor) -> Tensor:
+        """`x` `[B, T, d_model]` -> `g` `[B, T, H]` (scalar) or `[B, T, H, K]` (channel)."""
+        return gate_log_decay(*self._decay_inputs(x), form=self.form, backend=self.fused_backend)
+
+    def _decay_inputs(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`(A_log, proj, bias)` shaped as `gate_log_decay` takes them."""
+        raise NotImplementedError
 
 
 class ScalarGate(_Gate):
@@ -128,9 +142,8 @@ class ScalarGate(_Gate):
                 dt = torch.exp(torch.rand(heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
                 self.dt_bias.copy_(inverse_softplus(dt.clamp(min=1e-4)))
 
-    def forward(self, x: Tensor) -> Tensor:
-        """`x` `[B, T, d_model]` -> `g` `[B, T, H]`."""
-        return self._log_decay(self.log_rate(), self.a_proj(x), self.bias)
+    def _decay_inputs(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.log_rate(), self.a_proj(x), self.bias
 
 
 class ChannelGate(_Gate):
@@ -147,7 +160,6 @@ class ChannelGate(_Gate):
             with torch.no_grad():
                 self.A_log.copy_(torch.log(torch.empty(heads).uniform_(1, 16)))  # dt_bias stays 0
 
-    def forward(self, x: Tensor) -> Tensor:
-        """`x` `[B, T, d_model]` -> `g` `[B, T, H, K]`."""
+    def _decay_inputs(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         proj = self.f_proj(x).unflatten(-1, (self.heads, self.head_dim))
-        return self._log_decay(self.log_rate()[:, None], proj, self.bias.view(self.heads, self.head_dim))
+        return self.log_rate()[:, None], proj, self.bias.view(self.heads, self.head_dim)

@@ -257,11 +257,14 @@ class Mixer(nn.Module):
                 x, k, beta, None if state is None else state.d, backend=self.backend, cu_seqlens=cu_seqlens, n_h=n
             )
 
+        g = None
+        if self.gate is not None:
+            g, recipes["g"] = self.gate.with_recipe(x)
         kwargs = dict(
             q=q,
             k=k,
             v=v,
-            g=None if self.gate is None else self.gate(x),
+            g=g,
             gate=plan.gate,
             beta=beta,
             write_key=write_key,

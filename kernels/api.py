@@ -227,12 +227,14 @@ def linear_recurrence(
     `recompute` (keys among `RECOMPUTABLE`): how to form an input again, `Recompute`
     (`kernels/recompute.py`); its result must equal the input. The Triton backend keeps
     the recipe's tensors instead of the input and forms it again in the backward (the
-    model passes its short convs' recipes: the conv's own backward keeps their inputs
-    anyway). The torch backends keep what autograd keeps and ignore it.
+    model passes its short convs' recipes, whose inputs the convs' own backward keeps
+    anyway, and its gate's, whose projection the gate keeps; with `g` the float32 chunk
+    sums of the gate are formed again too). The torch backends keep what autograd keeps
+    and ignore it.
     """
     kind = Gate.named(gate) if isinstance(gate, str) else gate
     check_recurrence_inputs(q, k, v, g, beta, write_key, erase, n_h, initial_state, cu_seqlens, kind)
-    _check_recompute(recompute, write_key)
+    _check_recompute(recompute, write_key, g)
     _check_number("linear_recurrence", "scale", scale, optional=True)
     kind = Gate.of(g) if kind is None else kind
     name = resolve_backend(backend, q.device)
@@ -258,10 +260,10 @@ def linear_recurrence(
 
 
 # The inputs of `linear_recurrence` a `Recompute` may stand for.
-RECOMPUTABLE = ("q", "k", "v", "write_key")
+RECOMPUTABLE = ("q", "k", "v", "write_key", "g")
 
 
-def _check_recompute(recompute: Mapping[str, Recompute] | None, write_key: Tensor | None) -> None:
+def _check_recompute(recompute: Mapping[str, Recompute] | None, write_key: Tensor | None, g: Tensor | None) -> None:
     if recompute is None:
         return
     if not isinstance(recompute, Mapping) or not all(isinstance(r, Recompute) for r in recompute.values()):
@@ -269,8 +271,9 @@ def _check_recompute(recompute: Mapping[str, Recompute] | None, write_key: Tenso
     unknown = sorted(set(recompute) - set(RECOMPUTABLE))
     if unknown:
         raise ValueError(f"linear_recurrence: recompute names {unknown}; it takes {list(RECOMPUTABLE)}")
-    if "write_key" in recompute and write_key is None:
-        raise ValueError("linear_recurrence: recompute has a write_key recipe but no write_key was passed")
+    for name, given in (("write_key", write_key), ("g", g)):
+        if name in recompute and given is None:
+            raise ValueError(f"linear_recurrence: recompute has a {name} recipe but no {name} was passed")
 
 
 def osdn_write_keys(

@@ -198,14 +198,7 @@ class ChunkRecurrence(torch.autograd.Function):
         channel = p.gate == Gate.CHANNEL
         dummy = k  # stands in for absent optional tensors (never read: its flag is off)
 
-        G = None
-        if p.gate != Gate.NONE:
-            G = torch.empty_like(g, dtype=p.acc)
-            bkc = min(p.BK, GATE_CUMSUM_BK) if channel else p.BK
-            gate_cumsum_kernel[(p.n_chunks, p.H, _cdiv(p.K, bkc) if channel else 1)](
-                g, G, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=bkc, TC=p.TC, BQ=p.BQ,
-                CHANNEL=channel, IS_VARLEN=varlen, ACC=p.tl_acc,
-            )
+        G = None if p.gate == Gate.NONE else _gate_cumsum(p, g, cu_seqlens, table)
         Tinv = None
         if p.mode != Mode.DIAGONAL:
             Tinv = torch.empty(p.n_chunks, p.H, p.BT, p.BT, device=dev, dtype=p.acc)
@@ -240,10 +233,11 @@ class ChunkRecurrence(torch.autograd.Function):
         # theirs from their A. Inputs with a `Recompute` are formed again too, from what
         # their recipe needs (`kernels/recompute.py`).
         again = dict(recompute or {})
-        inputs = {"q": q, "k": k, "v": v, "write_key": None if write_key is None else w}
-        kept = [None if name in again else t for name, t in inputs.items()]
+        inputs = {"q": q, "k": k, "v": v, "write_key": None if write_key is None else w, "g": g}
+        kept = [None if name in again else t for name, t in inputs.items() if name != "g"]
+        G_kept = None if "g" in again else G  # the gate's chunk sums, formed again from g
         recipe_tensors, ctx.recipes = pack(again)
-        ctx.save_for_backward(*kept, beta, e, G, Tinv, initial_state, cu_seqlens, table, offsets, *recipe_tensors)
+        ctx.save_for_backward(*kept, beta, e, G_kept, Tinv, initial_state, cu_seqlens, table, offsets, *recipe_tensors)
         ctx.shapes = {name: (t.shape, t.dtype) for name, t in inputs.items() if name in again}
         ctx.plan, ctx.scale, ctx.tied = p, scale, write_key is None
         ctx.has_h0 = initial_state is not None
@@ -266,6 +260,8 @@ class ChunkRecurrence(torch.autograd.Function):
         q, k, v = (again[n].contiguous() if n in again else t for n, t in (("q", q), ("k", k), ("v", v)))
         w = k if ctx.tied else again["write_key"].contiguous() if "write_key" in again else w
         p, scale = ctx.plan, ctx.scale
+        if "g" in again:
+            G = _gate_cumsum(p, again["g"].contiguous(), cu_seqlens, table)
         run = p.launch
         varlen = cu_seqlens is not None
         dummy = k
@@ -319,6 +315,18 @@ class ChunkRecurrence(torch.autograd.Function):
             )
         return (dq, dk, dv, dg, None, dbeta, dw, de, None if dh0 is None else dh0.to(th), None, None, None, None, None,
                 None, None)
+
+
+def _gate_cumsum(p: Plan, g: Tensor, cu_seqlens, table) -> Tensor:
+    """`G`, the gate's log decay summed within each chunk (in the accumulation dtype)."""
+    channel = p.gate == Gate.CHANNEL
+    G = torch.empty_like(g, dtype=p.acc)
+    bkc = min(p.BK, GATE_CUMSUM_BK) if channel else p.BK
+    gate_cumsum_kernel[(p.n_chunks, p.H, _cdiv(p.K, bkc) if channel else 1)](
+        g, G, cu_seqlens, table, p.T, p.NT, H=p.H, K=p.K, BK=bkc, TC=p.TC, BQ=p.BQ,
+        CHANNEL=channel, IS_VARLEN=cu_seqlens is not None, ACC=p.tl_acc,
+    )
+    return G
 
 
 def _chunk_states(p: Plan, k, w, e, beta, v, G, Tinv, initial_state, final, cu_seqlens, table,

@@ -83,12 +83,14 @@ def test_a_recipe_that_forms_something_else_is_refused():
 
 def test_bad_recompute_arguments_are_named():
     _, _, x, recipes, beta = _streams(3)
-    with pytest.raises(ValueError, match=r"recompute names \['o'\]; it takes \['q', 'k', 'v', 'write_key'\]"):
+    with pytest.raises(ValueError, match=r"recompute names \['o'\]; it takes \['q', 'k', 'v', 'write_key', 'g'\]"):
         linear_recurrence(x["q"], x["k"], x["v"], beta=beta, recompute={"o": recipes["q"]}, backend="triton")
     with pytest.raises(ValueError, match="map input names to kernels.recompute.Recompute"):
         linear_recurrence(x["q"], x["k"], x["v"], beta=beta, recompute={"q": lambda: x["q"]}, backend="triton")
     with pytest.raises(ValueError, match="a write_key recipe but no write_key"):
         linear_recurrence(x["q"], x["k"], x["v"], beta=beta, recompute={"write_key": recipes["k"]}, backend="triton")
+    with pytest.raises(ValueError, match="a g recipe but no g"):
+        linear_recurrence(x["q"], x["k"], x["v"], beta=beta, recompute={"g": recipes["k"]}, backend="triton")
 
 
 def test_the_torch_backends_ignore_recipes():
@@ -96,3 +98,39 @@ def test_the_torch_backends_ignore_recipes():
     want, _ = linear_recurrence(x["q"], x["k"], x["v"], beta=beta, backend="torch")
     got, _ = linear_recurrence(x["q"], x["k"], x["v"], beta=beta, recompute=recipes, backend="torch")
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("channel", [False, True], ids=["scalar", "channel"])
+def test_a_gate_formed_again_keeps_neither_it_nor_its_chunk_sums(channel):
+    """The gate's recipe (its log decay from the projection, `gate_log_decay`): the float32
+    chunk sums are not saved, every gradient is the one of keeping them."""
+    from archspec.kernels import gate_log_decay
+
+    gen = torch.Generator().manual_seed(5)
+    _, _, x, recipes, beta = _streams(5)
+    shape = (B, T, H, K) if channel else (B, T, H)
+    A_log = torch.randn(H, *([1] if channel else []), generator=gen).to(DEVICE).requires_grad_()
+    proj = torch.randn(shape, generator=gen).to(DEVICE).requires_grad_()
+    bias = torch.randn(shape[2:], generator=gen).to(DEVICE).requires_grad_()
+    results = []
+    for with_recipe in (False, True):
+        g = gate_log_decay(A_log, proj, bias, backend="triton")
+        again = dict(recipes, g=Recompute(gate_log_decay, (A_log, proj, bias), dict(backend="triton")))
+        floats: list[int] = []
+
+        def pack(t):
+            if t.dtype == torch.float32 and t.shape == shape:
+                floats.append(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            o, _ = linear_recurrence(x["q"], x["k"], x["v"], g=g, beta=beta, recompute=again if with_recipe else recipes,
+                                     backend="triton")
+        # `proj` (saved by the gate) and a scalar gate's `beta` have the gate's shape and
+        # dtype here: only the kernel's chunk sums count
+        others = {t.untyped_storage().data_ptr() for t in (proj, beta)}
+        kernel_floats = [ptr for ptr in floats if ptr not in others]
+        assert bool(kernel_floats) != with_recipe
+        results.append([o, *torch.autograd.grad(o.sum(), [A_log, proj, bias, beta])])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

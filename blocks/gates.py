@@ -21,8 +21,8 @@ in one of three forms (the plan's `decay`, `DECAY_FORMS`):
 
 `g` itself is `kernels.gate_log_decay` (float32, one Triton kernel each way on CUDA);
 `fused_backend` picks its path and is set by `LanguageModel.set_backend`. `decay_params`
-is what the decoding step forms the same `g` from; `with_recipe` hands the recurrence how
-to form `g` again in its backward.
+is what the decoding step forms the same `g` from; `forward(x, recipe=True)` hands the
+recurrence how to form `g` again in its backward.
 """
 
 from __future__ import annotations
@@ -109,17 +109,15 @@ class _Gate(nn.Module):
         """`(A_log [H], bias)` as `kernels.decode_step`'s `decay` takes them."""
         return self.log_rate(), self.bias
 
-    def with_recipe(self, x: Tensor) -> tuple[Tensor, Recompute]:
-        """`forward(x)` and its `kernels.Recompute`: the log decay formed again from the
+    def forward(self, x: Tensor, recipe: bool = False) -> Tensor | tuple[Tensor, Recompute]:
+        """`x` `[B, T, d_model]` -> `g` `[B, T, H]` (scalar) or `[B, T, H, K]` (channel);
+        with `recipe`, also its `kernels.Recompute`: the log decay formed again from the
         projection, which `gate_log_decay` keeps anyway (the recurrence then keeps neither
         `g` nor its float32 chunk sums)."""
         A_log, proj, bias = self._decay_inputs(x)
-        recipe = Recompute(gate_log_decay, (A_log, proj, bias), dict(form=self.form, backend=self.fused_backend))
-        return recipe.fn(*recipe.args, **recipe.kwargs), recipe
-
-    def forward(self, x: Tensor) -> Tensor:
-        """`x` `[B, T, d_model]` -> `g` `[B, T, H]` (scalar) or `[B, T, H, K]` (channel)."""
-        return gate_log_decay(*self._decay_inputs(x), form=self.form, backend=self.fused_backend)
+        again = Recompute(gate_log_decay, (A_log, proj, bias), dict(form=self.form, backend=self.fused_backend))
+        g = again.fn(*again.args, **again.kwargs)
+        return (g, again) if recipe else g
 
     def _decay_inputs(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """`(A_log, proj, bias)` shaped as `gate_log_decay` takes them."""

@@ -50,6 +50,7 @@ from archspec.kernels.short_conv import stream_step
 
 from .conv import ShortConv
 from .gates import DECAY_FORMS, ChannelGate, ScalarGate
+from .hooks import has_forward_hooks
 from .joined import JoinedWeights
 from .lowrank import LowRankLinear
 from .norm import GatedRMSNorm, RMSNorm
@@ -213,8 +214,9 @@ class Mixer(nn.Module):
                                return_tail=return_state)
             if return_state:
                 tails[name] = new_tail
-            recipes[name] = conv.recipe(h, tail, cu_seqlens=cu_seqlens, activation=True, head_dim=head_dim,
-                                        norm_eps=L2_EPS, shape=shape)
+            if type(conv) is ShortConv and not has_forward_hooks(conv):  # else its output is kept
+                recipes[name] = conv.recipe(h, tail, cu_seqlens=cu_seqlens, activation=True, head_dim=head_dim,
+                                            norm_eps=L2_EPS, shape=shape)
             return y.reshape(shape)
         h = F.silu(h)
         if unit:
@@ -249,7 +251,8 @@ class Mixer(nn.Module):
             erase = plan.beta_scale * torch.sigmoid(self.a_proj(x)).reshape(B, T * n, H, K) * k
         if "w" in self.proj:
             write_key = self._stream("w", x, state, tails, cu_seqlens, True, return_state, (B, T * n, H, K), recipes)
-            recipes["write_key"] = recipes.pop("w", None)
+            if "w" in recipes:
+                recipes["write_key"] = recipes.pop("w")
 
         d_final, osdn_inputs = None, None
         if self.preconditioner is not None:
@@ -258,8 +261,10 @@ class Mixer(nn.Module):
             )
 
         g = None
-        if self.gate is not None:
-            g, recipes["g"] = self.gate.with_recipe(x)
+        if isinstance(self.gate, (ScalarGate, ChannelGate)) and not has_forward_hooks(self.gate):
+            g, recipes["g"] = self.gate(x, recipe=True)
+        elif self.gate is not None:  # a hooked or replaced gate: its output is kept
+            g = self.gate(x)
         kwargs = dict(
             q=q,
             k=k,
@@ -275,8 +280,7 @@ class Mixer(nn.Module):
             output_final_state=return_state,
             cu_seqlens=cu_seqlens,
         )
-        o, final = linear_recurrence(**kwargs, recompute={k: r for k, r in recipes.items() if r is not None},
-                                     backend=self.backend)
+        o, final = linear_recurrence(**kwargs, recompute=recipes, backend=self.backend)
         if self.capture:
             self._store_capture(kwargs, osdn_inputs)
         y = self._read_out(o, None if self.g_proj is None else self.g_proj(x))

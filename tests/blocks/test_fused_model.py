@@ -89,3 +89,22 @@ def test_gpu_model_in_autocast_triton_equals_torch(name):
     for i, (pname, _) in enumerate(model.named_parameters(), start=1):
         fused, plain = error("triton", i), error("torch", i)
         assert fused <= 2 * plain + 1e-2, f"{pname}: gradient {fused:.2e} off float32, plain torch's {plain:.2e}"
+
+
+def test_hooked_convs_and_gates_keep_their_outputs_on_the_triton_path():
+    """A forward hook that changes a short conv's or the gate's output: the recurrence
+    keeps what the hooked module gave (no recipe, which would form the unhooked output
+    again), so the Triton path's gradients still equal the torch path's."""
+    torch.manual_seed(4)
+    model = build_model(model_plan(COMBINATIONS["rwkv7-decay-channel"], layers=1))
+    mixer = model.mixers()[0]
+    mixer.conv["k"].register_forward_hook(lambda module, args, out: (out[0].flip(-1), out[1]))
+    mixer.gate.register_forward_hook(lambda module, args, g: 2.0 * g)
+    ids = torch.randint(0, 13, (2, 12), generator=torch.Generator().manual_seed(5))
+    results = {}
+    for backend in ("torch", "triton"):
+        model.set_backend(backend)
+        loss = model(ids, labels=torch.roll(ids, -1, 1))
+        results[backend] = [loss, *torch.autograd.grad(loss, list(model.parameters()))]
+    for (pname, _), a, b in zip([("loss", None), *model.named_parameters()], results["triton"], results["torch"]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-4, msg=lambda e, p=pname: f"{p}: {e}")

@@ -8,7 +8,7 @@ off the cubin (`cuobjdump`, shipped with Triton). GPU compile errors (shapes the
 interpreter accepts but the compiler rejects) and register spills show up here, before
 any device time is spent. Usage:
 
-    python -m archspec.kernels.triton.compile_report [--plans deltanet,kda,...] [--dtype bfloat16] [--dump DIR]
+    python -m archspec.kernels.triton.compile_report [--plans deltanet,kda,...,decode,gates] [--dtype bfloat16] [--dump DIR]
 
 `--dump DIR` writes each kernel's PTX, TTGIR and SASS there (the one debugging aid).
 """
@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"shared {row.get('SHARED', '?'):>7} {'OVER' if row.get('SHARED', 0) > SHARED_LIMIT else ''}")
     if not only or "decode" in only:
         _decoding_kernels(dtype, K, V)
+    if not only or "gates" in only:
+        _gate_kernels(dtype, K)
     if only and "osdn" not in only:
         return
     from .osdn import osdn_write_keys_triton
@@ -200,6 +202,30 @@ def _decoding_kernels(dtype: torch.dtype, K: int, V: int) -> None:
                                 if "PRE" in flags else "")
         print(f"{'decode':10s} {name:26s} regs {row.get('REG', '?'):>4} stack {row.get('STACK', '?'):>6} "
               f"shared {row.get('SHARED', '?'):>7}")
+
+
+def _gate_kernels(dtype: torch.dtype, K: int) -> None:
+    """A channel gate's log decay forward and backward, and the decoding step forming it,
+    in every decay form (`kinds.DecayForm`)."""
+    from ..kinds import DecayForm
+    from . import decode, log_decay
+
+    offline([log_decay.log_decay_forward_kernel, log_decay.log_decay_backward_kernel, decode.decode_step_kernel])
+    H, V = 2, K
+    t = lambda *s: torch.randn(*s, dtype=dtype)  # noqa: E731
+    start = len(REPORT)
+    for form in DecayForm:
+        proj = t(1, 64, H, K)
+        A_log, bias = torch.randn(H, 1), torch.randn(H, K)
+        log_decay.log_decay_forward_triton(A_log, proj, bias, form)
+        log_decay.log_decay_backward_triton(A_log, proj, bias, torch.randn(proj.shape), form)
+        decode.decode_step_triton(t(1, 1, H, K), t(1, 1, H, K), t(1, 1, H, V), torch.zeros(1, H, K, V),
+                                  g=t(1, 1, H, K), gate=decode.Gate.CHANNEL, beta=t(1, 1, H), n_h=1,
+                                  decay=(torch.randn(H), torch.randn(H, K)), decay_form=form)
+    for row in REPORT[start:]:
+        form = DecayForm(row["flags"]["FORM"]).name.lower()
+        print(f"{'gates':10s} {row['kernel'] + f'[{form}]':26s} regs {row.get('REG', '?'):>4} "
+              f"stack {row.get('STACK', '?'):>6} shared {row.get('SHARED', '?'):>7}")
 
 
 if __name__ == "__main__":

@@ -47,22 +47,27 @@ def softplus(z):
 @triton.jit
 def decay_of(z, FORM: tl.constexpr):
     """`f(z)` of the log decay `-rate * f(z)`."""
+    # one assignment per form and one return: each specialization compiles one branch
     if FORM == MAMBA2_DECAY:
-        return softplus(z)
+        f = softplus(z)
     elif FORM == GLA_DECAY:
-        return softplus(-z)
-    return tl.sigmoid(z)
+        f = softplus(-z)
+    else:
+        f = tl.sigmoid(z)
+    return f
 
 
 @triton.jit
 def decay_slope(z, FORM: tl.constexpr):
     """`f'(z)`."""
     if FORM == MAMBA2_DECAY:
-        return tl.sigmoid(z)
+        slope = tl.sigmoid(z)
     elif FORM == GLA_DECAY:
-        return -tl.sigmoid(-z)
-    s = tl.sigmoid(z)
-    return s * (1.0 - s)
+        slope = -tl.sigmoid(-z)
+    else:
+        s = tl.sigmoid(z)
+        slope = s * (1.0 - s)
+    return slope
 
 
 @triton.jit

@@ -64,3 +64,18 @@ def test_report_compiles_the_decoding_kernels_overlapped(tmp_path: Path) -> None
             # raced the previous step's writes: outputs O(1) off in 4 of 106 plans.)
             ahead = ptx[:ptx.index("griddepcontrol.wait")]
             assert not re.search(r"ld\.global", ahead), f"{kernel} loads before its griddepcontrol.wait"
+
+
+def test_report_compiles_every_decay_form() -> None:
+    """The gates' log decay, forward and backward, and the decoding step that forms it,
+    compile for sm_90 in each decay form (mamba2, rwkv7, gla), without spilling."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "archspec.kernels.triton.compile_report", "--plans", "gates"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = re.findall(r"^gates\s+(\S+)\s+regs\s+(\d+)\s+stack\s+(\d+)", proc.stdout, re.M)
+    assert {name for name, _, _ in rows} == {
+        f"{kernel}[{form}]" for kernel in ("log_decay_forward_kernel", "log_decay_backward_kernel", "decode_step_kernel")
+        for form in ("mamba2", "rwkv7", "gla")}, proc.stdout
+    assert all(0 < int(regs) <= 255 and int(stack) == 0 for _, regs, stack in rows), proc.stdout

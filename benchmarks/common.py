@@ -25,7 +25,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from archspec.blocks.gates import rwkv7_decay_bias
+from archspec.blocks.gates import DECAY_FORMS, rwkv7_decay_bias
+from archspec.kernels.kinds import DecayForm
+from archspec.kernels.log_decay import log_decay_ref
 from archspec.blocks.plan import RecurrencePlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,11 +111,12 @@ def make_inputs(plan: RecurrencePlan, B: int, T: int, H: int, K: int, V: int, dt
             return F.logsigmoid(x + 4.0)
         if gates == "strong":
             return F.logsigmoid(x).clamp_min(STRONG_GATE_FLOOR)
-        if plan.decay == "rwkv7":
-            w0 = rwkv7_decay_bias(math.prod(shape[2:]), depth=0.5).view(shape[2:]).to(x)
-            return -math.exp(-0.5) * torch.sigmoid(w0 + x)
-        if plan.decay == "gla":
-            return F.logsigmoid(x) / 16
+        form = DECAY_FORMS[plan.decay]
+        if form.log_rate is not None:  # rwkv7, gla: the form's own rate, bias at its initial value
+            channels = math.prod(shape[2:])
+            bias = rwkv7_decay_bias(channels, depth=0.5) if plan.decay == "rwkv7" else torch.zeros(channels)
+            return log_decay_ref(torch.tensor(form.log_rate), x, bias.view(shape[2:]).to(x),
+                                 DecayForm.named(plan.decay))[0]
         rate = torch.empty(shape[2], dtype=torch.float64).uniform_(*INIT_DECAY_RATE, generator=gen)
         return -rate.to(x).view(shape[2], *[1] * (len(shape) - 3)) * F.softplus(x)  # one rate per head
 

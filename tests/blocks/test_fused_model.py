@@ -68,27 +68,49 @@ def test_gpu_model_in_autocast_triton_equals_torch(name):
     path): per parameter, the fused path's gradient error (relative Frobenius) must be at
     most twice plain torch's, plus 1e-2. Two bfloat16 computations differ by their own
     roundings: on the H200 the embedding's gradient of gdn-scalar was 3.3e-2 apart between
-    the two, which says nothing about which is off; a wrong kernel is off by O(1)."""
+    the two, which says nothing about which is off; a wrong kernel is off by O(1).
+
+    The gate's decay parameters (`A_log` and its bias) are the exception: their gradient
+    sums `dL/dg` over every token of the batch, and those terms cancel to a few percent of
+    their size, so each path's rounding error is magnified by how much they cancel, which
+    depends on the seed (on the H200, gdn-scalar's layer-1 `A_log` was 0.31 off on the fused
+    path and 0.12 on plain torch with seed 4, 0.007 and 0.009 with seed 7). For them the
+    same criterion is applied to what the recurrence hands the gate, `dL/dg` per token and
+    channel (a forward hook on the gate takes it, which also makes the mixer keep `g`
+    instead of its recipe: `test_recompute` shows the two give equal gradients); the gate's
+    own backward from `dL/dg` is `test_gpu_log_decay_kernel_equals_torch`'s."""
     torch.manual_seed(4)
     plan = model_plan(COMBINATIONS[name], layers=2, d_model=256, vocab_size=1000)
     model = build_model(plan).cuda()
+    gates = [m.gate for m in model.mixers()]
+    decay_params = {id(p) for g in gates for p in g.parameters(recurse=False)}  # A_log (mamba2) and the bias
+    seen: list[torch.Tensor] = []
+    for gate in gates:
+        gate.register_forward_hook(lambda module, args, g: seen.append(g))
     ids = torch.randint(0, 1000, (2, 512), device="cuda")
     labels = torch.roll(ids, -1, 1)
     results = {}
     for run, backend, autocast in (("float32", "torch", False), ("torch", "torch", True), ("triton", "triton", True)):
         model.set_backend(backend)
+        seen.clear()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(ids, labels=labels)
-        results[run] = [loss, *torch.autograd.grad(loss, list(model.parameters()))]
+        results[run] = [loss, *torch.autograd.grad(loss, [*model.parameters(), *seen])]
     torch.testing.assert_close(results["triton"][0], results["float32"][0], atol=2e-2, rtol=2e-2)
 
     def error(run: str, i: int) -> float:
         a, ref = results[run][i].double(), results["float32"][i].double()
         return ((a - ref).norm() / ref.norm().clamp(min=1e-12)).item()
 
-    for i, (pname, _) in enumerate(model.named_parameters(), start=1):
+    named = [*model.named_parameters(), *((f"dL/dg of layer {i}", g) for i, g in enumerate(seen))]
+    checked = 0
+    for i, (pname, p) in enumerate(named, start=1):
+        if id(p) in decay_params:
+            continue
         fused, plain = error("triton", i), error("torch", i)
         assert fused <= 2 * plain + 1e-2, f"{pname}: gradient {fused:.2e} off float32, plain torch's {plain:.2e}"
+        checked += 1
+    assert checked == len(named) - len(decay_params) and len(seen) == len(gates) == 2
 
 
 def test_hooked_convs_and_gates_keep_their_outputs_on_the_triton_path():

@@ -13,12 +13,14 @@ models and of Qwen3-Next are built:
    then `o_proj`.
 
 Kernels (no dependency beyond torch): `torch.nn.functional.scaled_dot_product_attention`
-with `is_causal` for full attention, which takes the flash backend on CUDA; for a sliding
-window, FlexAttention with a block mask on CUDA (compiled; it skips the blocks outside
-the window), and SDPA with an explicit boolean mask elsewhere, because FlexAttention
-without compilation materialises every score anyway (and the FLOP counter cannot see
-it). A continuation (a state with cached keys) and packed documents (`cu_seqlens`, a
-block-diagonal mask) also take SDPA with an explicit mask.
+with `is_causal` for full attention, which takes the flash backend on CUDA. A sliding
+window and packed documents (`cu_seqlens`: causal within each document, and within the
+window if there is one) take FlexAttention with a block mask on CUDA (compiled; it skips
+the blocks outside the window and those pairing two documents), and SDPA with an explicit
+boolean mask elsewhere, because FlexAttention without compilation materialises every
+score anyway (and the FLOP counter cannot see it). The packed documents' block mask is
+built on every call from the tokens' document ids, tile by tile, never as a T x T mask.
+A continuation (a state with cached keys) also takes SDPA with an explicit mask.
 
 Decoding state (`AttentionState`): the rotated keys and the values of the tokens a later
 query can still see (all of them; the last `window - 1` with a window) and the number of
@@ -38,13 +40,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .plan import AttentionPlan
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 Tensor = torch.Tensor
 Kernel = Literal["auto", "sdpa", "flex"]
@@ -180,13 +185,81 @@ def _window_block_mask(length: int, window: int, device: str):
     return create_block_mask(mask_mod, None, None, length, length, device=device)
 
 
+# FlexAttention's sparse block (create_block_mask's default): a block mask says, per tile
+# of FLEX_BLOCK queries x FLEX_BLOCK keys, whether the tile is skipped, fully visible or
+# partly visible (mask_mod applied inside).
+FLEX_BLOCK = 128
+
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def _document_mask_mod(document: Tensor, window: int | None) -> MaskMod:
+    """FlexAttention's mask_mod of packed documents: causal, within one document, within
+    the window. Within one document the distance of two tokens is that of their indices in
+    the row, so the row's indices serve for causality and the window."""
+    if window is None:
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return (kv_idx <= q_idx) & (document[q_idx] == document[kv_idx])
+    else:
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return (kv_idx <= q_idx) & (q_idx - kv_idx < window) & (document[q_idx] == document[kv_idx])
+    return mask_mod
+
+
+def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """A `[n, n]` boolean tile layout as BlockMask takes it: per query tile, the number of
+    marked key tiles, and the key tiles' indices with the marked ones first, in order
+    (create_block_mask's ordering)."""
+    marked = tiles.to(torch.int32)
+    count = marked.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(marked, dim=-1, descending=True, stable=True).to(torch.int32)
+    return count[None, None], indices[None, None]
+
+
+def _document_block_mask(document: Tensor, window: int | None) -> BlockMask:
+    """FlexAttention's block mask of one packed row whose token t belongs to document
+    `document[t]` (non-decreasing): what `create_block_mask` gives for `_document_mask_mod`,
+    from each tile's first and last token. `create_block_mask` evaluates the mask_mod on
+    every pair (T x T booleans and larger temporaries: gigabytes at 16k tokens) unless it
+    is compiled; this is a few `[T / FLEX_BLOCK]^2` ops on the device, no host sync and
+    nothing to compile, cheap enough to build per batch.
+
+    Documents are contiguous, so a tile holds the documents from its first token's to its
+    last token's. A key tile before a query tile can share only one document with it, the
+    one holding the key tile's last and the query tile's first token: the pair of tiles is
+    visible iff their document ranges meet, the key tile is not after the query tile, and
+    those two tokens are within the window. It is fully visible iff both tiles lie in one
+    document, every key precedes every query, and the farthest pair is within the window;
+    a tile cut short by the end of the row is never full (create_block_mask counts its
+    missing pairs as masked).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    T = document.shape[0]
+    first = torch.arange(0, T, FLEX_BLOCK, device=document.device)
+    last = (first + FLEX_BLOCK - 1).clamp(max=T - 1)
+    q_first, q_last, k_first, k_last = first[:, None], last[:, None], first[None, :], last[None, :]
+    d_first, d_last = document[first], document[last]
+    meet = (d_first[None, :] <= d_last[:, None]) & (d_first[:, None] <= d_last[None, :])
+    some = meet & (k_first <= q_last)
+    whole = (d_first == d_last) & (last - first + 1 == FLEX_BLOCK)  # a complete tile of one document
+    full = whole[:, None] & whole[None, :] & (d_first[:, None] == d_first[None, :]) & (k_last <= q_first)
+    if window is not None:
+        some &= q_first - k_last < window
+        full &= q_last - k_first < window
+    return BlockMask.from_kv_blocks(*_ordered(some & ~full), *_ordered(full), BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=_document_mask_mod(document, window), seq_lengths=(T, T))
+
+
 class Attention(nn.Module):
     def __init__(self, plan: AttentionPlan, d_model: int, norm_eps: float = 1e-6):
         super().__init__()
         check_plan(plan)
         self.plan = plan
         H, Hkv, D = plan.heads, plan.kv_heads, plan.head_dim
-        # auto: SDPA, or FlexAttention for a sliding window on CUDA; tests force either
+        # auto: SDPA, or FlexAttention for a sliding window or packed documents on CUDA;
+        # tests force either
         self.kernel: Kernel = "auto"
         self.q_proj = nn.Linear(d_model, H * D, bias=False)
         self.k_proj = nn.Linear(d_model, Hkv * D, bias=False)
@@ -319,15 +392,23 @@ class Attention(nn.Module):
         return self.o_proj(o)
 
     def _attend_packed(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, document: Tensor) -> Tensor:
-        """Attention within each packed document: SDPA with the block-diagonal causal mask
-        (and the window), built from each token's document and its position in it."""
-        mask = visible(positions, positions, self.plan.window) & (document[:, None] == document[None, :])
+        """Attention within each packed document (causal, within the window): FlexAttention
+        with the documents' block mask, which visits only the tiles within documents, or
+        SDPA with the block-diagonal mask, built from each token's document and its
+        position in it."""
+        window = self.plan.window
         gqa = self.plan.kv_heads != self.plan.heads
+        if self._flex(q):
+            block_mask = _document_block_mask(document, window)
+            attend = _compiled_flex() if q.is_cuda else _eager_flex()
+            return attend(q, k, v, block_mask=block_mask, scale=self.scale, enable_gqa=gqa, kernel_options=FLEX_OPTIONS)
+        mask = visible(positions, positions, window) & (document[:, None] == document[None, :])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
 
     def _flex(self, q: Tensor) -> bool:
-        """Whether a fresh sliding-window sequence takes FlexAttention (on CUDA, for heads
-        Inductor's lowering takes; SDPA with the window's mask otherwise)."""
+        """Whether a fresh sequence with a sparse mask (a sliding window, packed documents)
+        takes FlexAttention (on CUDA, for heads Inductor's lowering takes; SDPA with an
+        explicit mask otherwise)."""
         if self.kernel == "auto":
             return q.is_cuda and q.shape[-1] >= FLEX_MIN_HEAD_DIM
         if self.kernel == "flex" and q.is_cuda and q.shape[-1] < FLEX_MIN_HEAD_DIM:

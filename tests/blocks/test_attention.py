@@ -5,6 +5,8 @@ complex rotation of the pairs (x_i, x_{i + D/2}) (the module rotates halves with
 sin), grouped heads by index (query head h reads key/value head h // (heads / kv_heads)),
 the causal and window mask as a Python condition, softmax(q k^T / sqrt(D)) v by hand.
 Outputs, every gradient, the decoding state and pieces-against-whole are compared.
+Packed documents (`cu_seqlens`) are compared with each document run alone, on SDPA and on
+FlexAttention, and the documents' block mask with the one create_block_mask gives.
 """
 
 from __future__ import annotations
@@ -216,6 +218,116 @@ def test_packed_documents_attend_as_if_each_ran_alone(name):
         torch.testing.assert_close(y[:, lo:hi], reference_attention(layer, x[:, lo:hi]))
     with pytest.raises(ValueError, match="no state for packed documents"):
         layer(x, return_state=True, cu_seqlens=cu_seqlens)
+
+
+# Documents across FlexAttention's tiles (FLEX_BLOCK = 128 tokens): lengths that divide no
+# tile, one token alone, and one long enough to hold whole tiles (which the block mask
+# marks fully visible without a window); 703 tokens, six tiles, the last one cut short.
+PACKED_LENGTHS = [1, 7, 130, 520, 45]
+PACKED_CASES = {
+    "gqa": AttentionPlan(heads=4, kv_heads=2, head_dim=4),
+    "gqa-window": AttentionPlan(heads=4, kv_heads=2, head_dim=4, window=50),
+    "gqa-window-over-two-tiles": AttentionPlan(heads=4, kv_heads=2, head_dim=4, window=300),
+    "mqa-gate-qknorm": AttentionPlan(heads=4, kv_heads=1, head_dim=6, rope_theta=500.0, output_gate=True,
+                                     qk_norm=True),
+}
+
+
+def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+
+def _documents(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    return list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
+
+
+def _each_alone(layer: Attention, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Each document through the layer on its own, on SDPA (plain causal, or the window's
+    mask): not the packed path's kernel nor its mask."""
+    kernel, layer.kernel = layer.kernel, "sdpa"
+    try:
+        return torch.cat([layer(x[:, lo:hi])[0] for lo, hi in _documents(cu_seqlens)], dim=1)
+    finally:
+        layer.kernel = kernel
+
+
+@pytest.mark.parametrize("window", [None, 1, 50, 127, 128, 300, 1000])
+@pytest.mark.parametrize("lengths", [PACKED_LENGTHS, [128, 256, 1, 255], [703]])
+def test_the_packed_block_mask_is_create_block_masks(lengths, window):
+    """The documents' block mask, built from tile ends, tile for tile what create_block_mask
+    gives by evaluating the mask_mod on every pair (partial and full tiles both ways)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from archspec.blocks.attention import _document_block_mask, _document_mask_mod
+
+    cu_seqlens = _cu_seqlens(lengths)
+    T = int(cu_seqlens[-1])
+    document = torch.searchsorted(cu_seqlens[1:], torch.arange(T), right=True)
+    ours = _document_block_mask(document, window)
+    want = create_block_mask(_document_mask_mod(document, window), None, None, T, T, device="cpu")
+    assert ours.seq_lengths == want.seq_lengths and ours.BLOCK_SIZE == want.BLOCK_SIZE
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(ours, name), getattr(want, name)), name
+    if lengths == PACKED_LENGTHS and window is None:
+        assert ours.full_kv_num_blocks.sum() > 0  # the layout has whole tiles to skip the mask on
+
+
+@pytest.mark.parametrize("name", sorted(PACKED_CASES))
+def test_packed_documents_on_flex_attention_equal_each_alone(name):
+    """`kernel = "flex"` on packed documents (eager FlexAttention: forward only, it has no
+    backward on the CPU; tests/blocks/test_hybrid_gpu.py compares gradients on CUDA)."""
+    layer = _layer(PACKED_CASES[name], kernel="flex")
+    cu_seqlens = _cu_seqlens(PACKED_LENGTHS)
+    x = torch.randn(1, int(cu_seqlens[-1]), 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        y, _ = _run(layer, x, cu_seqlens=cu_seqlens)
+        torch.testing.assert_close(y, _each_alone(layer, x, cu_seqlens))
+
+
+@pytest.mark.parametrize("name", sorted(PACKED_CASES))
+def test_packed_documents_and_every_gradient_equal_each_alone(name):
+    """The packed path off CUDA ('auto': SDPA with the block-diagonal mask): outputs and
+    the gradients of the input and of every weight."""
+    layer = _layer(PACKED_CASES[name])
+    cu_seqlens = _cu_seqlens(PACKED_LENGTHS)
+    x = torch.randn(1, int(cu_seqlens[-1]), 8, dtype=torch.float64, generator=torch.Generator().manual_seed(8),
+                    requires_grad=True)
+    y, _ = layer(x, cu_seqlens=cu_seqlens)
+    alone = _each_alone(layer, x, cu_seqlens)
+    torch.testing.assert_close(y, alone)
+    weight = torch.randn_like(y)
+    got = torch.autograd.grad((y * weight).sum(), [x, *layer.parameters()])
+    want = torch.autograd.grad((alone * weight).sum(), [x, *layer.parameters()])
+    for (pname, _), g, w in zip([("x", None), *layer.named_parameters()], got, want):
+        torch.testing.assert_close(g, w, msg=lambda m, pname=pname: f"gradient of {pname}: {m}")
+
+
+@pytest.mark.parametrize("kernel", ["auto", "flex"])
+@pytest.mark.parametrize("name", ["gqa", "gqa-window-over-two-tiles"])
+def test_a_packed_document_sees_no_token_of_another(name, kernel):
+    """Rewriting one document's tokens leaves every other document's output as it was, and
+    (on SDPA, which has a backward here) no other document's output has a gradient with
+    respect to its tokens."""
+    layer = _layer(PACKED_CASES[name], kernel=kernel)
+    cu_seqlens = _cu_seqlens(PACKED_LENGTHS)
+    lo, hi = _documents(cu_seqlens)[3]  # the long one, tokens 138 .. 657, in five tiles
+    x = torch.randn(1, int(cu_seqlens[-1]), 8, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    changed = x.clone()
+    changed[:, lo:hi] += 10 * torch.randn(1, hi - lo, 8, dtype=torch.float64,  # far from the original
+                                          generator=torch.Generator().manual_seed(10))
+    others = torch.ones(x.shape[1], dtype=torch.bool)
+    others[lo:hi] = False
+    with torch.no_grad():
+        before, _ = _run(layer, x, cu_seqlens=cu_seqlens)
+        after, _ = _run(layer, changed, cu_seqlens=cu_seqlens)
+    assert not torch.allclose(before[:, lo:hi], after[:, lo:hi])
+    torch.testing.assert_close(after[:, others], before[:, others], rtol=0, atol=1e-12)
+    if kernel == "auto":
+        x.requires_grad_(True)
+        y, _ = layer(x, cu_seqlens=cu_seqlens)
+        (grad,) = torch.autograd.grad(y[:, others].sum(), [x])
+        assert torch.equal(grad[:, lo:hi], torch.zeros_like(grad[:, lo:hi]))
 
 
 def test_a_packed_hybrid_stack_runs_each_document_alone():

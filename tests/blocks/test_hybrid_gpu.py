@@ -1,13 +1,17 @@
 """A hybrid stack on CUDA (skipped without one): the recurrent layers on the Triton
-kernel, full attention on SDPA's flash backend, the sliding window on compiled
-FlexAttention. It trains under bfloat16 autocast, decodes in pieces like the whole in
-float32, and FlexAttention's gradients equal SDPA's with an explicit mask.
+kernel, full attention on SDPA's flash backend, the sliding window and packed documents
+on compiled FlexAttention. It trains under bfloat16 autocast, decodes in pieces like the
+whole in float32, and FlexAttention's gradients equal SDPA's with an explicit mask; packed
+documents on FlexAttention equal each document alone (float32 and bfloat16), without
+recompiling when the documents change.
 
     .venv/bin/python -m pytest -q tests/blocks/test_hybrid_gpu.py
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import archspec
+from archspec.blocks import attention
 from archspec.blocks.attention import Attention
 from archspec.blocks.plan import AttentionPlan
 
@@ -105,3 +110,87 @@ def test_compiled_flex_attention_matches_sdpa_with_a_mask_and_its_gradients():
     g_sdpa = torch.autograd.grad((y_sdpa * weight).sum(), [x, *sdpa.parameters()])
     for a, b in zip(g_flex, g_sdpa):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+# Documents of mixed lengths (64 .. 2048 tokens) like the packed benchmark's, 4096 in all,
+# none a multiple of FlexAttention's 128-token tiles but the first
+PACKED_LENGTHS = [2048, 64, 1000, 300, 100, 584]
+PACKED_PLAN = AttentionPlan(heads=8, kv_heads=2, head_dim=64, output_gate=True, qk_norm=True)
+
+
+def _packed_layer(window: int | None) -> tuple[Attention, torch.Tensor, torch.Tensor]:
+    """A layer on 'auto' (FlexAttention for packed documents on CUDA), a packed row and its
+    cu_seqlens."""
+    torch.manual_seed(0)
+    layer = Attention(dataclasses.replace(PACKED_PLAN, window=window), 256).cuda()
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(PACKED_LENGTHS)], device="cuda")
+    x = torch.randn(1, sum(PACKED_LENGTHS), 256, device="cuda", requires_grad=True)
+    return layer, x, cu_seqlens
+
+
+def _each_alone(layer: Attention, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Each document through the layer on its own, on SDPA (flash or efficient for full
+    attention, the window's mask otherwise)."""
+    kernel, layer.kernel = layer.kernel, "sdpa"
+    try:
+        bounds = cu_seqlens.tolist()
+        return torch.cat([layer(x[:, lo:hi])[0] for lo, hi in zip(bounds[:-1], bounds[1:])], dim=1)
+    finally:
+        layer.kernel = kernel
+
+
+def _output_and_gradients(layer: Attention, y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+    return (y, *torch.autograd.grad((y.float() * weight).sum(), [x, *layer.parameters()]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 256])
+def test_packed_documents_on_compiled_flex_attention_equal_each_alone(window, monkeypatch):
+    """float32, the tolerances of the window's FlexAttention-against-SDPA test."""
+    layer, x, cu_seqlens = _packed_layer(window)
+    masks = []  # 'auto' must take FlexAttention here, not SDPA with the block-diagonal mask
+    build = attention._document_block_mask
+    monkeypatch.setattr(attention, "_document_block_mask", lambda *args: masks.append(args) or build(*args))
+    y, _ = layer(x, cu_seqlens=cu_seqlens)
+    assert len(masks) == 1
+    weight = torch.randn_like(y)
+    packed = _output_and_gradients(layer, y, x, weight)
+    alone = _output_and_gradients(layer, _each_alone(layer, x, cu_seqlens), x, weight)
+    names = ["output", "x", *(n for n, _ in layer.named_parameters())]
+    torch.testing.assert_close(packed[0], alone[0], rtol=1e-4, atol=1e-4)
+    for name, got, want in zip(names[1:], packed[1:], alone[1:]):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 256])
+def test_packed_documents_on_compiled_flex_attention_in_bfloat16_err_like_each_alone(window):
+    """Under bfloat16 autocast (as the benchmark trains): packed FlexAttention's error
+    against each document alone in float32 stays within twice that of each document
+    alone under the same autocast (SDPA), for the output and every gradient (plus a
+    thousandth of the reference's largest entry, for entries bfloat16 happens to hit)."""
+    layer, x, cu_seqlens = _packed_layer(window)
+    weight = torch.randn(1, x.shape[1], 256, device="cuda")
+    reference = _output_and_gradients(layer, _each_alone(layer, x, cu_seqlens), x, weight)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        packed_y, _ = layer(x, cu_seqlens=cu_seqlens)
+        alone_y = _each_alone(layer, x, cu_seqlens)
+    packed = _output_and_gradients(layer, packed_y, x, weight)
+    alone = _output_and_gradients(layer, alone_y, x, weight)
+    names = ["output", "x", *(n for n, _ in layer.named_parameters())]
+    for name, got, base, want in zip(names, packed, alone, reference):
+        error = (got.float() - want).abs().max().item()
+        bound = 2 * (base.float() - want).abs().max().item() + 1e-3 * want.abs().max().item()
+        assert error <= bound, f"{name}: packed bfloat16 error {error:.3g} > {bound:.3g}"
+
+
+@pytest.mark.gpu
+def test_packed_flex_attention_does_not_recompile_when_documents_change():
+    """The block mask (its tensors and its mask_mod's document ids) is data to the compiled
+    FlexAttention: a batch of other documents, as many tokens, reuses the compiled kernels."""
+    layer, x, _ = _packed_layer(256)
+    for lengths in (PACKED_LENGTHS, [64] * 8 + [3584], [4096], [1, 4095]):
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda")
+        with torch._dynamo.config.patch(error_on_recompile=lengths is not PACKED_LENGTHS):
+            y, _ = layer(x, cu_seqlens=cu_seqlens)
+            y.sum().backward()

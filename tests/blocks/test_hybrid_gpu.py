@@ -165,10 +165,11 @@ def test_packed_documents_on_compiled_flex_attention_equal_each_alone(window, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 256])
 def test_packed_documents_on_compiled_flex_attention_in_bfloat16_err_like_each_alone(window):
-    """Under bfloat16 autocast (as the benchmark trains): packed FlexAttention's error
-    against each document alone in float32 stays within twice that of each document
-    alone under the same autocast (SDPA), for the output and every gradient (plus a
-    thousandth of the reference's largest entry, for entries bfloat16 happens to hit)."""
+    """Under bfloat16 autocast (as the benchmark trains), against each document alone in
+    float32: packed FlexAttention's relative Frobenius error, of the output and of every
+    gradient, at most twice that of each document alone under the same autocast (SDPA),
+    plus 1e-2 (tests/blocks/test_fused_model.py's rule: two bfloat16 computations differ
+    by their own roundings; a wrong mask is off by O(1))."""
     layer, x, cu_seqlens = _packed_layer(window)
     weight = torch.randn(1, x.shape[1], 256, device="cuda")
     reference = _output_and_gradients(layer, _each_alone(layer, x, cu_seqlens), x, weight)
@@ -177,11 +178,14 @@ def test_packed_documents_on_compiled_flex_attention_in_bfloat16_err_like_each_a
         alone_y = _each_alone(layer, x, cu_seqlens)
     packed = _output_and_gradients(layer, packed_y, x, weight)
     alone = _output_and_gradients(layer, alone_y, x, weight)
+
+    def error(got: torch.Tensor, want: torch.Tensor) -> float:
+        return ((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-12)).item()
+
     names = ["output", "x", *(n for n, _ in layer.named_parameters())]
     for name, got, base, want in zip(names, packed, alone, reference):
-        error = (got.float() - want).abs().max().item()
-        bound = 2 * (base.float() - want).abs().max().item() + 1e-3 * want.abs().max().item()
-        assert error <= bound, f"{name}: packed bfloat16 error {error:.3g} > {bound:.3g}"
+        flex, sdpa = error(got, want), error(base, want)
+        assert flex <= 2 * sdpa + 1e-2, f"{name}: packed FlexAttention {flex:.2e} off float32, SDPA alone's {sdpa:.2e}"
 
 
 @pytest.mark.gpu

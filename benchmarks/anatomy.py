@@ -82,17 +82,18 @@ def markdown(anatomies: dict[str, dict], step_ms: dict[tuple[str, str], float] |
         return []
     step_ms = step_ms or {}
     labels = [label for label, _ in CATEGORIES] + [OTHER]
-    setting = next(iter(anatomies.values()))["setting"]
-    lines = ["", f"Where one forward + loss + backward spends its device time ({setting}, one profiled step, ms "
-             "of kernel time by part of the model; `idle`: the share of the timed step no kernel ran; "
-             "`models.json` keeps the heaviest kernels by name):", "",
-             "| spec | impl | step ms | busy ms | idle | " + " | ".join(labels) + " |",
-             "|---|---|---|---|---|" + "---|" * len(labels)]
+    lines = ["", "Where one forward + loss + backward spends its device time (one profiled step of each design "
+             "at the setting shown, ms of kernel time by part of the model; `idle`: the share of the timed step "
+             "no kernel ran; `models.json` keeps the heaviest kernels by name):", "",
+             "| spec | setting | impl | step ms | busy ms | idle | " + " | ".join(labels) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(labels)]
     for spec in sorted(anatomies):
+        setting = anatomies[spec]["setting"]
         for impl, prof in anatomies[spec]["impls"].items():
             step = step_ms.get((spec, impl))
             timed = "-" if step is None else f"{step:.2f}"
             idle = "-" if not step else f"{max(0.0, 1 - prof['busy_ms'] / step):.0%}"
             cells = [f"{prof['categories'].get(label, 0.0):.2f}" for label in labels]
-            lines.append(f"| {spec} | {impl} | {timed} | {prof['busy_ms']:.2f} | {idle} | " + " | ".join(cells) + " |")
+            lines.append(f"| {spec} | {setting} | {impl} | {timed} | {prof['busy_ms']:.2f} | {idle} | "
+                         + " | ".join(cells) + " |")
     return lines

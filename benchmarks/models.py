@@ -38,8 +38,9 @@ mostly fla's autotuning), so first every design is trained one step per setting 
 cache. `--budget-s` counts the timing only. Each row records its untimed warm-up steps'
 seconds (`warmup_s`), which show what the warming left.
 
-One forward + loss + backward of each model at the first setting is profiled
-(`anatomy.py`, `--no-anatomy` skips it): its kernels' device time by part of the model
+One forward + loss + backward of each model at the first setting (or `--anatomy-at
+SETTING`, e.g. `packed`) is profiled (`anatomy.py`, `--no-anatomy` skips it): its
+kernels' device time by part of the model
 (recurrence, matmuls, loss, norms, short convolution, activations, attention, other) goes
 under the table, the heaviest kernels by name into the JSON, so a row that misses its
 target shows which part limits it.
@@ -557,11 +558,12 @@ def setting_specific(refusal: str) -> bool:
 
 def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: int, log: Callable[[str], None],
                on_setting: Callable[[list[Row]], None] = lambda rows: None,
-               anatomies: dict[str, dict] | None = None) -> list[Row]:
+               anatomies: dict[str, dict] | None = None, anatomy_at: str | None = None) -> list[Row]:
     """The rows of one design, every setting's handed to `on_setting` as it is measured
     (a run cut short keeps them: a cold machine spends minutes compiling the first).
-    With `anatomies`, one step of each model at the first setting is profiled into it
-    under the spec's name (`anatomy.profile`)."""
+    With `anatomies`, one step of each model at the setting `anatomy_at` (default: the
+    first) is profiled into it under the spec's name (`anatomy.profile`)."""
+    anatomy_at = anatomy_at or size.settings()[0][0]
     plan = load_plan(spec, size)
     design = fla_design(plan)
     trainees, refusal = beside_fla(plan, ours(plan, size), lambda params: theirs(plan, size, params),
@@ -576,9 +578,8 @@ def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: i
         measured = list(by_impl.values())
         if with_fla and "fla" not in by_impl:
             measured.append(Row(design or spec.stem, spec.stem, setting, "fla", B, T, docs, refused=refusal))
-        first = not rows
         rows += measured
-        if anatomies is not None and first:  # after the timing, never in it; before the rows are handed on
+        if anatomies is not None and setting == anatomy_at:  # after the timing, never in it; before the rows are handed on
             anatomies[spec.stem] = {"setting": setting, "impls": {
                 t.name: profile_step(t, batch) for t in trainees if not by_impl[t.name].refused}}
         on_setting(measured)
@@ -698,6 +699,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"let fla autotune afresh, not from the picks an earlier run left in --out ({picks.FILE})")
     ap.add_argument("--no-anatomy", action="store_true",
                     help="profile no step (by default one step of each model at the first setting is profiled)")
+    ap.add_argument("--anatomy-at", default=None, metavar="SETTING",
+                    help="the setting whose step is profiled (T=2048, T=8192 or packed at the issue's size; default the first)")
     ap.add_argument("--smoke", action="store_true", help="ours only, tiny size, on the CPU")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of specs not run now from an earlier models.json in --out (runs split over calls)")
@@ -712,6 +715,10 @@ def main(argv: list[str] | None = None) -> int:
     missing = [n for n in names if not (SPECS / f"{n}.yaml").exists()]
     if missing:
         print(f"unknown spec(s): {', '.join(missing)} (see {SPECS})", file=sys.stderr)
+        return 2
+    setting_names = [name for name, _, _ in size.settings()]
+    if args.anatomy_at is not None and args.anatomy_at not in setting_names:
+        print(f"--anatomy-at {args.anatomy_at}: not a setting of this size ({', '.join(setting_names)})", file=sys.stderr)
         return 2
     with_fla = not (args.no_fla or args.smoke)
     started = time.perf_counter()
@@ -757,7 +764,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             run_design(SPECS / f"{name}.yaml", size, with_fla=with_fla, rounds=args.rounds, warmup=args.warmup,
-                       log=log, on_setting=keep, anatomies=None if args.no_anatomy else record["anatomy"])
+                       log=log, on_setting=keep, anatomies=None if args.no_anatomy else record["anatomy"],
+                       anatomy_at=args.anatomy_at)
         except Exception as exc:  # one design failing (out of memory, ...) must not lose the others
             record["failed"][name] = traceback.format_exc()
             log(f"{name} failed: {first_line(exc)}")

@@ -23,7 +23,7 @@ def test_smoke_run_writes_every_setting(bench, tmp_path):
     quick = ["--smoke", "--out", str(tmp_path), "--rounds", "1", "--warmup", "0"]
     assert bench.main([*quick, "--specs", "gated-deltanet", "--warm-workers", "1"]) == 0  # warmed in a worker
     # A run split over two calls; a spec with no form at the size is left out, with its reason.
-    assert bench.main([*quick, "--specs", "osdn-apf,jet-nemotron-placement", "--merge"]) == 0
+    assert bench.main([*quick, "--specs", "osdn-apf,jet-nemotron-placement", "--merge", "--anatomy-at", "packed"]) == 0
     record = json.loads((tmp_path / "models.json").read_text())
     assert list(record["unfit"]) == ["jet-nemotron-placement"]
     assert "layout.attention_at[0]: layer 14 is past the last layer" in record["unfit"]["jet-nemotron-placement"]
@@ -41,15 +41,23 @@ def test_smoke_run_writes_every_setting(bench, tmp_path):
     assert next(r for r in rows if r["setting"] == "packed")["documents"] > 1
     table = (tmp_path / "models.md").read_text()
     assert "| gated-deltanet | gated-deltanet | packed |" in table
-    # One step of each design profiled at the first setting, the earlier call's kept by --merge.
-    assert set(record["anatomy"]) == {"gated-deltanet", "osdn-apf"}
+    # One step of each design profiled: at the first setting by default, at --anatomy-at's
+    # where given; the earlier call's kept by --merge.
+    assert {spec: entry["setting"] for spec, entry in record["anatomy"].items()} == {
+        "gated-deltanet": "T=32", "osdn-apf": "packed"}
     for spec, entry in record["anatomy"].items():
-        assert entry["setting"] == "T=32" and set(entry["impls"]) == {"ours"}
+        assert set(entry["impls"]) == {"ours"}
         prof = entry["impls"]["ours"]
         assert prof["busy_ms"] > 0 and sum(prof["categories"].values()) == pytest.approx(prof["busy_ms"], abs=0.01)
         assert prof["categories"]["matmul"] > 0 and prof["kernels"][0][2] >= prof["kernels"][-1][2]
-        step = next(r["step_ms"] for r in rows if r["spec"] == spec and r["setting"] == "T=32")
-        assert f"| {spec} | ours | {step:.2f} | {prof['busy_ms']:.2f} |" in table
+        step = next(r["step_ms"] for r in rows if r["spec"] == spec and r["setting"] == entry["setting"])
+        assert f"| {spec} | {entry['setting']} | ours | {step:.2f} | {prof['busy_ms']:.2f} |" in table
+
+
+def test_a_profiled_setting_the_size_lacks_is_refused(bench, tmp_path, capsys):
+    assert bench.main(["--smoke", "--out", str(tmp_path), "--specs", "deltanet", "--anatomy-at", "T=2048"]) == 2
+    assert "--anatomy-at T=2048: not a setting of this size (T=32, T=64, packed)" in capsys.readouterr().err
+    assert not (tmp_path / "models.json").exists()
 
 
 def test_a_run_of_specs_without_a_form_at_its_size_times_nothing(bench, tmp_path, capsys):

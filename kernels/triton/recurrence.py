@@ -173,10 +173,6 @@ def _common(p: Plan, state: bool = False) -> dict:
                 ACC=p.tl_acc, OP=p.tl_op, PREC=p.prec)
 
 
-# The tensors `ChunkRecurrence` saves before its recipes' (`kernels/recompute.py`).
-_KEPT = 12
-
-
 class ChunkRecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, gate, beta, write_key, erase, initial_state, scale, n_h, output_final_state, cu_seqlens,
@@ -237,7 +233,9 @@ class ChunkRecurrence(torch.autograd.Function):
         kept = [None if name in again else t for name, t in inputs.items() if name != "g"]
         G_kept = None if "g" in again else G  # the gate's chunk sums, formed again from g
         recipe_tensors, ctx.recipes = pack(again)
-        ctx.save_for_backward(*kept, beta, e, G_kept, Tinv, initial_state, cu_seqlens, table, offsets, *recipe_tensors)
+        own = (*kept, beta, e, G_kept, Tinv, initial_state, cu_seqlens, table, offsets)
+        ctx.n_own = len(own)  # the recipes' tensors follow
+        ctx.save_for_backward(*own, *recipe_tensors)
         ctx.shapes = {name: (t.shape, t.dtype) for name, t in inputs.items() if name in again}
         ctx.plan, ctx.scale, ctx.tied = p, scale, write_key is None
         ctx.has_h0 = initial_state is not None
@@ -250,8 +248,8 @@ class ChunkRecurrence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dfinal):
         saved = ctx.saved_tensors
-        q, k, v, w, beta, e, G, Tinv, initial_state, cu_seqlens, table, offsets = saved[:_KEPT]
-        again = unpack(ctx.recipes, saved[_KEPT:])
+        q, k, v, w, beta, e, G, Tinv, initial_state, cu_seqlens, table, offsets = saved[:ctx.n_own]
+        again = unpack(ctx.recipes, saved[ctx.n_own:])
         for name, t in again.items():
             shape, dtype = ctx.shapes[name]
             if t.shape != shape or t.dtype != dtype:

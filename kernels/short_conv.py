@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .fused import resolve_fused_backend
-from .packed import check_offsets
+from .packed import check_offsets, per_offsets_tensor
 
 Tensor = torch.Tensor
 
@@ -35,6 +35,16 @@ def sequence_index(cu_seqlens: Tensor | None, batch: int, T: int, device: torch.
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     docs = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths, output_size=T)
     return cu_seqlens.long()[docs], docs
+
+
+@per_offsets_tensor
+def packed_sequence_index(cu_seqlens: Tensor, T: int) -> tuple[Tensor, Tensor]:
+    """`sequence_index` of a packed row as the Triton kernels read it (int32), formed once
+    per `cu_seqlens` tensor (`kernels/packed.py`): a mixer's streams (q, k, v) in every
+    layer share one packed batch, and each formation is a few small launches on a step
+    that is partly bound by the host."""
+    start, doc = sequence_index(cu_seqlens, 1, T, cu_seqlens.device)
+    return start.to(torch.int32), doc.to(torch.int32)
 
 
 def _shifted(x: Tensor, tail: Tensor | None, start: Tensor, doc: Tensor, shift: int) -> Tensor:
@@ -121,8 +131,7 @@ class _ShortConvTriton(torch.autograd.Function):
         tail_c = None if tail is None else tail.to(x.dtype).contiguous()
         starts = docs = None
         if cu_seqlens is not None:
-            start, doc = sequence_index(cu_seqlens, 1, x.shape[1], x.device)
-            starts, docs = start.to(torch.int32), doc.to(torch.int32)
+            starts, docs = packed_sequence_index(cu_seqlens, x.shape[1])
         y = short_conv_forward_triton(x3, w2, tail_c, starts, docs, activation=activation, head=head_dim, eps=eps)
         ctx.save_for_backward(x3, w2, tail_c, starts, docs, tail, cu_seqlens)
         ctx.settings = (activation, head_dim, eps, weight.shape, weight.dtype)

@@ -10,6 +10,7 @@ import torch
 from archspec.blocks import build_model
 from archspec.blocks.loss import packed_labels
 from archspec.kernels.packed import CACHED_TENSORS, check_offsets, host_offsets, per_offsets_tensor
+from archspec.kernels.short_conv import packed_sequence_index
 from archspec.kernels.triton.chunks import chunk_tables
 
 from ..blocks.plans import COMBINATIONS, model_plan
@@ -55,6 +56,19 @@ def test_chunk_tables_follow_the_offsets():
     table, offsets, count = chunk_tables(cu, 64)
     assert table.tolist() == [[0, 0], [2, 0], [2, 1]] and offsets.tolist() == [0, 1, 1, 3] and count == 3
     assert chunk_tables(cu, 64)[0] is table  # every layer gets the same tables
+
+
+def test_the_short_convs_sequence_index_follows_the_offsets():
+    """Per token, its document's first token and the document's index, in int32 as the
+    kernel reads them; an empty document takes no token. Every stream and layer of a step
+    gets the same tensors."""
+    cu = torch.tensor([0, 3, 3, 7])
+    starts, docs = packed_sequence_index(cu, 7)
+    assert starts.tolist() == [0, 0, 0, 3, 3, 3, 3] and docs.tolist() == [0, 0, 0, 2, 2, 2, 2]
+    assert starts.dtype == docs.dtype == torch.int32
+    assert packed_sequence_index(cu, 7)[0] is starts
+    cu[1] = 1  # changed in place: formed again
+    assert packed_sequence_index(cu, 7)[0].tolist() == [0, 1, 1, 3, 3, 3, 3]
 
 
 @pytest.mark.parametrize("offsets,message", [

@@ -34,13 +34,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs" / "models"
 
 # Gate statistics (log-decay per token). Mild: `logsigmoid(x + 4)`, a few nats per 64-token
-# chunk, so a channel gate's chunks stay within `decay.py`'s bound (one product each).
-# Strong: `logsigmoid(x)` clamped at -5, what the channel gates of trained KDA layers
-# produce: most chunks decay past the bound (the sub-chunk paths). Init: what an initialised
+# chunk. Strong: `logsigmoid(x)` clamped at -5, what the channel gates of trained KDA layers
+# produce, about 52 nats a chunk. Both keep a channel gate's chunks within twice
+# `decay.py`'s bound (path 1: one product each). Init: what an initialised
 # layer of the plan's decay form produces (`blocks/gates.py`), the gates every whole-model
 # benchmark step meets: mamba2 `-A softplus(x)`, A uniform in [1, 16] per head, KDA's
-# initialisation with dt_bias 0, about 6-8 nats a token, where no 16-token sub-chunk of a
-# channel gate stays within the bound; rwkv7 `-e^{-1/2} sigmoid(w0 + x)` with RWKV-7's
+# initialisation with dt_bias 0, about 6-8 nats a token, where a channel gate's chunks
+# take the exact path almost everywhere; rwkv7 `-e^{-1/2} sigmoid(w0 + x)` with RWKV-7's
 # initial speeds w0 (a middle layer's); gla `logsigmoid(x) / 16`.
 GATE_REGIMES = ("mild", "strong", "init")
 STRONG_GATE_FLOOR = -5.0

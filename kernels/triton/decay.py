@@ -29,34 +29,43 @@ the channel path is exact for every `g <= 0`, at two `[R, K]` exponentials and t
 gathers of gate rows per level. (It replaced pairs within a 16-row sub-chunk formed
 element by element: a dependent loop of 16 gathers, `[R, K]` exponentials and row sums.)
 
-The fastest way, taken when the chunk as a whole decays by at most a bound in every
-channel (`-G_b <= bound` for every row at hand: `_chunk_within_bound`), is the usual
-factorization itself, around the chunk's start: `exp(Ga - Gb) = exp(Ga) exp(-Gb)`, one
-tensor-core product per decayed product, where `exp(-Gb) <= e^bound` cannot overflow and
-each factor keeps its relative precision (every term of the sum is then rounded as in a
-plain product). Slow gates (under 40/64 = 0.6 nats per token on average; the benchmark's
-`logsigmoid(x + 4)` decays a 64-token chunk by a few nats) take it. Otherwise (decided per
-program, so one launch mixes the three) the sub-chunk forms below apply.
+The fastest way, taken when the chunk as a whole decays by at most twice a bound in every
+channel (`-G_end <= 2 bound`: `chunk_fits`), is the usual factorization itself, around the
+midpoint of the chunk's cumulative gate, `mid = G_end / 2` per channel:
+`exp(Ga - Gb) = exp(Ga - mid) exp(mid - Gb)`, one tensor-core product per decayed product.
+Every row's cumulative gate lies in `[G_end, 0]`, within `bound` of `mid`, so each factor is
+within `e^(+-bound)`: neither overflows, and each keeps its relative precision (every term
+of the sum is then rounded as in a plain product). Around the chunk's start instead (the
+first form of this path, `exp(Ga) exp(-Gb)`) the same bound on a factor admitted half the
+decay: the gates of trained KDA layers (`logsigmoid(x)`, about 0.8 nats a token, 52 a
+chunk) fell past it in every chunk and took the sub-chunk path, 1.7x the time of this one
+(KDA forward+backward 6.40 against 3.84 ms with mild gates, `kernel_times.md`); around the
+midpoint every such chunk fits. Gates under 80/64 = 1.25 nats per token on average take
+it. The products' entries for pairs outside the causal mask (`b` after `a`) may grow to
+`e^(2 bound)` and are discarded by the mask (a select, so even an overflow there would not
+leak). Otherwise (decided per program, so one launch mixes the three) the sub-chunk forms
+below apply.
 
 The exact path costs `log2(BT)` products and `4 log2(BT)` `[R, K]` gathers and
-exponentials. So when a sub-chunk decays by at most a bound in every channel (`G_first - G <= bound` inside it, checked per
-call over the rows `b` at hand: `_within_bound`), its inner pairs too are factorized
-around its first position, where `exp(ref - Gb) <= e^bound`, in three factors:
+exponentials. So when every sub-chunk's cumulative gate stays within a bound of its
+midpoint in every channel (`ref(s)`, halfway between its first and last sub-steps';
+`|ref - G| <= bound`, checked per call over the rows `b` at hand: `_within_bound`), its
+inner pairs too are factorized around those midpoints, in three factors:
 
     exp(Ga - Gb) = exp(Ga - ref(a)) * exp(ref(a) - ref(b)) * exp(ref(b) - Gb)
 
-The outer two are one `[R, K]` exponential each, every row decayed to the start of its own
-sub-chunk; the middle one is per channel and pair of sub-chunks, applied to the rows `b`
+The outer two are one `[R, K]` exponential each, every row decayed to the midpoint of its
+own sub-chunk (within `e^(+-bound)`); the middle one is per channel and pair of
+sub-chunks, at most 1 (a later sub-chunk's midpoint is lower), applied to the rows `b`
 as a running product over the sub-chunks (one `[K]` exponential and one multiply per
 sub-chunk), so each sub-chunk `s` costs one tensor-core product and no `[R, K]`
 exponential (the first form of this path took two per sub-chunk: 8 where there are now 2).
 `bound` is 40 (e^40 = 2.4e17, far from the float32 and bfloat16 limits of 3e38; each factor
-keeps its relative precision) and 8 for float16 operands (max 65504). Typical gates
-(`logsigmoid` of a learned value, a few hundredths to a few units per token) take this
-path; a sub-chunk whose gates decay faster than `bound / SC` per step falls back to the
-exact path, decided per program, so neither path ever overflows.
+keeps its relative precision) and 8 for float16 operands (max 65504). A sub-chunk whose
+gates decay faster than `2 bound / SC` per step falls back to the exact path, decided per
+program, so no path ever overflows.
 
-Gathers: the gate at a row's sub-chunk start or block middle is re-read from memory
+Gathers: the gate at a row's sub-chunk ends or block middle is re-read from memory
 (Triton cannot index a register tensor; `p_g` points at the chunk's first token of the
 cumulative gate, one row per token: sub-step `b` reads token `b // NH`); those rows are
 inputs, cached in L1/L2.
@@ -199,15 +208,26 @@ def decay_rows(x, gamma, GATE: tl.constexpr):
 
 @triton.jit
 def _ref_gate(p_g, s, n_sub, stride_g, offs_k, SC: tl.constexpr, NH: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr):
-    """The cumulative gate at the first sub-step of sub-chunk `s` (its token's row)."""
-    return tl.load(p_g + ((s * SC) // NH) * stride_g + offs_k, mask=(offs_k < K) & (s * SC < n_sub), other=0.0).to(ACC)
+    """Sub-chunk `s`'s reference: the midpoint of its cumulative gate, halfway between its
+    first and last sub-steps' (their tokens' rows); 0 for an empty sub-chunk."""
+    first = s * SC
+    last = tl.minimum(first + SC, n_sub) - 1
+    ok = (offs_k < K) & (first < n_sub)
+    g_first = tl.load(p_g + (first // NH) * stride_g + offs_k, mask=ok, other=0.0).to(ACC)
+    g_last = tl.load(p_g + (last // NH) * stride_g + offs_k, mask=ok, other=0.0).to(ACC)
+    return 0.5 * (g_first + g_last)
 
 
 @triton.jit
-def _sub_refs(p_g, pos, valid, stride_g, offs_k, SC: tl.constexpr, NH: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr):
-    """`[R, BK]`: for each row at sub-step `pos`, the cumulative gate at the first sub-step
-    of its sub-chunk (a gather, cached: the chunk's gate rows are inputs)."""
-    return load_rows(p_g, ((pos // SC) * SC) // NH, valid, stride_g, offs_k, K, ACC)
+def _sub_refs(p_g, pos, valid, n_sub, stride_g, offs_k, SC: tl.constexpr, NH: tl.constexpr, K: tl.constexpr,
+              ACC: tl.constexpr):
+    """`[R, BK]`: for each row at sub-step `pos`, its sub-chunk's reference (`_ref_gate`,
+    the same arithmetic; two gathers, cached: the chunk's gate rows are inputs)."""
+    first = (pos // SC) * SC
+    last = tl.minimum(first + SC, n_sub) - 1
+    g_first = load_rows(p_g, first // NH, valid, stride_g, offs_k, K, ACC)
+    g_last = load_rows(p_g, last // NH, valid, stride_g, offs_k, K, ACC)
+    return 0.5 * (g_first + g_last)
 
 
 @triton.jit
@@ -217,26 +237,44 @@ def decay_bound(OP: tl.constexpr):
 
 
 @triton.jit
-def _chunk_within_bound(gb, valid_b, OP: tl.constexpr):
-    """Whether the whole chunk may be factorized around its start (module docstring):
-    `-G_b <= bound` for every valid row `b` (the cumulative gate only falls, so its last
-    row decides)."""
-    return tl.max(tl.max(tl.where(valid_b[:, None], -gb, 0.0), 1), 0) <= decay_bound(OP)
+def chunk_fits(g_end, OP: tl.constexpr):
+    """Whether a chunk whose cumulative gate ends at `g_end` (`[BK]`, its last row) may be
+    factorized around its midpoint (module docstring, path 1): it decays by at most twice
+    the bound in every channel. The cumulative gate only falls, so the last row decides."""
+    return tl.max(-g_end, 0) <= 2 * decay_bound(OP)
+
+
+@triton.jit
+def _chunk_end(gb, valid_b):
+    """`[BK]`: the least cumulative gate of the rows `b`, per channel: the chunk's last row's
+    when they are all its sub-steps. Any reference `mid` with every row `b` within `[2 mid, 0]`
+    keeps both factors of path 1 within `e^bound` (rows `a`, whose gates lie in `[*, 0]`,
+    at most grow by `e^-mid`), so the rows at hand suffice. (A reduction over the rows in
+    registers: loading the last row instead spilled more in the sm_90 compile report,
+    e.g. RWKV-7's `chunk_channels_kernel` 200 bytes a thread against 144.)"""
+    return tl.min(tl.where(valid_b[:, None], gb, 0.0), 0)
+
+
+@triton.jit
+def mid_decay(x, g, mid, valid):
+    """`x * exp(g - mid)` for `[R, BK]` rows `x`, `g` and a per-channel reference `mid`
+    (`[BK]`); rows not `valid` give 0. Path 1 decays rows `a` with `(ga, mid)` and rows `b`
+    with `(-gb, -mid)`: each factor within `e^bound` when the chunk fits (`chunk_fits`)."""
+    return x * tl.exp(tl.where(valid[:, None], g - mid[None, :], float("-inf")))
 
 
 @triton.jit
 def runs_in_pass(p_g, n_sub, stride_g, NH: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
                  CHANNEL_PASS: tl.constexpr, OP: tl.constexpr, ACC: tl.constexpr):
     """Whether a chunk is this launch's: a channel-gate kernel runs in two passes
-    (`kinds.ChannelPass`), first the chunks that decay by less than the bound in every
-    channel (`CHUNK_ONLY` products: few registers), then the others (every path); without
+    (`kinds.ChannelPass`), first the chunks that fit path 1 (`chunk_fits`;
+    `CHUNK_ONLY` products: few registers), then the others (every path); without
     a channel gate every chunk is the one launch's. The cumulative gate never rises
     (`g <= 0`), so the chunk's last row decides."""
     if GATE == CHANNEL_GATE and CHANNEL_PASS != ALL_CHUNKS:
         offs_k = tl.arange(0, BK)
         g_end = tl.load(p_g + ((n_sub - 1) // NH) * stride_g + offs_k, mask=offs_k < K, other=0.0).to(ACC)
-        fast = tl.max(-g_end, 0) <= decay_bound(OP)
-        return fast == (CHANNEL_PASS == WITHIN_BOUND)
+        return chunk_fits(g_end, OP) == (CHANNEL_PASS == WITHIN_BOUND)
     else:
         return True
 
@@ -256,24 +294,21 @@ def chunk_in_pass(G, i_chunk, i_h, T, NT, cu_seqlens, chunk_table, H: tl.constex
 
 
 @triton.jit
-def _start_decay(x, g, valid):
-    """`x * exp(g)`: rows decayed from the chunk's start (`g <= 0`; `-g` for the other factor)."""
-    return x * tl.exp(tl.where(valid[:, None], g, float("-inf")))
-
-
-@triton.jit
 def _within_bound(ref_b, gb, valid_b, OP: tl.constexpr):
-    """Whether every sub-chunk may be factorized around its first position (module
-    docstring): `G_first(s) - G_b <= bound` for every valid row `b`."""
-    spread = tl.max(tl.max(tl.where(valid_b[:, None], ref_b - gb, 0.0), 1), 0)
+    """Whether every sub-chunk may be factorized around its midpoint (module docstring,
+    path 2): `|ref(b) - G_b| <= bound` for every valid row `b`. Every row of a sub-chunk,
+    query rows included, has its cumulative gate between the sub-chunk's first and last
+    sub-steps', so the rows `b` decide for the rows `a` too."""
+    spread = tl.max(tl.max(tl.where(valid_b[:, None], tl.abs(ref_b - gb), 0.0), 1), 0)
     return spread <= decay_bound(OP)
 
 
 @triton.jit
 def _step_decay(p_g, s_from, s_to, n_sub, stride_g, offs_k, SC: tl.constexpr, NH: tl.constexpr, K: tl.constexpr,
                 ACC: tl.constexpr):
-    """`exp(G_first(s_to) - G_first(s_from))` per channel for sub-chunks `s_from <= s_to`:
-    at most 1 (the cumulative gate never grows; an empty sub-chunk reads 0, clamped)."""
+    """`exp(ref(s_to) - ref(s_from))` per channel for sub-chunks `s_from <= s_to`: at most 1
+    (the cumulative gate never grows, so neither do the midpoints; an empty sub-chunk reads
+    0, clamped)."""
     a = _ref_gate(p_g, s_from, n_sub, stride_g, offs_k, SC, NH, K, ACC)
     b = _ref_gate(p_g, s_to, n_sub, stride_g, offs_k, SC, NH, K, ACC)
     return tl.exp(tl.minimum(b - a, 0.0))
@@ -318,18 +353,18 @@ def _sub_chunk_scores(
     STRICT: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
     K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0,
 ):
-    """`scores` of a chunk that decays by more than the bound: per sub-chunk (unmasked)."""
+    """`scores` of a chunk that does not fit path 1: per sub-chunk (unmasked)."""
     offs_k = k0 + tl.arange(0, BK)
-    ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
+    ref_b = _sub_refs(p_g, pos_b, valid_b, n_sub, stride_g, offs_k, SC, NH, K, ACC)
     out = tl.zeros([xa.shape[0], BT], dtype=ACC)
     if _within_bound(ref_b, gb, valid_b, OP):
         # exp(Ga - Gb) = exp(Ga - ref(a)) exp(ref(a) - ref(b)) exp(ref(b) - Gb): each row
-        # decayed once to its sub-chunk's start, and the middle factor (per sub-chunk
+        # decayed once to its sub-chunk's midpoint, and the middle factor (per sub-chunk
         # pair and channel) applied to the rows b as a running product over sub-chunks
-        fa = xa * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, stride_g, offs_k, SC, NH, K, ACC),
+        fa = xa * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, n_sub, stride_g, offs_k, SC, NH, K, ACC),
                                   float("-inf")))
         fb = xb * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
-        carry = tl.zeros([BT, BK], dtype=ACC)  # rows b of sub-chunks <= s, decayed to s's start
+        carry = tl.zeros([BT, BK], dtype=ACC)  # rows b of sub-chunks <= s, decayed to s's midpoint
         for s in tl.static_range(0, BT // SC):
             if s > 0:
                 carry = carry * _step_decay(p_g, s - 1, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)[None, :]
@@ -354,9 +389,9 @@ def _sub_chunk_left(
     NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
     K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0,
 ):
-    """`apply_left` of a chunk that decays by more than the bound: per sub-chunk."""
+    """`apply_left` of a chunk that does not fit path 1: per sub-chunk."""
     offs_k = k0 + tl.arange(0, BK)
-    ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
+    ref_b = _sub_refs(p_g, pos_b, valid_b, n_sub, stride_g, offs_k, SC, NH, K, ACC)
     out = tl.zeros([m.shape[0], BK], dtype=ACC)
     if _within_bound(ref_b, gb, valid_b, OP):  # as in `scores`
         fb = xb * tl.exp(tl.where(valid_b[:, None], ref_b - gb, float("-inf")))
@@ -366,7 +401,7 @@ def _sub_chunk_left(
                 carry = carry * _step_decay(p_g, s - 1, s, n_sub, stride_g, offs_k, SC, NH, K, ACC)[None, :]
             carry = tl.where(((pos_b // SC) == s)[:, None], fb, carry)
             out += tl.where(((pos_a // SC) == s)[:, None], mm_fine(m, carry, OP, PREC, ACC), 0.0)
-        out = out * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, stride_g, offs_k, SC, NH, K, ACC),
+        out = out * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, n_sub, stride_g, offs_k, SC, NH, K, ACC),
                                     float("-inf")))
     else:  # level by level, as in `scores`: rows a take their factor after the product
         ones = tl.full([m.shape[0], BK], 1.0, dtype=ACC)
@@ -386,14 +421,14 @@ def _sub_chunk_right(
     NH: tl.constexpr, BT: tl.constexpr, SC: tl.constexpr,
     K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr, k0,
 ):
-    """`apply_right` of a chunk that decays by more than the bound: per sub-chunk."""
+    """`apply_right` of a chunk that does not fit path 1: per sub-chunk."""
     offs_k = k0 + tl.arange(0, BK)
-    ref_b = _sub_refs(p_g, pos_b, valid_b, stride_g, offs_k, SC, NH, K, ACC)
+    ref_b = _sub_refs(p_g, pos_b, valid_b, n_sub, stride_g, offs_k, SC, NH, K, ACC)
     out = tl.zeros([BT, BK], dtype=ACC)
     if _within_bound(ref_b, gb, valid_b, OP):  # as in `scores`, the running product backwards in time
-        fa = xa * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, stride_g, offs_k, SC, NH, K, ACC),
+        fa = xa * tl.exp(tl.where(valid_a[:, None], ga - _sub_refs(p_g, pos_a, valid_a, n_sub, stride_g, offs_k, SC, NH, K, ACC),
                                   float("-inf")))
-        carry = tl.zeros([m.shape[0], BK], dtype=ACC)  # rows a of sub-chunks >= t, decayed to t's start
+        carry = tl.zeros([m.shape[0], BK], dtype=ACC)  # rows a of sub-chunks >= t, decayed to t's midpoint
         for i in tl.static_range(0, BT // SC):
             t = BT // SC - 1 - i
             if i > 0:
@@ -422,7 +457,7 @@ def scores(
 ):
     """`S[a, b] = xa_a^T diag(exp(Ga_a - Gb_b)) xb_b` on the causal pairs, 0 elsewhere
     (the part of the sum over columns `k0 .. k0 + BK` when `xa`, `xb` hold those only).
-    `CHUNK_ONLY`: the caller knows the chunk is within the bound (no slower paths compiled)."""
+    `CHUNK_ONLY`: the caller knows the chunk fits path 1 (no slower paths compiled)."""
     mask = causal_mask(pos_a, valid_a, pos_b, valid_b, STRICT)
     if GATE == NO_GATE:
         return tl.where(mask, mm(xa, tl.trans(xb), OP, PREC, ACC), 0.0)
@@ -430,10 +465,12 @@ def scores(
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(xa, tl.trans(xb), OP, PREC, ACC) * decay
     else:
+        g_end = _chunk_end(gb, valid_b)
+        mid = 0.5 * g_end
         if CHUNK_ONLY:  # noqa: SIM114 (a constexpr branch: the other paths are not compiled)
-            out = mm(_start_decay(xa, ga, valid_a), tl.trans(_start_decay(xb, -gb, valid_b)), OP, PREC, ACC)
-        elif _chunk_within_bound(gb, valid_b, OP):  # exp(Ga - Gb) = exp(Ga) exp(-Gb): one product
-            out = mm(_start_decay(xa, ga, valid_a), tl.trans(_start_decay(xb, -gb, valid_b)), OP, PREC, ACC)
+            out = mm(mid_decay(xa, ga, mid, valid_a), tl.trans(mid_decay(xb, -gb, -mid, valid_b)), OP, PREC, ACC)
+        elif chunk_fits(g_end, OP):  # exp(Ga - Gb) = exp(Ga - mid) exp(mid - Gb): one product
+            out = mm(mid_decay(xa, ga, mid, valid_a), tl.trans(mid_decay(xb, -gb, -mid, valid_b)), OP, PREC, ACC)
         else:
             out = _sub_chunk_scores(xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_g, stride_g, n_sub,
                                     STRICT, NH, BT, SC, K, BK, ACC, OP, PREC, k0)
@@ -455,10 +492,12 @@ def apply_left(
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(m * decay, xb, OP, PREC, ACC)
     else:  # as in `scores` (one assignment per branch: Triton returns once, after a runtime branch)
+        g_end = _chunk_end(gb, valid_b)
+        mid = 0.5 * g_end
         if CHUNK_ONLY:  # noqa: SIM114 (a constexpr branch: the other paths are not compiled)
-            out = _start_decay(mm_fine(m, _start_decay(xb, -gb, valid_b), OP, PREC, ACC), ga, valid_a)
-        elif _chunk_within_bound(gb, valid_b, OP):
-            out = _start_decay(mm_fine(m, _start_decay(xb, -gb, valid_b), OP, PREC, ACC), ga, valid_a)
+            out = mid_decay(mm_fine(m, mid_decay(xb, -gb, -mid, valid_b), OP, PREC, ACC), ga, mid, valid_a)
+        elif chunk_fits(g_end, OP):
+            out = mid_decay(mm_fine(m, mid_decay(xb, -gb, -mid, valid_b), OP, PREC, ACC), ga, mid, valid_a)
         else:
             out = _sub_chunk_left(m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b, p_g, stride_g, n_sub,
                                   NH, BT, SC, K, BK, ACC, OP, PREC, k0)
@@ -481,10 +520,12 @@ def apply_right(
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(tl.trans(m * decay), xa, OP, PREC, ACC)
     else:  # as in `scores`
+        g_end = _chunk_end(gb, valid_b)
+        mid = 0.5 * g_end
         if CHUNK_ONLY:  # noqa: SIM114 (a constexpr branch: the other paths are not compiled)
-            out = _start_decay(mm_fine(tl.trans(m), _start_decay(xa, ga, valid_a), OP, PREC, ACC), -gb, valid_b)
-        elif _chunk_within_bound(gb, valid_b, OP):
-            out = _start_decay(mm_fine(tl.trans(m), _start_decay(xa, ga, valid_a), OP, PREC, ACC), -gb, valid_b)
+            out = mid_decay(mm_fine(tl.trans(m), mid_decay(xa, ga, mid, valid_a), OP, PREC, ACC), -gb, -mid, valid_b)
+        elif chunk_fits(g_end, OP):
+            out = mid_decay(mm_fine(tl.trans(m), mid_decay(xa, ga, mid, valid_a), OP, PREC, ACC), -gb, -mid, valid_b)
         else:
             out = _sub_chunk_right(m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b, p_g, stride_g, n_sub,
                                    NH, BT, SC, K, BK, ACC, OP, PREC, k0)

@@ -37,9 +37,10 @@ RWKV7 = tl.constexpr(int(Mode.RWKV7))
 
 class ChannelPass(IntEnum):
     """Which chunks a launch of a chunk-parallel kernel takes. A channel gate's kernels run
-    twice: first the chunks whose decay stays within `decay.py`'s bound in every channel
-    (compiled without the slower sub-chunk paths: fewer registers), then the others. As one
-    launch every chunk paid the registers of the slowest path."""
+    twice: first the chunks that fit `decay.py`'s path 1 (`chunk_fits`: they decay by at
+    most twice its bound in every channel), compiled without the slower sub-chunk paths
+    (fewer registers), then the others. As one launch every chunk paid the registers of
+    the slowest path."""
 
     ALL_CHUNKS = 0  # no channel gate: one launch
     WITHIN_BOUND = 1

@@ -86,22 +86,20 @@ def test_plans_come_from_the_specs() -> None:
     assert plans["deltaproduct-2"].beta_scale == 2.0  # the spec's beta_range [0, 2]
 
 
-@pytest.mark.parametrize("regime, chunks_within, sub_chunks_within", [
-    ("mild", 1.0, 1.0),  # the one-product path everywhere
-    ("strong", 0.0, 1.0),  # trained KDA layers: the sub-chunk factorization
-    ("init", 0.0, 0.0),  # an initialised model's: pairs within a sub-chunk element by element
+@pytest.mark.parametrize("regime, chunks_within", [
+    ("mild", 1.0),  # a few nats a chunk
+    ("strong", 1.0),  # trained KDA layers: about 52 nats a chunk, under twice the bound
+    ("init", 0.0),  # an initialised model's: about 7 nats a token, no chunk fits
 ])
-def test_gate_regimes_take_the_paths_they_are_named_for(regime: str, chunks_within: float, sub_chunks_within: float) -> None:
-    """The share of (chunk, head) pairs whose decay stays within `decay.py`'s e^40 in every
-    channel, over the whole chunk and over each 16-token sub-chunk; the gate in float32."""
+def test_gate_regimes_take_the_paths_they_are_named_for(regime: str, chunks_within: float) -> None:
+    """The share of (chunk, head) pairs that `decay.py`'s path 1 takes: the chunk decays by
+    at most twice the factorization bound (e^80) in every channel; the gate in float32."""
     with benchmark_module("common") as common:
         kda = next(b.plan for b in common.PLANS if b.name == "kda")
         g = common.make_inputs(kda, 2, 1024, 4, 64, 64, torch.bfloat16, "cpu", gates=regime)["g"]
     assert g.dtype == torch.float32
-    decay = -g.double().reshape(2, 16, 4, 16, 4, 64)  # [B, chunk, sub-chunk, token, H, K]
-    chunk, sub = decay.sum((2, 3)).amax(-1), decay.sum(3).amax(-1).amax(2)
-    assert (chunk <= 40).double().mean().item() == pytest.approx(chunks_within, abs=0.05)
-    assert (sub <= 40).double().mean().item() == pytest.approx(sub_chunks_within, abs=0.05)
+    chunk = -g.double().reshape(2, 16, 64, 4, 64).sum(2).amax(-1)  # [B, chunk, H]: the most any channel decays
+    assert (chunk <= 80).double().mean().item() == pytest.approx(chunks_within, abs=0.05)
 
 
 def test_fla_mapping_covers_its_recurrences() -> None:
@@ -145,8 +143,8 @@ def test_sweep_smoke_screens_each_setting(tmp_path: Path) -> None:
 
 def test_init_gates_are_those_of_each_specs_decay_form() -> None:
     """The kernel benchmark's `init` regime: KDA's initialised gate decays every 64-token
-    chunk past the factorization bound (40 nats in some channel), RWKV-7's own decay
-    (at most e^{-1/2} a token) and GLA's (logsigmoid / 16) keep every chunk within it."""
+    chunk past path 1's limit (80 nats in some channel), RWKV-7's own decay (at most
+    e^{-1/2} a token) and GLA's (logsigmoid / 16) keep every chunk within it."""
     import math
 
     import archspec
@@ -157,6 +155,6 @@ def test_init_gates_are_those_of_each_specs_decay_form() -> None:
             plan = archspec.lower(archspec.load_spec(specs / f"{name}.yaml")).mixer
             g = common.make_inputs(plan, 1, 256, 4, 16, 16, torch.float32, "cpu", gates="init")["g"].detach()
             chunk_decay = -g.view(1, 4, 64, 4, 16).sum(2)  # per 64-token chunk, head and channel
-            assert bool(chunk_decay.max() <= 40) == within, name
+            assert bool(chunk_decay.max() <= 80) == within, name
             if name == "rwkv7":
                 assert g.min() >= -math.exp(-0.5) and g.max() < 0

@@ -75,9 +75,10 @@ STRONG_CHANNEL_CASES = [Case(gate="channel", transition=t, write_key="tied" if t
 
 @pytest.mark.parametrize("case", STRONG_CHANNEL_CASES, ids=lambda c: c.id)
 def test_strong_channel_decay_in_a_partial_chunk_stays_within_its_tensors(case: Case):
-    # A last chunk of 16 tokens decaying past the bound takes the sub-chunk paths
-    # (decay.py), whose references to later, empty sub-chunks must stay masked.
-    inputs = make_inputs(case, B=2, T=80, H=2, K=8, V=8, dtype=torch.float32, seed=1, gate_strength=8.0)
+    # A last chunk of 40 tokens (about 3 nats each: past twice the bound, each 16-token
+    # sub-chunk within it) takes the sub-chunk path (decay.py), whose references to the
+    # later, empty sub-chunk must stay masked.
+    inputs = make_inputs(case, B=2, T=104, H=2, K=8, V=8, dtype=torch.float32, seed=1, gate_strength=8.0)
     with bounds_checked():
         o, final = linear_recurrence(**inputs, output_final_state=True, backend="triton")
         (o.square().sum() + final.square().sum()).backward()

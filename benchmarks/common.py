@@ -44,6 +44,10 @@ SPECS = ROOT / "specs" / "models"
 # initial speeds w0 (a middle layer's); gla `logsigmoid(x) / 16`.
 GATE_REGIMES = ("mild", "strong", "init")
 STRONG_GATE_FLOOR = -5.0
+# Steep (`gpu_check.py` only, not a benchmark regime): twice the strong gates, about 104 nats
+# a chunk, past path 1's limit in every chunk while every 16-token sub-chunk stays within
+# path 2's bound: the sub-chunk path at realistic shapes, for every channel-gated plan.
+STEEP_GATE_FACTOR = 2.0
 INIT_DECAY_RATE = (1.0, 16.0)
 
 
@@ -111,6 +115,8 @@ def make_inputs(plan: RecurrencePlan, B: int, T: int, H: int, K: int, V: int, dt
             return F.logsigmoid(x + 4.0)
         if gates == "strong":
             return F.logsigmoid(x).clamp_min(STRONG_GATE_FLOOR)
+        if gates == "steep":
+            return STEEP_GATE_FACTOR * F.logsigmoid(x).clamp_min(STRONG_GATE_FLOOR)
         form = DECAY_FORMS[plan.decay]
         if form.log_rate is not None:  # rwkv7, gla: the form's own rate, bias at its initial value
             channels = math.prod(shape[2:])

@@ -3,7 +3,8 @@
     python benchmarks/gpu_check.py [--plans a,b] [--dtypes bfloat16,float32] [--budget-s S] [--merge] [--smoke]
 
 1. `path`: every plan of `CHECK_PLANS` (every mode x gate, n_h 1-8, beta in [0, 2], untied
-   and OSDN write keys; channel gates mild and strong) at B=2 T=2048 H=16 K=V=128 in
+   and OSDN write keys; channel gates mild, strong, steep and, in KDA's decay form, init:
+   `decay.py`'s paths 1, 1, 2 and mostly 3) at B=2 T=2048 H=16 K=V=128 in
    bfloat16, float16 and float32, with an initial and a final state: outputs, final state
    and every input gradient (random cotangents) against our `torch` backend in float64 on
    the same rounded inputs. Error = ||ours - ref|| / ||ref|| per tensor, under `TOL`; for a
@@ -14,7 +15,7 @@
    definition; at 2048 tokens it would take minutes).
 3. `packed`: packed batches (`cu_seqlens`; sequences of 1500, 0, 37, 2048 and 511 tokens)
    against float64, and each sequence run alone equal to its slice of the packed run.
-4. `heads64`: the channel-gated plans of `HEADS64_PLANS` at K=V=64 in bfloat16, strong
+4. `heads64`: the channel-gated plans of `HEADS64_PLANS` at K=V=64 in bfloat16, steep
    gates (heads that small ran wrong on the H200 where 128 ran right; docs/kernel.md).
 5. `stability`: beta = 2 (every factor a reflection) over 65,536 tokens in bfloat16, for
    DeltaNet and Gated DeltaNet: finite, the final state against float64.
@@ -185,7 +186,11 @@ def main(argv: list[str] | None = None) -> dict:
     for bench in CHECK_PLANS:
         if bench.name not in names:
             continue
-        regimes = ("mild", "strong") if bench.plan.gate == "channel" else ("mild",)
+        # channel gates: path 1 (mild, strong), path 2 (steep) and, for a mamba2-form gate
+        # (KDA's), path 3 in most heads (init: rates 1 to 16 a head)
+        regimes = ("mild", "strong", "steep") if bench.plan.gate == "channel" else ("mild",)
+        if bench.plan.gate == "channel" and bench.plan.decay == "mamba2":
+            regimes += ("init",)
         K = DIMS["K"]
         checks += [("path", bench, g, d, B, T, None, K) for g in regimes for d in dtypes]
         if bench.name in NAIVE_PLANS:
@@ -193,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
         if bench.name in PACKED_PLANS:
             checks += [("packed", bench, "mild", d, 1, sum(lengths), lengths, K) for d in dtypes if d != "float16"]
         if bench.name in HEADS64_PLANS and "bfloat16" in dtypes:
-            checks.append(("heads64", bench, "strong", "bfloat16", B, T, None, min(K, 64)))
+            checks.append(("heads64", bench, "steep", "bfloat16", B, T, None, min(K, 64)))
     faults: dict[int, str] = {}
     if device == "cuda" and args.workers > 0:  # compile every specialization first, a process per job
         jobs = [CompileJob(c[1], "ours", c[2], c[3], (c[4], c[5], DIMS["H"], c[7], c[7]), True, c[6]) for c in checks]

@@ -102,6 +102,20 @@ def test_gate_regimes_take_the_paths_they_are_named_for(regime: str, chunks_with
     assert (chunk <= 80).double().mean().item() == pytest.approx(chunks_within, abs=0.05)
 
 
+def test_steep_gates_take_the_sub_chunk_path_everywhere() -> None:
+    """`gpu_check.py`'s steep gates: every (chunk, head) decays past path 1's limit (80 nats
+    in some channel), and every 16-token sub-chunk's cumulative gate stays within path 2's
+    bound (40) of its midpoint, halfway between its first and last rows'."""
+    with benchmark_module("common") as common:
+        kda = next(b.plan for b in common.PLANS if b.name == "kda")
+        g = common.make_inputs(kda, 2, 1024, 4, 64, 64, torch.bfloat16, "cpu", gates="steep")["g"]
+    G = g.double().reshape(2, 16, 64, 4, 64).cumsum(2)  # [B, chunk, token, H, K], within each chunk
+    assert bool((-G[:, :, -1]).amax(-1).gt(80).all())  # the most any channel decays, per chunk and head
+    sub = G.reshape(2, 16, 4, 16, 4, 64)
+    mid = 0.5 * (sub[:, :, :, :1] + sub[:, :, :, -1:])
+    assert bool((sub - mid).abs().amax().le(40))
+
+
 def test_fla_mapping_covers_its_recurrences() -> None:
     """Which fla op each plan maps to (None where fla has no such recurrence)."""
     with benchmark_module("common") as common:
@@ -117,10 +131,11 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         results = check.main(["--smoke", "--plans", "deltanet,kda,osgdn-apf", "--dtypes", "float32", "--out", str(tmp_path)])
     labels = [c["check"] for c in results["checks"]]
     assert labels == ["path:deltanet/mild/float32", "naive:deltanet/mild/float32", "path:kda/mild/float32",
-                      "path:kda/strong/float32", "naive:kda/mild/float32", "packed:kda/mild/float32",
+                      "path:kda/strong/float32", "path:kda/steep/float32", "path:kda/init/float32",
+                      "naive:kda/mild/float32", "packed:kda/mild/float32",
                       "path:osgdn-apf/mild/float32", "packed:osgdn-apf/mild/float32"]
     assert all(c["pass"] for c in results["checks"]), results["checks"]
-    assert any(k.startswith("alone ") for k in results["checks"][5]["errors"])  # each packed sequence alone
+    assert any(k.startswith("alone ") for k in results["checks"][7]["errors"])  # each packed sequence alone
     assert [s["finite"] for s in results["stability"]] == [True, True]
     assert json.loads((tmp_path / "gpu_check.json").read_text())["checks"] == json.loads(json.dumps(results["checks"]))
     # a later call checks one plan again and keeps the rest

@@ -153,14 +153,17 @@ def settings(mode: Mode, gate: Gate, operands: torch.dtype, n_h: int) -> Launch:
 
 @dataclass(frozen=True)
 class CrossEntropyLaunch:
-    """Launch settings: vocabulary columns per loop iteration and warps per row.
+    """Launch settings: the widest row held in registers at once, and warps per row.
 
-    A row of 32,000 bfloat16 logits is 64 KB: 8 blocks of 4,096 columns keep each pass a
-    short loop of wide, coalesced loads; 8 warps give every thread 16 columns a block.
+    A row of 32,000 bfloat16 logits is 64 KB: one block of 32,768 columns holds it whole
+    (one read and one write of the row; 32 warps give every thread 32 columns: Liger-Kernel's
+    fused loss launches its rows with the same block limit and warps). A wider vocabulary
+    loops over blocks of that width, two passes, with `blocked_num_warps`.
     """
 
-    block_v: int = 4096
-    num_warps: int = 8
+    block_v: int = 32768
+    num_warps: int = 32
+    blocked_num_warps: int = 32
 
 
 CROSS_ENTROPY_LAUNCH = CrossEntropyLaunch()

@@ -93,9 +93,10 @@ def test_linear_cross_entropy_refuses_bad_targets():
         linear_cross_entropy(hidden, torch.randn(10, 7), torch.tensor([0, 3, 1, 2]), backend="torch")
 
 
-def test_softmax_step_kernel_equals_torch_step():
-    """The Triton in-place step against the torch one, with a vocabulary that is not a
-    multiple of the kernel's block."""
+@pytest.mark.parametrize("block_v", [128, 512], ids=["blocked", "one-block"])
+def test_softmax_step_kernel_equals_torch_step(block_v):
+    """The Triton in-place step against the torch one: a vocabulary wider than the block
+    and not a multiple of it (two passes over blocks), and one the block holds whole."""
     from archspec.kernels.triton.cross_entropy import softmax_ce_grad_triton
     from archspec.kernels.triton.launch import CrossEntropyLaunch
 
@@ -105,7 +106,8 @@ def test_softmax_step_kernel_equals_torch_step():
     targets[3] = IGNORE_INDEX
     a, b = logits.clone(), logits.clone()
     loss_t = softmax_ce_grad_(a, targets, scale=0.25)
-    loss_k = softmax_ce_grad_triton(b, targets, ignore_index=IGNORE_INDEX, scale=0.25, launch=CrossEntropyLaunch(block_v=128))
+    launch = CrossEntropyLaunch(block_v=block_v, num_warps=4, blocked_num_warps=4)
+    loss_k = softmax_ce_grad_triton(b, targets, ignore_index=IGNORE_INDEX, scale=0.25, launch=launch)
     torch.testing.assert_close(loss_k, loss_t)
     torch.testing.assert_close(b, a)
     assert b[3].abs().max() == 0

@@ -335,10 +335,12 @@ def test_channel_gates_as_a_model_forms_them_on_cuda(case: Case, strength: float
     _assert_close(_triton(inputs, chunk_size=None), _naive(inputs), tol=3e-2)
 
 
-# (case, gate strength, T): strong and mild channel gates, and a slow one whose state
-# carries across chunks; a scalar gate at mild strength.
+# (case, gate strength, T): strong and mild channel gates, one at about 0.8 nats a token
+# like trained KDA layers' (50-65 a chunk: path 1 with factors up to e^33), and a slow one
+# whose state carries across chunks; a scalar gate at mild strength.
 GATE_SUM_CASES = [
     (Case(gate="channel", transition="householder"), 10.0, 256),
+    (Case(gate="channel", transition="householder"), 2.0, 256),
     (Case(gate="channel", transition="householder"), 1.0, 256),
     (Case(gate="channel", transition="householder"), 0.1, 512),
     (Case(gate="channel", transition="rwkv7", n_h=2, write_key="untied", beta_scale=2.0), 10.0, 256),

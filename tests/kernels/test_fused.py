@@ -422,12 +422,14 @@ def test_swiglu_linear_refuses_mismatched_shapes():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [32000, 50000], ids=["one-block", "blocked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_linear_cross_entropy_kernel_equals_torch(dtype):
+def test_gpu_linear_cross_entropy_kernel_equals_torch(dtype, vocab):
+    """A vocabulary the cross-entropy step's block holds whole, and one it loops over."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(4096, 256, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-    weight = (0.05 * torch.randn(32000, 256, device="cuda", generator=gen)).requires_grad_()
-    targets = torch.randint(32000, (4096,), device="cuda", generator=gen)
+    weight = (0.05 * torch.randn(vocab, 256, device="cuda", generator=gen)).requires_grad_()
+    targets = torch.randint(vocab, (4096,), device="cuda", generator=gen)
     targets[::7] = IGNORE_INDEX
     results = []
     for backend in BACKENDS:

@@ -245,14 +245,15 @@ def chunk_fits(g_end, OP: tl.constexpr):
 
 
 @triton.jit
-def _chunk_end(gb, valid_b):
-    """`[BK]`: the least cumulative gate of the rows `b`, per channel: the chunk's last row's
-    when they are all its sub-steps. Any reference `mid` with every row `b` within `[2 mid, 0]`
-    keeps both factors of path 1 within `e^bound` (rows `a`, whose gates lie in `[*, 0]`,
-    at most grow by `e^-mid`), so the rows at hand suffice. (A reduction over the rows in
-    registers: loading the last row instead spilled more in the sm_90 compile report,
-    e.g. RWKV-7's `chunk_channels_kernel` 200 bytes a thread against 144.)"""
-    return tl.min(tl.where(valid_b[:, None], gb, 0.0), 0)
+def _chunk_mid(p_g, n_sub, stride_g, k0, NH: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr):
+    """`[BK]`: path 1's reference, half the chunk's cumulative gate at its last sub-step (the
+    row of that sub-step's token), per channel of the slice `k0 .. k0 + BK`. Every row of the
+    chunk lies in `[G_end, 0]`, so any rows at hand keep both factors within `e^bound` when the
+    chunk fits. A load of the row (cached: the gate rows are inputs), so every call of a
+    chunk, whatever rows it holds, takes the same reference and the same path as the launch
+    that `runs_in_pass` chose for it."""
+    offs_k = k0 + tl.arange(0, BK)
+    return 0.5 * tl.load(p_g + ((n_sub - 1) // NH) * stride_g + offs_k, mask=offs_k < K, other=0.0).to(ACC)
 
 
 @triton.jit
@@ -465,11 +466,10 @@ def scores(
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(xa, tl.trans(xb), OP, PREC, ACC) * decay
     else:
-        g_end = _chunk_end(gb, valid_b)
-        mid = 0.5 * g_end
+        mid = _chunk_mid(p_g, n_sub, stride_g, k0, NH, K, BK, ACC)
         if CHUNK_ONLY:  # noqa: SIM114 (a constexpr branch: the other paths are not compiled)
             out = mm(mid_decay(xa, ga, mid, valid_a), tl.trans(mid_decay(xb, -gb, -mid, valid_b)), OP, PREC, ACC)
-        elif chunk_fits(g_end, OP):  # exp(Ga - Gb) = exp(Ga - mid) exp(mid - Gb): one product
+        elif chunk_fits(2 * mid, OP):  # exp(Ga - Gb) = exp(Ga - mid) exp(mid - Gb): one product
             out = mm(mid_decay(xa, ga, mid, valid_a), tl.trans(mid_decay(xb, -gb, -mid, valid_b)), OP, PREC, ACC)
         else:
             out = _sub_chunk_scores(xa, ga, pos_a, valid_a, xb, gb, pos_b, valid_b, p_g, stride_g, n_sub,
@@ -492,11 +492,10 @@ def apply_left(
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(m * decay, xb, OP, PREC, ACC)
     else:  # as in `scores` (one assignment per branch: Triton returns once, after a runtime branch)
-        g_end = _chunk_end(gb, valid_b)
-        mid = 0.5 * g_end
+        mid = _chunk_mid(p_g, n_sub, stride_g, k0, NH, K, BK, ACC)
         if CHUNK_ONLY:  # noqa: SIM114 (a constexpr branch: the other paths are not compiled)
             out = mid_decay(mm_fine(m, mid_decay(xb, -gb, -mid, valid_b), OP, PREC, ACC), ga, mid, valid_a)
-        elif chunk_fits(g_end, OP):
+        elif chunk_fits(2 * mid, OP):
             out = mid_decay(mm_fine(m, mid_decay(xb, -gb, -mid, valid_b), OP, PREC, ACC), ga, mid, valid_a)
         else:
             out = _sub_chunk_left(m, xb, ga, pos_a, valid_a, gb, pos_b, valid_b, p_g, stride_g, n_sub,
@@ -520,11 +519,10 @@ def apply_right(
         decay = tl.exp(tl.where(mask, ga[:, None] - gb[None, :], float("-inf")))
         return mm(tl.trans(m * decay), xa, OP, PREC, ACC)
     else:  # as in `scores`
-        g_end = _chunk_end(gb, valid_b)
-        mid = 0.5 * g_end
+        mid = _chunk_mid(p_g, n_sub, stride_g, k0, NH, K, BK, ACC)
         if CHUNK_ONLY:  # noqa: SIM114 (a constexpr branch: the other paths are not compiled)
             out = mid_decay(mm_fine(tl.trans(m), mid_decay(xa, ga, mid, valid_a), OP, PREC, ACC), -gb, -mid, valid_b)
-        elif chunk_fits(g_end, OP):
+        elif chunk_fits(2 * mid, OP):
             out = mid_decay(mm_fine(tl.trans(m), mid_decay(xa, ga, mid, valid_a), OP, PREC, ACC), -gb, -mid, valid_b)
         else:
             out = _sub_chunk_right(m, xa, ga, pos_a, valid_a, gb, pos_b, valid_b, p_g, stride_g, n_sub,

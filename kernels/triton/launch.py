@@ -63,7 +63,6 @@ class Launch:
     backward_stages: int = 1
     backward_maxnreg: int = 0  # a register cap for them (0: none)
     backward_bk: int = 0  # K columns per slice of their per-channel phases (0: all of K)
-    channels_stages: int = 1  # a channel gate's `chunk_channels_kernel`
     # the OSDN scan (`osdn.py`): warps per program, and steps whose loads are in flight
     # ahead of the one computed
     scan_warps: int = 1
@@ -88,8 +87,7 @@ _HALF_FAMILIES = {
     (Mode.HOUSEHOLDER, Gate.NONE): dict(**_DEEP_STATE_FORWARD, prepare_warps=4, backward_warps=4),
     (Mode.HOUSEHOLDER, Gate.SCALAR): dict(**_DEEP_STATE_FORWARD, prepare_warps=4, state_backward_stages=3,
                                           output_stages=2),
-    (Mode.HOUSEHOLDER, Gate.CHANNEL): dict(**_CHANNEL_GATE, inverse_stages=2, output_stages=2, backward_bk=64,
-                                           channels_stages=2),
+    (Mode.HOUSEHOLDER, Gate.CHANNEL): dict(**_CHANNEL_GATE, inverse_stages=2, output_stages=2, backward_bk=64),
     (Mode.RWKV7, Gate.NONE): dict(prepare_stages=2),
     (Mode.RWKV7, Gate.SCALAR): dict(prepare_stages=2, output_stages=2),
     (Mode.RWKV7, Gate.CHANNEL): dict(**_CHANNEL_GATE, inverse_stages=2, prepare_stages=2, output_stages=2,
@@ -107,10 +105,6 @@ TABLE: dict[tuple[Mode, Gate, Precision], Launch] = {
     for precision, base, families in ((Precision.HALF, HALF, _HALF_FAMILIES), (Precision.FULL, FULL, _FULL_FAMILIES))
     for mode in Mode for gate in Gate
 }
-
-# The one entry that depends on n_h: KDA's `chunk_channels_kernel` was checked right at 2
-# stages for n_h <= 4 only (RWKV-7's at n_h 8 miscompiled there: `docs/kernel.md`).
-DEEP_CHANNELS_MAX_N_H = 4
 
 _OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("launch_overrides", default={})
 
@@ -133,17 +127,9 @@ def overridden(**settings: int) -> Iterator[None]:
         _OVERRIDES.reset(token)
 
 
-@functools.lru_cache(maxsize=None)
-def _entry(mode: Mode, gate: Gate, precision: Precision, n_h: int) -> Launch:
-    entry = TABLE[(mode, gate, precision)]
-    if entry.channels_stages > 1 and n_h > DEEP_CHANNELS_MAX_N_H:
-        entry = replace(entry, channels_stages=1)
-    return entry
-
-
-def settings(mode: Mode, gate: Gate, operands: torch.dtype, n_h: int) -> Launch:
+def settings(mode: Mode, gate: Gate, operands: torch.dtype) -> Launch:
     """The launch settings of one call: the table's entry, with any `overridden` ones."""
-    entry = _entry(mode, gate, Precision.of(operands), n_h)
+    entry = TABLE[(mode, gate, Precision.of(operands))]
     overrides = _OVERRIDES.get()
     return replace(entry, **overrides) if overrides else entry
 

@@ -133,7 +133,7 @@ def _plan(q, k, v, gate: Gate, beta, erase, n_h, cu_seqlens, chunk_table_count, 
     interpret = triton_interpreter_on()
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     mode = Mode.of(beta, erase)
-    settings = launch.settings(mode, gate, _operand_dtype(q.dtype, acc, interpret), n_h)
+    settings = launch.settings(mode, gate, _operand_dtype(q.dtype, acc, interpret))
     return _plan_of(tuple(q.shape), v.shape[-1], q.dtype, mode, gate, beta is not None, n_h, n_seq,
                     None if cu_seqlens is None else chunk_table_count, chunk_size, interpret, settings,
                     interpret and bool(decay.EMULATED_BF16_PRODUCTS.value))
@@ -381,7 +381,7 @@ def _channel_backward(p: Plan, args: tuple, grads: tuple, cu_seqlens, table, sca
         chunk_channels_kernel[(_cdiv(p.K, flags["BKS"]), p.n_chunks, p.H)](
             q, k, w, e, beta, v, G, Tinv, h_all, dh_all, Y, dY, do, dq, dk, dummy if dw is None else dw,
             dummy if de is None else de, dg, s_a, s_kw, s_me, s_mw, cu_seqlens, table, p.T, p.NT, scale, TIED=tied,
-            BKG=p.BK, CHANNEL_PASS=channel_pass.value, **{**flags, "num_stages": p.launch.channels_stages},
+            BKG=p.BK, CHANNEL_PASS=channel_pass.value, **flags,
         )
 
 

@@ -42,6 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, Bench, CompileJob, compile_in_workers, first_line, machine, make_inputs, run_ours  # noqa: E402
 
 TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}  # relative Frobenius error (docs/kernel.md, "Numerics")
+# A gate's sums over tokens cancel to 2-5% of their terms in every regime, so they carry
+# 20-50x dg's error. In half precision TOL already holds them (their errors are the operands'
+# rounding); in float32 dg's own error is the cumulative gate's rounding, which grows with
+# the gate: at KDA's init gates (about 7 nats a token, a chunk's sum near -470, where float32
+# keeps 3e-5) dg is 1.1e-5 off float64 and `sum g dg` 1.4e-4 on the interpreter (the same
+# with the kernels before the midpoint factorization), 2.2e-4 on the H200.
+SUM_TOL = {**TOL, "float32": 1e-3}
+GATE_SUMS = ("sum dg", "sum g dg")
 BETA2 = (("mixer.transition.beta_range", (0, 2)),)
 CHECK_PLANS = [
     Bench("linear-attention", "gla", (("mixer.gate", "none"),)),
@@ -88,7 +96,8 @@ def _gate_sums(x: dict, grads: dict) -> dict[str, torch.Tensor]:
     """The gate gradient's sums over tokens: per channel (`sum dg`, as `dt_bias`'s gradient)
     and per head (`sum g dg`, as `A_log`'s)."""
     g, dg = x["g"].detach().double(), grads["d_g"].double()
-    return {"sum dg": dg.sum((0, 1)), "sum g dg": (g * dg).sum((0, 1)).reshape(g.shape[2], -1).sum(1)}
+    sums = (dg.sum((0, 1)), (g * dg).sum((0, 1)).reshape(g.shape[2], -1).sum(1))
+    return dict(zip(GATE_SUMS, sums))
 
 
 def _float64(x: dict) -> dict:
@@ -134,7 +143,8 @@ def check(kind: str, bench: Bench, gates: str, dtype: str, B: int, T: int, lengt
                 alone = _with_grads(bench, _sequence(x, n, start, end, bench.plan.n_h), "triton", d_o[:, start:end], d_s[n:n + 1])
                 for name, err in _errors(alone, _sequence(got, n, start, end, bench.plan.n_h)).items():
                     errors[f"alone {name}"] = max(errors.get(f"alone {name}", 0.0), err)
-    return {"errors": errors, "worst": max(errors.values()), "pass": max(errors.values()) < TOL[dtype]}
+    passed = all(err < (SUM_TOL if name in GATE_SUMS else TOL)[dtype] for name, err in errors.items())
+    return {"errors": errors, "worst": max(errors.values()), "pass": passed}
 
 
 def stability(gated: bool, T: int, device: str) -> dict:
@@ -206,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
         faults = {i: s for i, s in enumerate(statuses) if "CUDA" in s or "AcceleratorError" in s}  # would poison this process
         print(f"[{time.monotonic() - start:6.1f}s] compiled {len(jobs)} specializations, {len(faults)} faulted", flush=True)
     start = time.monotonic()  # the budget is the checks' own
-    results: dict = {"machine": machine(), "dims": dict(DIMS), "tolerance": TOL, "checks": [], "not_run": [], "stability": []}
+    results: dict = {"machine": machine(), "dims": dict(DIMS), "tolerance": TOL, "gate_sum_tolerance": SUM_TOL, "checks": [], "not_run": [], "stability": []}
     for i, (kind, bench, gates, dtype, b, t, lens, k) in enumerate(checks):
         label = f"{kind}:{bench.name}/{gates}/{dtype}"
         if time.monotonic() - start > args.budget_s:

@@ -245,6 +245,13 @@ def chunk_fits(g_end, OP: tl.constexpr):
 
 
 @triton.jit
+def chunk_end_gate(p_g, n_sub, stride_g, offs_k, NH: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr):
+    """The cumulative gate at the chunk's last sub-step (its token's row) on the channels
+    `offs_k`: the chunk's least, since the cumulative gate never rises (`g <= 0`)."""
+    return tl.load(p_g + ((n_sub - 1) // NH) * stride_g + offs_k, mask=offs_k < K, other=0.0).to(ACC)
+
+
+@triton.jit
 def _chunk_mid(p_g, n_sub, stride_g, k0, NH: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr):
     """`[BK]`: path 1's reference, half the chunk's cumulative gate at its last sub-step (the
     row of that sub-step's token), per channel of the slice `k0 .. k0 + BK`. Every row of the
@@ -252,8 +259,7 @@ def _chunk_mid(p_g, n_sub, stride_g, k0, NH: tl.constexpr, K: tl.constexpr, BK: 
     chunk fits. A load of the row (cached: the gate rows are inputs), so every call of a
     chunk, whatever rows it holds, takes the same reference and the same path as the launch
     that `runs_in_pass` chose for it."""
-    offs_k = k0 + tl.arange(0, BK)
-    return 0.5 * tl.load(p_g + ((n_sub - 1) // NH) * stride_g + offs_k, mask=offs_k < K, other=0.0).to(ACC)
+    return 0.5 * chunk_end_gate(p_g, n_sub, stride_g, k0 + tl.arange(0, BK), NH, K, ACC)
 
 
 @triton.jit
@@ -273,8 +279,7 @@ def runs_in_pass(p_g, n_sub, stride_g, NH: tl.constexpr, K: tl.constexpr, BK: tl
     a channel gate every chunk is the one launch's. The cumulative gate never rises
     (`g <= 0`), so the chunk's last row decides."""
     if GATE == CHANNEL_GATE and CHANNEL_PASS != ALL_CHUNKS:
-        offs_k = tl.arange(0, BK)
-        g_end = tl.load(p_g + ((n_sub - 1) // NH) * stride_g + offs_k, mask=offs_k < K, other=0.0).to(ACC)
+        g_end = chunk_end_gate(p_g, n_sub, stride_g, tl.arange(0, BK), NH, K, ACC)
         return chunk_fits(g_end, OP) == (CHANNEL_PASS == WITHIN_BOUND)
     else:
         return True

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_of_program
-from .decay import causal_mask, chunk_fits, decay_rows, load_gate, load_rows, mid_decay, mm, scores, store_rows
+from .decay import causal_mask, chunk_end_gate, chunk_fits, decay_rows, load_gate, load_rows, mid_decay, mm, scores, store_rows
 from .kinds import ALL_CHUNKS, CHANNEL_GATE, HOUSEHOLDER, RWKV7, SCALAR_GATE, WITHIN_BOUND
 from .solve import unit_lower_inverse
 
@@ -71,15 +71,13 @@ def inverse_kernel(
     p_e = w + row_k if MODE == HOUSEHOLDER else e + row_k
     o_t = (i_chunk * H + i_h) * BT * BT
     if GATE == CHANNEL_GATE and CHANNEL_PASS == WITHIN_BOUND:
-        # the cumulative gate never rises (g <= 0), so the last row decays the most
-        p_end = p_g + ((n_sub - 1) // NH) * stride_g
-        fast = chunk_fits(tl.load(p_end + offs_k, mask=offs_k < K, other=0.0).to(ACC), OP)
+        fast = chunk_fits(chunk_end_gate(p_g, n_sub, stride_g, offs_k, NH, K, ACC), OP)
         tl.store(slow + i_chunk * H + i_h, tl.where(fast, 0, 1).to(tl.int8))
         if fast:  # decay.py's path 1, around the chunk's midpoint, K a slice at a time
             a = tl.zeros([BT, BT], dtype=ACC)
             for i_k in range(0, BK, BKI):
                 offs_ki = i_k + tl.arange(0, BKI)
-                mid = 0.5 * tl.load(p_end + offs_ki, mask=offs_ki < K, other=0.0).to(ACC)
+                mid = 0.5 * chunk_end_gate(p_g, n_sub, stride_g, offs_ki, NH, K, ACC)
                 gk = load_gate(p_g, i_sub // NH, valid, stride_g, offs_ki, GATE, K, ACC)
                 kk = mid_decay(load_rows(k + row_k, i_sub, valid, H * K, offs_ki, K, ACC), gk, mid, valid)
                 ee = mid_decay(load_rows(p_e, i_sub, valid, H * K, offs_ki, K, ACC), -gk, -mid, valid)

@@ -46,6 +46,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from archspec.kernels.packed import per_offsets_tensor
+
 from .plan import AttentionPlan
 
 if TYPE_CHECKING:
@@ -252,6 +254,22 @@ def _document_block_mask(document: Tensor, window: int | None) -> BlockMask:
                                     mask_mod=_document_mask_mod(document, window), seq_lengths=(T, T))
 
 
+@per_offsets_tensor
+def _packed_layout(cu_seqlens: Tensor, T: int) -> tuple[Tensor, Tensor]:
+    """Per token of a packed row of `T` tokens: its document and its position in it. Formed
+    once per `cu_seqlens` tensor (`kernels/packed.py`), as the recurrence's chunk tables
+    are: every attention layer of a step shares them."""
+    positions = torch.arange(T, device=cu_seqlens.device)
+    document = torch.searchsorted(cu_seqlens[1:], positions, right=True)
+    return document, positions - cu_seqlens[document]
+
+
+@per_offsets_tensor
+def _packed_block_mask(cu_seqlens: Tensor, T: int, window: int | None) -> BlockMask:
+    """`_document_block_mask` of a packed row, formed once per `cu_seqlens` tensor and window."""
+    return _document_block_mask(_packed_layout(cu_seqlens, T)[0], window)
+
+
 class Attention(nn.Module):
     def __init__(self, plan: AttentionPlan, d_model: int, norm_eps: float = 1e-6):
         super().__init__()
@@ -308,11 +326,11 @@ class Attention(nn.Module):
         q = self._heads(self.q_proj, x, plan.heads, self.q_norm)
         k = self._heads(self.k_proj, x, plan.kv_heads, self.k_norm)
         v = self._heads(self.v_proj, x, plan.kv_heads, None)
-        positions = torch.arange(start, start + T, device=x.device)
         document = None
-        if cu_seqlens is not None:
-            document = torch.searchsorted(cu_seqlens[1:], positions, right=True)
-            positions = positions - cu_seqlens[document]  # each document from position 0
+        if cu_seqlens is None:
+            positions = torch.arange(start, start + T, device=x.device)
+        else:  # each document from position 0 (packed rows keep no state: start is 0)
+            document, positions = _packed_layout(cu_seqlens, T)
         if plan.rope_theta is not None:
             cos, sin = rope_angles(positions, plan.head_dim, plan.rope_theta, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -324,7 +342,8 @@ class Attention(nn.Module):
         if cached:
             k = torch.cat((state.k.to(k.dtype), k), dim=2)
             v = torch.cat((state.v.to(v.dtype), v), dim=2)
-        o = self._attend(q, k, v, start, cached) if document is None else self._attend_packed(q, k, v, positions, document)
+        o = (self._attend(q, k, v, start, cached) if document is None
+             else self._attend_packed(q, k, v, positions, document, cu_seqlens))
 
         o = o.transpose(1, 2).reshape(B, T, plan.heads * plan.head_dim)
         if self.g_proj is not None:
@@ -391,7 +410,8 @@ class Attention(nn.Module):
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 
-    def _attend_packed(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, document: Tensor) -> Tensor:
+    def _attend_packed(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, document: Tensor,
+                       cu_seqlens: Tensor) -> Tensor:
         """Attention within each packed document (causal, within the window): FlexAttention
         with the documents' block mask, which visits only the tiles within documents, or
         SDPA with the block-diagonal mask, built from each token's document and its
@@ -399,7 +419,7 @@ class Attention(nn.Module):
         window = self.plan.window
         gqa = self.plan.kv_heads != self.plan.heads
         if self._flex(q):
-            block_mask = _document_block_mask(document, window)
+            block_mask = _packed_block_mask(cu_seqlens, q.shape[2], window)
             attend = _compiled_flex() if q.is_cuda else _eager_flex()
             return attend(q, k, v, block_mask=block_mask, scale=self.scale, enable_gqa=gqa, kernel_options=FLEX_OPTIONS)
         mask = visible(positions, positions, window) & (document[:, None] == document[None, :])

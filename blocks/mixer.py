@@ -60,6 +60,8 @@ from .preconditioner import OSDNPreconditioner
 Tensor = torch.Tensor
 
 L2_EPS = 1e-6
+# The recurrence's argument each stream feeds, where its name differs (its recipe goes there).
+RECURRENCE_ARGUMENT = {"w": "write_key"}
 
 
 @dataclass
@@ -204,7 +206,8 @@ class Mixer(nn.Module):
         """Projection, optional short conv (its new tail goes to `tails` when the state is
         returned), SiLU, and with `unit` the L2 norm of each head, reshaped to `shape`: the
         conv, SiLU and norm are one fused call that recomputes rather than saves its
-        intermediates, and its recipe goes to `recipes` (the recurrence forms the output
+        intermediates, and its recipe goes to `recipes` under the recurrence argument the stream
+        feeds (`RECURRENCE_ARGUMENT`; the recurrence forms the output
         again in its backward instead of keeping it beside the conv's input)."""
         h = self.proj[name](x)
         head_dim = self.plan.head_dim if unit else 0
@@ -215,8 +218,8 @@ class Mixer(nn.Module):
             if return_state:
                 tails[name] = new_tail
             if type(conv) is ShortConv and not has_forward_hooks(conv):  # else its output is kept
-                recipes[name] = conv.recipe(h, tail, cu_seqlens=cu_seqlens, activation=True, head_dim=head_dim,
-                                            norm_eps=L2_EPS, shape=shape)
+                recipes[RECURRENCE_ARGUMENT.get(name, name)] = conv.recipe(
+                    h, tail, cu_seqlens=cu_seqlens, activation=True, head_dim=head_dim, norm_eps=L2_EPS, shape=shape)
             return y.reshape(shape)
         h = F.silu(h)
         if unit:
@@ -251,8 +254,6 @@ class Mixer(nn.Module):
             erase = plan.beta_scale * torch.sigmoid(self.a_proj(x)).reshape(B, T * n, H, K) * k
         if "w" in self.proj:
             write_key = self._stream("w", x, state, tails, cu_seqlens, True, return_state, (B, T * n, H, K), recipes)
-            if "w" in recipes:
-                recipes["write_key"] = recipes.pop("w")
 
         d_final, osdn_inputs = None, None
         if self.preconditioner is not None:

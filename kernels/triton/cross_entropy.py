@@ -7,7 +7,9 @@ logits arrive in the compute dtype (bfloat16 under autocast) and only one chunk 
 exists at a time (`kernels/linear_ce.py`), so no float32 copy of the whole vocabulary's
 logits is ever made; the arithmetic is float32 in registers (float64 for float64 logits).
 
-Rows whose target is `ignore_index` get loss 0 and a zero gradient.
+Rows whose target is `ignore_index` get loss 0 and a zero gradient; a target outside
+`[0, V)` (the caller did not check, `kernels/linear_ce.py`) gets a NaN loss and gradient
+row, and nothing is read past the row.
 """
 
 from __future__ import annotations
@@ -45,12 +47,14 @@ def softmax_ce_grad_kernel(
     lse = m + tl.log(s)
 
     ignored = target == ignore_index
-    safe_target = tl.where(ignored, 0, target)
+    outside = (target != ignore_index) & ((target < 0) | (target >= V))
+    safe_target = tl.where(ignored | outside, 0, target)
     x_target = tl.load(base + safe_target).to(ACC)
-    tl.store(loss + row, tl.where(ignored, 0.0, lse - x_target))
+    tl.store(loss + row, tl.where(ignored, 0.0, tl.where(outside, float("nan"), lse - x_target)))
 
     # Pass 2: the gradient over the logits, in place.
-    row_scale = tl.where(ignored, 0.0, tl.load(scale_ptr))  # a tensor: a float64 scale stays float64
+    # a tensor: a float64 scale stays float64
+    row_scale = tl.where(ignored, 0.0, tl.where(outside, float("nan"), tl.load(scale_ptr)))
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         valid = offs < V
@@ -60,7 +64,8 @@ def softmax_ce_grad_kernel(
 
 
 def softmax_ce_grad_triton(
-    logits: Tensor, targets: Tensor, *, ignore_index: int, scale: float, launch: CrossEntropyLaunch = CROSS_ENTROPY_LAUNCH
+    logits: Tensor, targets: Tensor, *, ignore_index: int, scale: float | Tensor,
+    launch: CrossEntropyLaunch = CROSS_ENTROPY_LAUNCH,
 ) -> Tensor:
     """Loss per row `[N]` (float32, float64 for float64 logits); `logits` `[N, V]` (unit stride along V) now hold
     `scale * d loss_row / d logits`. Same contract as `kernels.linear_ce.softmax_ce_grad_`."""
@@ -71,7 +76,8 @@ def softmax_ce_grad_triton(
         return loss
     block_v = min(launch.block_v, triton.next_power_of_2(V))
     softmax_ce_grad_kernel[(N,)](
-        logits, logits.stride(0), targets, loss, V, ignore_index, torch.full((1,), scale, device=logits.device, dtype=acc),
+        logits, logits.stride(0), targets, loss, V, ignore_index,
+        torch.as_tensor(scale, device=logits.device, dtype=acc),
         BLOCK_V=block_v, ACC=accumulation(acc)[1], num_warps=launch.num_warps,
     )
     return loss

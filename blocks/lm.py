@@ -35,7 +35,7 @@ from archspec.kernels.row_linear import row_linear
 
 from .attention import Attention, AttentionState, KVCache
 from .joined import JoinedWeights
-from .loss import next_token_loss
+from .loss import checked_scored_labels, next_token_loss
 from .mixer import Mixer, MixerState, decode_state
 from .mlp import MLP
 from .norm import RMSNorm
@@ -160,8 +160,13 @@ class LanguageModel(nn.Module):
         rows) or from zeros, and the returned state has one row per document (recurrent
         layers only: an attention layer takes packed documents without a state).
         """
+        # Checked before the first kernel is queued (`blocks/loss.py`): the loss then reads nothing on the host.
+        scored = None if labels is None else checked_scored_labels(input_ids, labels, self.plan.vocab_size)
         x, new_state = self.hidden_states(input_ids, state, return_state, cu_seqlens=cu_seqlens)
-        out = self.head(x) if labels is None else next_token_loss(x, self.head.weight, labels, backend=self.fused_backend)
+        if labels is None:
+            out = self.head(x)
+        else:
+            out = next_token_loss(x, self.head.weight, labels, backend=self.fused_backend, scored_rows=scored)
         return (out, new_state) if return_state else out
 
     def hidden_states(

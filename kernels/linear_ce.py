@@ -14,6 +14,16 @@ outlives a chunk. The design follows Liger-Kernel's fused linear cross-entropy.
   path); `kernels/triton/cross_entropy.py` is the same step as one Triton kernel.
 - `linear_cross_entropy(hidden, weight, targets, ...)` is the public entry: autograd
   through `hidden` and `weight`; `backend="auto"` is the Triton step on CUDA, torch elsewhere.
+
+Host reads. The mean's denominator (the scored rows) and the check of the targets need
+their values on the host: one read, which on CUDA waits for everything queued before it.
+In the middle of a training step that is the whole forward, so the host starts queueing
+the backward only when the device has run dry, and every stretch of the backward whose
+kernels are shorter than their launches then leaves the device idle. A caller that knows
+the count (`scored_rows`, as HuggingFace's `num_items_in_batch`) checks the targets where
+a read costs nothing: `LanguageModel.forward` does, at the start of the step
+(`blocks/loss.py:checked_scored_labels`). Without that read the step marks a target outside
+the vocabulary with a NaN loss (and NaN gradients), never a read past the row.
 """
 
 from __future__ import annotations
@@ -31,21 +41,27 @@ IGNORE_INDEX = -100  # PyTorch's and HuggingFace's convention for unscored posit
 MIN_CHUNK_ROWS = 256
 
 
-def softmax_ce_grad_(logits: Tensor, targets: Tensor, *, ignore_index: int = IGNORE_INDEX, scale: float = 1.0) -> Tensor:
+def softmax_ce_grad_(logits: Tensor, targets: Tensor, *, ignore_index: int = IGNORE_INDEX,
+                     scale: float | Tensor = 1.0) -> Tensor:
     """Loss of each row `[N]`, and `logits` `[N, V]` overwritten with
-    `scale * (softmax(logits) - one_hot(targets))` (zero rows where `targets == ignore_index`).
+    `scale * (softmax(logits) - one_hot(targets))` (zero rows where `targets == ignore_index`;
+    a NaN loss and gradient row where a target is outside `[0, V)`). `scale`: a number, or a
+    one-element tensor on the logits' device (one for every chunk of a call).
 
     Float32 arithmetic (float64 for float64 logits) on one chunk of rows at a time (the
     caller chunks); the loss comes back in that dtype.
     """
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     scored = targets != ignore_index
-    safe = torch.where(scored, targets, torch.zeros_like(targets))
+    outside = scored & ((targets < 0) | (targets >= x.shape[-1]))
+    safe = torch.where(scored & ~outside, targets, torch.zeros_like(targets))
     lse = torch.logsumexp(x, dim=-1)
     loss = torch.where(scored, lse - x.gather(1, safe[:, None]).squeeze(1), torch.zeros_like(lse))
+    loss = torch.where(outside, torch.full_like(loss, float("nan")), loss)
     grad = torch.exp(x - lse[:, None])
     grad.scatter_add_(1, safe[:, None], -torch.ones_like(lse)[:, None])
-    grad.mul_((scored.to(x.dtype) * scale)[:, None])
+    row_scale = torch.where(outside, float("nan"), scored.to(x.dtype)) * torch.as_tensor(scale, dtype=x.dtype, device=x.device)
+    grad.mul_(row_scale[:, None])
     logits.copy_(grad)
     return loss
 
@@ -78,24 +94,19 @@ def _accumulate_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, chunk_rows: int,
-                backend: str, cdtype: torch.dtype, grad_enabled: bool) -> Tensor:
+                backend: str, cdtype: torch.dtype, grad_enabled: bool, scored_rows: int) -> Tensor:
         N, d = hidden.shape
         V = weight.shape[0]
         # Under no_grad (evaluation) only the loss is formed: no gradient matmuls.
         need_h, need_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
-        # One host sync for both the check and the count (the mean's denominator).
-        bad, scored = torch.stack([
-            ((targets != ignore_index) & ((targets < 0) | (targets >= V))).sum(), (targets != ignore_index).sum()
-        ]).tolist()
-        if bad:
-            raise ValueError(f"linear_cross_entropy: {bad} target(s) outside [0, {V}) that are not ignore_index={ignore_index}")
-        scale = 1.0 / max(scored, 1)  # no scored row: loss 0 and zero gradients
+        acc = torch.promote_types(cdtype, torch.float32)
+        # no scored row: loss 0 and zero gradients. One tensor for every chunk's step.
+        scale = torch.full((), 1.0 / max(scored_rows, 1), device=hidden.device, dtype=acc)
         step = _softmax_ce_grad(backend)
         h = hidden.to(cdtype)
         w = weight.to(cdtype)
-        loss_rows = torch.empty(N, device=hidden.device, dtype=torch.promote_types(cdtype, torch.float32))
+        loss_rows = torch.empty(N, device=hidden.device, dtype=acc)
         grad_h = torch.empty_like(hidden) if need_h else None
-        acc = torch.promote_types(cdtype, torch.float32)
         grad_w = torch.zeros(V, d, device=weight.device, dtype=acc) if need_w else None
         with torch.autocast(hidden.device.type, enabled=False):
             for lo in range(0, N, chunk_rows):
@@ -115,7 +126,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         dh = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
         dw = None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype)
-        return dh, dw, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None
+
+
+def checked_scored_targets(targets: Tensor, vocab: int, ignore_index: int, what: str) -> int:
+    """How many of `targets` are scored (not `ignore_index`), after checking that each of
+    those is a row of the vocabulary `[0, vocab)`: one host read."""
+    scored_mask = targets != ignore_index
+    outside_mask = scored_mask & ((targets < 0) | (targets >= vocab))
+    outside, scored = torch.stack([outside_mask.sum(), scored_mask.sum()]).tolist()
+    if outside:
+        raise outside_vocabulary(what, targets, outside_mask, vocab, f" that are not ignore_index={ignore_index}")
+    return scored
+
+
+def outside_vocabulary(what: str, values: Tensor, outside_mask: Tensor, vocab: int, besides: str = "") -> ValueError:
+    """The error for `values` with entries outside `[0, vocab)` (`outside_mask`): how many, and
+    where the first one is and what it holds (read only on this path)."""
+    first = tuple(int(i) for i in outside_mask.nonzero()[0])
+    return ValueError(f"{what}: {int(outside_mask.sum())} outside [0, {vocab}){besides}; the first, at "
+                      f"[{', '.join(map(str, first))}], is {int(values[first])}")
 
 
 def linear_cross_entropy(
@@ -126,6 +156,7 @@ def linear_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     chunk_rows: int | None = None,
     backend: str = "auto",
+    scored_rows: int | None = None,
 ) -> Tensor:
     """Mean cross-entropy of `hidden @ weight^T` against `targets` over the rows whose target
     is not `ignore_index`; a float32 scalar (float64 for float64 inputs), differentiable in `hidden` and `weight`.
@@ -133,6 +164,11 @@ def linear_cross_entropy(
     `hidden` `[..., d]`, `weight` `[V, d]`, `targets` `[...]` (int). Under autocast the
     matmuls run in its dtype; gradients come back in each input's own dtype. The loss is 0
     (with zero gradients) when no row is scored.
+
+    `scored_rows`: the mean's denominator when the caller has counted the scored targets and
+    checked them (`checked_scored_targets`); then nothing is read on the host here (module
+    docstring), and a target outside the vocabulary makes the loss NaN. Without it, the
+    targets are counted and checked here (one host read; a `ValueError` says which is bad).
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} must be targets' shape {tuple(targets.shape)} + [d]")
@@ -147,4 +183,9 @@ def linear_cross_entropy(
     rows = chunk_rows or chunk_rows_for(hidden2.shape[0], weight.shape[1], weight.shape[0])
     if rows < 1:
         raise ValueError(f"linear_cross_entropy: chunk_rows must be >= 1, got {rows}")
-    return _LinearCrossEntropy.apply(hidden2, weight, flat, ignore_index, rows, name, cdtype, torch.is_grad_enabled())
+    if scored_rows is None:
+        scored_rows = checked_scored_targets(targets, weight.shape[0], ignore_index, "linear_cross_entropy: targets")
+    elif scored_rows < 0:
+        raise ValueError(f"linear_cross_entropy: scored_rows must be >= 0, got {scored_rows}")
+    return _LinearCrossEntropy.apply(hidden2, weight, flat, ignore_index, rows, name, cdtype, torch.is_grad_enabled(),
+                                     scored_rows)

@@ -463,24 +463,28 @@ def _loop(
             if data_parallel is not None:
                 loss = loss * weight
             shown = loss if data_parallel is None else data_parallel.average(loss)  # the global batch's loss
-            if not torch.isfinite(shown):
-                raise _Diverged(f"loss became {shown.item()} at step {step}", step)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            if not torch.isfinite(grad_norm):
-                raise _Diverged(f"gradient norm became {grad_norm.item()} at step {step}", step)
+            # One host read for both, after the backward is queued: a read between the forward
+            # and the backward would leave the device idle while the host queues the backward.
+            # A non-finite loss still stops the step before the optimizer touches the weights.
+            loss_value, norm_value = torch.stack([shown.detach().double(), grad_norm.double()]).tolist()
+            if not math.isfinite(loss_value):
+                raise _Diverged(f"loss became {loss_value} at step {step}", step)
+            if not math.isfinite(norm_value):
+                raise _Diverged(f"gradient norm became {norm_value} at step {step}", step)
             optimizer.step()
             scheduler.step()
 
             if step % record_every == 0 or step == 1:
-                history.append({"step": step, "loss": shown.item(), "lr": optimizer.param_groups[0]["lr"]})
-            progress.stepped(step, shown.item())
+                history.append({"step": step, "loss": loss_value, "lr": optimizer.param_groups[0]["lr"]})
+            progress.stepped(step, loss_value)
             if step % config.eval_every == 0 or step == config.steps:
                 val, _ = evaluate(model, task, task.validation_sets(), device, config.eval_batch_size, with_curves=False)
                 evals.append({"step": step, **val})
                 checkpoints.validated(step, val, state)
-                progress.validated(step, shown.item(), val, watched)
+                progress.validated(step, loss_value, val, watched)
                 if on_validation is not None:
                     on_validation(step, dict(val))
                 if config.early_stop is not None:

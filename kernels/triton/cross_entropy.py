@@ -14,7 +14,9 @@ logits arrive in the compute dtype (bfloat16 under autocast) and only one chunk 
 exists at a time (`kernels/linear_ce.py`), so no float32 copy of the whole vocabulary's
 logits is ever made; the arithmetic is float32 in registers (float64 for float64 logits).
 
-Rows whose target is `ignore_index` get loss 0 and a zero gradient.
+Rows whose target is `ignore_index` get loss 0 and a zero gradient; a target outside
+`[0, V)` (the caller did not check, `kernels/linear_ce.py`) gets a NaN loss and gradient
+row, and nothing is read past the row.
 """
 
 from __future__ import annotations
@@ -39,15 +41,17 @@ def softmax_ce_grad_kernel(
     target = tl.load(targets + row).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
     ignored = target == ignore_index
-    row_scale = tl.where(ignored, 0.0, tl.load(scale_ptr))  # a tensor: a float64 scale stays float64
+    outside = (target != ignore_index) & ((target < 0) | (target >= V))
+    # a tensor: a float64 scale stays float64
+    row_scale = tl.where(ignored, 0.0, tl.where(outside, float("nan"), tl.load(scale_ptr)))
     if ONE_BLOCK:
-        _one_block_row(base, cols, target, ignored, row_scale, loss + row, V, ACC)
+        _one_block_row(base, cols, target, ignored, outside, row_scale, loss + row, V, ACC)
     else:
-        _blocked_row(base, cols, target, ignored, row_scale, loss + row, V, BLOCK_V, ACC)
+        _blocked_row(base, cols, target, ignored, outside, row_scale, loss + row, V, BLOCK_V, ACC)
 
 
 @triton.jit
-def _one_block_row(base, cols, target, ignored, row_scale, p_loss, V, ACC: tl.constexpr):
+def _one_block_row(base, cols, target, ignored, outside, row_scale, p_loss, V, ACC: tl.constexpr):
     """The whole row in registers: one read, one write, one `exp` a logit."""
     valid = cols < V
     x = tl.load(base + cols, mask=valid, other=float("-inf")).to(ACC)
@@ -55,13 +59,14 @@ def _one_block_row(base, cols, target, ignored, row_scale, p_loss, V, ACC: tl.co
     e = tl.exp(x - m)  # 0 past V
     s = tl.sum(e, 0)
     x_target = tl.sum(tl.where(cols == target, x, 0.0), 0)
-    tl.store(p_loss, tl.where(ignored, 0.0, m + tl.log(s) - x_target))
+    tl.store(p_loss, tl.where(ignored, 0.0, tl.where(outside, float("nan"), m + tl.log(s) - x_target)))
     grad = e / s - tl.where(cols == target, 1.0, 0.0)
     tl.store(base + cols, (grad * row_scale).to(base.dtype.element_ty), mask=valid)
 
 
 @triton.jit
-def _blocked_row(base, cols, target, ignored, row_scale, p_loss, V, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
+def _blocked_row(base, cols, target, ignored, outside, row_scale, p_loss, V, BLOCK_V: tl.constexpr,
+                 ACC: tl.constexpr):
     """A row wider than one block: two passes over it."""
     # Pass 1: log-sum-exp online. The first block holds at least one finite logit, so the
     # running maximum is finite after it and exp(m_old - m_new) never sees inf - inf.
@@ -75,9 +80,9 @@ def _blocked_row(base, cols, target, ignored, row_scale, p_loss, V, BLOCK_V: tl.
         m = m_new
     lse = m + tl.log(s)
 
-    safe_target = tl.where(ignored, 0, target)
+    safe_target = tl.where(ignored | outside, 0, target)
     x_target = tl.load(base + safe_target).to(ACC)
-    tl.store(p_loss, tl.where(ignored, 0.0, lse - x_target))
+    tl.store(p_loss, tl.where(ignored, 0.0, tl.where(outside, float("nan"), lse - x_target)))
 
     # Pass 2: the gradient over the logits, in place.
     for start in range(0, V, BLOCK_V):
@@ -89,7 +94,8 @@ def _blocked_row(base, cols, target, ignored, row_scale, p_loss, V, BLOCK_V: tl.
 
 
 def softmax_ce_grad_triton(
-    logits: Tensor, targets: Tensor, *, ignore_index: int, scale: float, launch: CrossEntropyLaunch = CROSS_ENTROPY_LAUNCH
+    logits: Tensor, targets: Tensor, *, ignore_index: int, scale: float | Tensor,
+    launch: CrossEntropyLaunch = CROSS_ENTROPY_LAUNCH,
 ) -> Tensor:
     """Loss per row `[N]` (float32, float64 for float64 logits); `logits` `[N, V]` (unit stride along V) now hold
     `scale * d loss_row / d logits`. Same contract as `kernels.linear_ce.softmax_ce_grad_`."""
@@ -100,7 +106,8 @@ def softmax_ce_grad_triton(
         return loss
     block_v = min(launch.block_v, triton.next_power_of_2(V))
     softmax_ce_grad_kernel[(N,)](
-        logits, logits.stride(0), targets, loss, V, ignore_index, torch.full((1,), scale, device=logits.device, dtype=acc),
+        logits, logits.stride(0), targets, loss, V, ignore_index,
+        torch.as_tensor(scale, device=logits.device, dtype=acc),
         BLOCK_V=block_v, ONE_BLOCK=V <= block_v, ACC=accumulation(acc)[1],
         num_warps=launch.num_warps if V <= block_v else launch.blocked_num_warps,
     )

@@ -39,6 +39,34 @@ def test_loss_path_refuses_mismatched_labels():
         model(torch.zeros(2, 4, dtype=torch.long), labels=torch.zeros(2, 3, dtype=torch.long))
 
 
+def test_loss_path_checks_tokens_before_the_step_and_not_in_the_loss(monkeypatch):
+    """The token ids and labels are checked and the labels counted once, before the first
+    layer (`checked_scored_labels`): the loss in the middle of the step reads nothing on the
+    host. A bad id or label is a clear error that says which and where."""
+    model = build_model(model_plan(COMBINATIONS["gdn-scalar"], layers=1)).double()
+    model.set_backend("torch")
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 13, (2, 9), generator=gen)
+    labels = torch.roll(ids, -1, 1)
+    labels[:, -1] = IGNORE_INDEX
+    want = F.cross_entropy(model(ids)[:, :-1].flatten(0, 1), labels[:, :-1].flatten())
+
+    def no_host_read(*args, **kwargs):
+        raise AssertionError("the loss checked the labels again")
+
+    monkeypatch.setattr("archspec.kernels.linear_ce.checked_scored_targets", no_host_read)
+    torch.testing.assert_close(model(ids, labels=labels), want)
+
+    bad_ids = ids.clone()
+    bad_ids[1, 4] = 13
+    with pytest.raises(ValueError, match=r"input_ids: 1 outside \[0, 13\); the first, at \[1, 4\], is 13"):
+        model(bad_ids, labels=labels)
+    bad_labels = labels.clone()
+    bad_labels[0, 2] = -5
+    with pytest.raises(ValueError, match=r"labels: 1 outside \[0, 13\) that are not -100; the first, at \[0, 2\], is -5"):
+        model(ids, labels=bad_labels)
+
+
 @pytest.mark.parametrize("name,packed", [("gdn-scalar", False), ("kda-channel", False), ("osdn-apf-nh2", True),
                                          ("rwkv7-decay-channel", True)])
 def test_model_on_triton_pieces_equals_torch(name, packed):

@@ -85,12 +85,46 @@ def test_linear_cross_entropy_with_nothing_scored_is_zero():
 
 def test_linear_cross_entropy_refuses_bad_targets():
     hidden, weight = torch.randn(4, 8), torch.randn(10, 8)
-    with pytest.raises(ValueError, match=r"outside \[0, 10\)"):
+    with pytest.raises(ValueError, match=r"targets: 1 outside \[0, 10\) .* the first, at \[2\], is 10"):
         linear_cross_entropy(hidden, weight, torch.tensor([0, 3, 10, 2]), backend="torch")
+    with pytest.raises(ValueError, match=r"targets: 2 outside .* at \[1\], is -7"):
+        linear_cross_entropy(hidden, weight, torch.tensor([0, -7, 10, 2]), backend="torch")
     with pytest.raises(ValueError, match="targets' shape"):
         linear_cross_entropy(hidden, weight, torch.tensor([0, 3]), backend="torch")
     with pytest.raises(ValueError, match="weight must be"):
         linear_cross_entropy(hidden, torch.randn(10, 7), torch.tensor([0, 3, 1, 2]), backend="torch")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_cross_entropy_with_the_callers_count(backend, monkeypatch):
+    """With `scored_rows` (the caller counted and checked the targets) nothing is checked or
+    read here: the same loss and gradients as counting here; a target outside the vocabulary
+    makes the loss and its row's gradient NaN instead of reading past the row."""
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(12, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(300, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(300, (12,), generator=gen)
+    targets[[2, 7]] = IGNORE_INDEX
+    counted = linear_cross_entropy(hidden, weight, targets, chunk_rows=5, backend=backend)
+    want = _grads(counted, [hidden, weight])
+
+    def no_host_read(*args, **kwargs):
+        raise AssertionError("the targets were checked again")
+
+    monkeypatch.setattr("archspec.kernels.linear_ce.checked_scored_targets", no_host_read)
+    given = linear_cross_entropy(hidden, weight, targets, chunk_rows=5, backend=backend, scored_rows=10)
+    torch.testing.assert_close(given, counted, rtol=0, atol=0)
+    for g, w in zip(_grads(given, [hidden, weight]), want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    for bad in (300, -3):  # past the vocabulary, and negative but not ignore_index
+        targets_bad = targets.clone()
+        targets_bad[4] = bad
+        loss = linear_cross_entropy(hidden, weight, targets_bad, chunk_rows=5, backend=backend, scored_rows=10)
+        grad_h, _ = _grads(loss, [hidden, weight])
+        assert loss.isnan() and grad_h[4].isnan().all()
+        assert torch.isfinite(grad_h[[0, 1, 2, 3, 5]]).all()  # the row's own gradient only
+    with pytest.raises(ValueError, match="scored_rows must be >= 0"):
+        linear_cross_entropy(hidden, weight, targets, backend=backend, scored_rows=-1)
 
 
 @pytest.mark.parametrize("block_v", [128, 512], ids=["blocked", "one-block"])
@@ -104,13 +138,15 @@ def test_softmax_step_kernel_equals_torch_step(block_v):
     logits = 4 * torch.randn(9, 300, generator=gen)
     targets = torch.randint(300, (9,), generator=gen)
     targets[3] = IGNORE_INDEX
+    targets[[5, 6]] = torch.tensor([300, -2])  # outside the vocabulary: NaN rows, no read past the row
     a, b = logits.clone(), logits.clone()
     loss_t = softmax_ce_grad_(a, targets, scale=0.25)
     launch = CrossEntropyLaunch(block_v=block_v, num_warps=4, blocked_num_warps=4)
     loss_k = softmax_ce_grad_triton(b, targets, ignore_index=IGNORE_INDEX, scale=0.25, launch=launch)
-    torch.testing.assert_close(loss_k, loss_t)
-    torch.testing.assert_close(b, a)
+    torch.testing.assert_close(loss_k, loss_t, equal_nan=True)
+    torch.testing.assert_close(b, a, equal_nan=True)
     assert b[3].abs().max() == 0
+    assert loss_k[[5, 6]].isnan().all() and b[[5, 6]].isnan().all() and torch.isfinite(b[[0, 1, 2, 4, 7, 8]]).all()
 
 
 # --------------------------------------------------------------------------- RMSNorm

@@ -14,7 +14,11 @@ graph on CUDA.
 
 Training: `forward(ids, labels=labels)` returns the mean next-token loss without making
 the logits (`loss.py`); `cu_seqlens` packs documents in one row (B = 1) so that none sees
-another, each as if it ran alone.
+another, each as if it ran alone. Activation checkpointing (`set_activation_checkpointing`,
+or transformers' `activation_checkpointing_enable()` on the HF wrapper, which sets the same
+flag on each block) keeps only a checkpointed block's inputs (the float32 residual stream
+and the output not yet added to it) and runs its forward again in the backward: one more
+forward of the block for a step that holds one block's activations at a time.
 
 Initialisation (nanoGPT / fla): every linear and embedding weight ~ N(0, 0.02); the
 projections that write into the residual stream (`o_proj`, `down_proj`) are scaled by
@@ -25,10 +29,12 @@ APF bias, d_0) keep the values their modules set; the short convs keep PyTorch's
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from archspec.kernels.packed import check_offsets
 from archspec.kernels.row_linear import row_linear
@@ -47,6 +53,10 @@ DecodeState = MixerState | KVCache  # what `step` advances in place, per layer
 
 INIT_STD = 0.02
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
+# How a checkpointed block runs: torch's non-reentrant checkpoint (the saved tensors
+# dropped in the forward and formed again, through the same autograd functions, in the
+# backward). transformers sets its own through `_gradient_checkpointing_func`.
+CHECKPOINT = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
 
 
 def sequence_mixer(layer: LayerPlan, d_model: int, norm_eps: float, depth: float = 0.5) -> Mixer | Attention:
@@ -65,6 +75,9 @@ class Block(nn.Module):
         self.mixer = sequence_mixer(plan.mixer if layer is None else layer, plan.d_model, plan.norm_eps, depth)
         self.mlp_norm = RMSNorm(plan.d_model, eps=plan.norm_eps) if plan.mlp != "none" else None
         self.mlp = MLP(plan.mlp, plan.d_model, plan.mlp_ratio) if plan.mlp != "none" else None
+        # Activation checkpointing of this block in training (the names transformers sets).
+        self.gradient_checkpointing = False
+        self._gradient_checkpointing_func = CHECKPOINT
 
     def forward(self, x: Tensor, state: LayerState | None, return_state: bool, cu_seqlens: Tensor | None = None,
                 pending: Tensor | None = None) -> tuple[Tensor, Tensor, LayerState | None]:
@@ -180,10 +193,25 @@ class LanguageModel(nn.Module):
             _check_packed(input_ids, cu_seqlens)
         x, pending = self.embed(input_ids), None
         new_state = []
+        recording = self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
-            x, pending, layer_state = block(x, None if state is None else state[i], return_state, cu_seqlens, pending)
+            inputs = (x, None if state is None else state[i], return_state, cu_seqlens, pending)
+            if recording and block.gradient_checkpointing:
+                x, pending, layer_state = block._gradient_checkpointing_func(block.__call__, *inputs)
+            else:
+                x, pending, layer_state = block(*inputs)
             new_state.append(layer_state)
         return self.norm.add(x, pending)[0], new_state
+
+    def set_activation_checkpointing(self, every_n_layers: int = 1) -> None:
+        """Checkpoint every `every_n_layers`-th block in training (the first, then every
+        n-th after it; 1: every block, 0: none): its activations are formed again in the
+        backward instead of kept (module docstring)."""
+        if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 0:
+            raise ValueError(f"every_n_layers must be an integer >= 0 (0: no checkpointing), got {every_n_layers!r}")
+        for i, block in enumerate(self.blocks):
+            block.gradient_checkpointing = every_n_layers > 0 and i % every_n_layers == 0
+            block._gradient_checkpointing_func = CHECKPOINT
 
     def decode_state(self, state: list, capacity: int | None = None) -> list[DecodeState]:
         """A copy of `state` that `step` updates in place (tensors of its own, contiguous):

@@ -40,6 +40,10 @@ class ArchspecForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]
+    # `activation_checkpointing_enable()` (`gradient_checkpointing_enable()`) sets each
+    # `Block`'s flag (`blocks/lm.py`); the blocks are not transformers' layer class, so its
+    # `every_n_layers` does not thin them: `model.set_activation_checkpointing(n)` does.
+    supports_gradient_checkpointing = True
     _tied_weights_keys = {"model.head.weight": "model.embed.weight"}
 
     def __init__(self, config: ArchspecConfig):

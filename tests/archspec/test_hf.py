@@ -136,6 +136,26 @@ def test_save_pretrained_and_from_pretrained_through_the_auto_classes(tmp_path, 
     assert isinstance(transformers.AutoConfig.from_pretrained(tmp_path), hf.ArchspecConfig)
 
 
+def test_gradient_checkpointing_through_transformers_equals_the_plain_step():
+    """transformers' `activation_checkpointing_enable()` (`gradient_checkpointing_enable()`
+    before it; what its Trainer calls) flags every block: the loss and every gradient of a
+    training step are the plain step's."""
+    model, spec = _compiled(HYBRID[0], HYBRID[1])
+    wrapped = hf.ArchspecForCausalLM.from_archspec(model, spec).double().train()
+    ids = _ids((2, 12))
+    runs = []
+    for enable in (False, True):
+        if enable:
+            (getattr(wrapped, "activation_checkpointing_enable", None) or wrapped.gradient_checkpointing_enable)()
+            assert all(block.gradient_checkpointing for block in wrapped.model.blocks)
+        loss = wrapped(input_ids=ids, labels=ids).loss
+        runs.append([loss.detach(), *torch.autograd.grad(loss, list(wrapped.parameters()))])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    (getattr(wrapped, "activation_checkpointing_disable", None) or wrapped.gradient_checkpointing_disable)()
+    assert not any(block.gradient_checkpointing for block in wrapped.model.blocks)
+
+
 def test_byte_tokenizer():
     tok = hf.ByteTokenizer()
     text = "Ay, there's the rub — é"

@@ -37,8 +37,8 @@ SPECS = ROOT / "specs" / "models"
 # produce: most chunks decay past the bound (the sub-chunk paths). Init: the gates a
 # whole-model benchmark step meets, formed by the plan's gate module as the LM initialises
 # it (`initialised_log_decay`) from unit-RMS rows of the benchmark's width: Mamba2's rates
-# and time steps for the mamba2 form (KDA's gate decays by about 0.02 nats a token on
-# average, its fastest heads by up to about 2), RWKV-7's initial speeds, GLA's bias at 0.
+# and time steps for the mamba2 form (KDA's gate decays by about 0.2 nats a token on
+# average, its fastest channels by up to about 2), RWKV-7's initial speeds, GLA's bias at 0.
 GATE_REGIMES = ("mild", "strong", "init")
 STRONG_GATE_FLOOR = -5.0
 

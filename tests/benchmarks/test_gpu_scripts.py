@@ -164,21 +164,25 @@ def test_init_gates_are_those_of_each_specs_initialised_layer() -> None:
     specs = BENCHMARKS.parent / "specs" / "models"
     with benchmark_module("common") as common:
         for name in ("kda", "rwkv7", "gla"):
-            spec = archspec.load_spec(specs / f"{name}.yaml", [("mixer.heads", 4), ("mixer.head_dim", 16),
-                                                               ("model.d_model", common.INIT_GATE_D_MODEL)])
+            # 32 heads: the mean decay of a few heads is mostly their random rates'
+            spec = archspec.load_spec(specs / f"{name}.yaml", [("mixer.heads", 32), ("mixer.head_dim", 16),
+                                                               ("model.d_model", common.INIT_GATE_D_MODEL),
+                                                               ("model.layers", 3)])
             plan = archspec.lower(spec)
-            g = common.make_inputs(plan.mixer, 1, 256, 4, 16, 16, torch.float32, "cpu", gates="init")["g"].detach()
-            again = common.make_inputs(plan.mixer, 1, 256, 4, 16, 16, torch.float32, "cpu", gates="init")["g"]
+            g = common.make_inputs(plan.mixer, 1, 256, 32, 16, 16, torch.float32, "cpu", gates="init")["g"].detach()
+            again = common.make_inputs(plan.mixer, 1, 256, 32, 16, 16, torch.float32, "cpu", gates="init")["g"]
             assert torch.equal(g, again.detach()), name
-            # the model's own layer, initialised by the LM, on unit-RMS rows: the same spread
-            gate = build_model(plan).blocks[0].mixer.gate
+            # the model's own middle layer (RWKV-7's initial speeds depend on the depth),
+            # initialised by the LM, on unit-RMS rows: the same spread
+            torch.manual_seed(0)
+            gate = build_model(plan).blocks[1].mixer.gate
             with torch.no_grad():
                 own = gate(torch.randn(1, 256, common.INIT_GATE_D_MODEL, generator=torch.Generator().manual_seed(1)))
             assert g.shape == own.shape
             ratio = g.mean() / own.mean()
-            assert 0.5 < ratio < 2, (name, float(g.mean()), float(own.mean()))
-            chunk_decay = -g.view(1, 4, 64, 4, 16).sum(2)  # per 64-token chunk, head and channel
-            sub_chunk_decay = -g.view(1, 16, 16, 4, 16).sum(2)  # per 16-token sub-chunk
+            assert 0.67 < ratio < 1.5, (name, float(g.mean()), float(own.mean()))
+            chunk_decay = -g.view(1, 4, 64, 32, 16).sum(2)  # per 64-token chunk, head and channel
+            sub_chunk_decay = -g.view(1, 16, 16, 32, 16).sum(2)  # per 16-token sub-chunk
             assert bool(sub_chunk_decay.max() <= 40) and bool(chunk_decay.max() <= 40) == (name != "kda"), name
             if name == "kda":
                 assert 0.01 < -g.mean() < 0.5

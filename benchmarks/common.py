@@ -11,7 +11,6 @@ import datetime
 import functools
 import hashlib
 import json
-import math
 import platform
 import subprocess
 import time
@@ -25,9 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from archspec.blocks.gates import DECAY_FORMS, rwkv7_decay_bias
-from archspec.kernels.kinds import DecayForm
-from archspec.kernels.log_decay import log_decay_ref
+from archspec.blocks.gates import ChannelGate, ScalarGate
+from archspec.blocks.lm import INIT_STD
 from archspec.blocks.plan import RecurrencePlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,19 +34,22 @@ SPECS = ROOT / "specs" / "models"
 # Gate statistics (log-decay per token). Mild: `logsigmoid(x + 4)`, a few nats per 64-token
 # chunk. Strong: `logsigmoid(x)` clamped at -5, what the channel gates of trained KDA layers
 # produce, about 52 nats a chunk. Both keep a channel gate's chunks within twice
-# `decay.py`'s bound (path 1: one product each). Init: what an initialised
-# layer of the plan's decay form produces (`blocks/gates.py`), the gates every whole-model
-# benchmark step meets: mamba2 `-A softplus(x)`, A uniform in [1, 16] per head, KDA's
-# initialisation with dt_bias 0, about 6-8 nats a token, where a channel gate's chunks
-# take the exact path almost everywhere; rwkv7 `-e^{-1/2} sigmoid(w0 + x)` with RWKV-7's
-# initial speeds w0 (a middle layer's); gla `logsigmoid(x) / 16`.
+# `decay.py`'s bound (path 1: one product each). Init: the gates a whole-model benchmark
+# step meets, formed by the plan's gate module as the LM initialises it
+# (`initialised_log_decay`) from unit-RMS rows of the benchmark's width: Mamba2's rates and
+# time steps for the mamba2 form (KDA's gate decays by about 0.2 nats a token on average,
+# its fastest channels by up to about 2: path 1 in most heads, 2 in the rest), RWKV-7's
+# initial speeds, GLA's bias at 0.
 GATE_REGIMES = ("mild", "strong", "init")
 STRONG_GATE_FLOOR = -5.0
-# Steep (`gpu_check.py` only, not a benchmark regime): twice the strong gates, about 104 nats
-# a chunk, past path 1's limit in every chunk while every 16-token sub-chunk stays within
-# path 2's bound: the sub-chunk path at realistic shapes, for every channel-gated plan.
+# Steep and fast (`gpu_check.py` only, not benchmark regimes). Steep: twice the strong
+# gates, about 104 nats a chunk, past path 1's limit in every chunk while every 16-token
+# sub-chunk stays within path 2's bound: the sub-chunk path at realistic shapes, for every
+# channel-gated plan. Fast: `-A softplus(x)`, A uniform in [1, 16] per head (a KDA gate with
+# `dt_bias = 0`), about 7 nats a token: past path 2's bound in most sub-chunks, the exact
+# path (3) at realistic shapes.
 STEEP_GATE_FACTOR = 2.0
-INIT_DECAY_RATE = (1.0, 16.0)
+FAST_DECAY_RATE = (1.0, 16.0)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,29 @@ PLANS = [
 ]
 
 
+# The whole-model benchmark's width (`models.py`), at which `init` gates are formed.
+INIT_GATE_D_MODEL = 1024
+
+
+def initialised_log_decay(plan: RecurrencePlan, B: int, T: int, H: int, K: int, V: int, seed: int) -> torch.Tensor:
+    """The log decay `[B, T, H]` (scalar gate) or `[B, T, H, K]` (channel gate) of the plan's
+    gate module as `LanguageModel` initialises it (its own rates and biases, every linear
+    weight N(0, INIT_STD)) on unit-RMS rows, as a block's pre-norm hands them; float32, on
+    the CPU, the same for a seed whatever the global random state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if plan.gate == "channel":  # rank V, as the mixer builds it
+            gate = ChannelGate(INIT_GATE_D_MODEL, H, K, rank=V, form=plan.decay)
+        else:
+            gate = ScalarGate(INIT_GATE_D_MODEL, H, form=plan.decay)
+        for module in gate.modules():
+            if isinstance(module, torch.nn.Linear):
+                torch.nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+        rows = torch.randn(B, T, INIT_GATE_D_MODEL)
+        with torch.no_grad():
+            return gate(rows).float()
+
+
 def make_inputs(plan: RecurrencePlan, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: Any,
                 gates: str = "mild", seed: int = 0, states: bool = False, lengths: list[int] | None = None) -> dict:
     """Leaf tensors as the plan's layer produces them: unit keys, sigmoid beta and erase,
@@ -117,14 +141,10 @@ def make_inputs(plan: RecurrencePlan, B: int, T: int, H: int, K: int, V: int, dt
             return F.logsigmoid(x).clamp_min(STRONG_GATE_FLOOR)
         if gates == "steep":
             return STEEP_GATE_FACTOR * F.logsigmoid(x).clamp_min(STRONG_GATE_FLOOR)
-        form = DECAY_FORMS[plan.decay]
-        if form.log_rate is not None:  # rwkv7, gla: the form's own rate, bias at its initial value
-            channels = math.prod(shape[2:])
-            bias = rwkv7_decay_bias(channels, depth=0.5) if plan.decay == "rwkv7" else torch.zeros(channels)
-            return log_decay_ref(torch.tensor(form.log_rate), x, bias.view(shape[2:]).to(x),
-                                 DecayForm.named(plan.decay))[0]
-        rate = torch.empty(shape[2], dtype=torch.float64).uniform_(*INIT_DECAY_RATE, generator=gen)
-        return -rate.to(x).view(shape[2], *[1] * (len(shape) - 3)) * F.softplus(x)  # one rate per head
+        if gates == "fast":
+            rate = torch.empty(shape[2], dtype=torch.float64).uniform_(*FAST_DECAY_RATE, generator=gen)
+            return -rate.to(x).view(shape[2], *[1] * (len(shape) - 3)) * F.softplus(x)  # one rate per head
+        return initialised_log_decay(plan, *shape[:3], K, V, seed).to(x)
 
     x: dict = {"q": F.normalize(rand(B, T, H, K), dim=-1), "k": F.normalize(rand(B, T * n, H, K), dim=-1),
                "v": rand(B, T * n, H, V)}

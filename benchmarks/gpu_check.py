@@ -3,8 +3,8 @@
     python benchmarks/gpu_check.py [--plans a,b] [--dtypes bfloat16,float32] [--budget-s S] [--merge] [--smoke]
 
 1. `path`: every plan of `CHECK_PLANS` (every mode x gate, n_h 1-8, beta in [0, 2], untied
-   and OSDN write keys; channel gates mild, strong, steep and, in KDA's decay form, init:
-   `decay.py`'s paths 1, 1, 2 and mostly 3) at B=2 T=2048 H=16 K=V=128 in
+   and OSDN write keys; channel gates mild, strong, steep and, in KDA's decay form, fast:
+   `decay.py`'s paths 1, 1, 2 and mostly 3; `common.py` says what each is) at B=2 T=2048 H=16 K=V=128 in
    bfloat16, float16 and float32, with an initial and a final state: outputs, final state
    and every input gradient (random cotangents) against our `torch` backend in float64 on
    the same rounded inputs. Error = ||ours - ref|| / ||ref|| per tensor, under `TOL`; for a
@@ -45,7 +45,7 @@ TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}  # relative Frobenius
 # A gate's sums over tokens cancel to 2-5% of their terms in every regime, so they carry
 # 20-50x dg's error. In half precision TOL already holds them (their errors are the operands'
 # rounding); in float32 dg's own error is the cumulative gate's rounding, which grows with
-# the gate: at KDA's init gates (about 7 nats a token, a chunk's sum near -470, where float32
+# the gate: at the fast gates (about 7 nats a token, a chunk's sum near -470, where float32
 # keeps 3e-5) dg is 1.1e-5 off float64 and `sum g dg` 1.4e-4 on the interpreter (the same
 # with the kernels before the midpoint factorization), 2.2e-4 on the H200.
 SUM_TOL = {**TOL, "float32": 1e-3}
@@ -197,10 +197,10 @@ def main(argv: list[str] | None = None) -> dict:
         if bench.name not in names:
             continue
         # channel gates: path 1 (mild, strong), path 2 (steep) and, for a mamba2-form gate
-        # (KDA's), path 3 in most heads (init: rates 1 to 16 a head)
+        # (KDA's), path 3 in most heads (fast: rates 1 to 16 a head, dt_bias 0)
         regimes = ("mild", "strong", "steep") if bench.plan.gate == "channel" else ("mild",)
         if bench.plan.gate == "channel" and bench.plan.decay == "mamba2":
-            regimes += ("init",)
+            regimes += ("fast",)
         K = DIMS["K"]
         checks += [("path", bench, g, d, B, T, None, K) for g in regimes for d in dtypes]
         if bench.name in NAIVE_PLANS:

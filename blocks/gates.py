@@ -5,8 +5,11 @@ in one of three forms (the plan's `decay`, `DECAY_FORMS`):
 
 - `mamba2` (the default): `f = softplus`, `A_log` a learned per-head rate, the bias the
   learned `dt_bias`: Mamba2's parameterisation, as Gated DeltaNet and KDA use it in
-  flash-linear-attention. `g` is unbounded below; at initialisation (`A` in [1, 16] for
-  KDA) a token decays by several nats.
+  flash-linear-attention. `g` is unbounded below. Initialised as Mamba2 (`mamba2_dt_bias`:
+  `softplus(dt_bias) = dt` log-uniform in [0.001, 0.1], per head for the scalar gate and per
+  key channel for KDA's, as flash-linear-attention 0.6's `KimiDeltaAttention` and
+  transformers' Kimi Linear do), with `A` uniform in [0, 16] (Gated DeltaNet) or [1, 16]
+  (KDA), a token decays by `A dt`, about 0.001 to 1.6 nats.
 - `rwkv7`: `f = sigmoid` with the fixed `A_log = -1/2`, RWKV-7's decay
   `w = exp(-e^{-1/2} sigmoid(w0 + tanh(x W1) W2))`: at most 0.61 nats a token, so a 64-token
   chunk decays by at most 39 nats and the chunk kernel always takes its fastest path
@@ -60,6 +63,24 @@ DECAY_FORMS: dict[str, DecayFormSetting] = {
 def inverse_softplus(y: Tensor) -> Tensor:
     """x with softplus(x) = y, for y > 0 (used to initialise dt_bias)."""
     return y + torch.log(-torch.expm1(-y))
+
+
+# Mamba2's initialisation: time steps log-uniform between these (never below the floor),
+# and the rate `A = exp(A_log)` uniform per head in [0, 16] for a scalar gate (Gated
+# DeltaNet) and in [1, 16] for a channel gate (KDA), as flash-linear-attention has them.
+DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
+SCALAR_RATE_INIT = (0.0, 16.0)
+CHANNEL_RATE_INIT = (1.0, 16.0)
+
+
+def mamba2_dt_bias(count: int, dt_min: float = DT_MIN, dt_max: float = DT_MAX,
+                   generator: torch.Generator | None = None) -> Tensor:
+    """Mamba2's initial `dt_bias` for `count` rates: `softplus(dt_bias) = dt`, `dt`
+    log-uniform in `[dt_min, dt_max]` (at least `DT_FLOOR`): a spread of time scales, from
+    nearly no decay to fast forgetting."""
+    u = torch.rand(count, generator=generator)
+    dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    return inverse_softplus(dt.clamp(min=DT_FLOOR))
 
 
 def rwkv7_decay_bias(channels: int, depth: float) -> Tensor:
@@ -127,18 +148,16 @@ class _Gate(nn.Module):
 class ScalarGate(_Gate):
     """One decay per token and head; mamba2's initialisation as Mamba2 / Gated DeltaNet."""
 
-    def __init__(self, d_model: int, heads: int, dt_min: float = 1e-3, dt_max: float = 0.1,
+    def __init__(self, d_model: int, heads: int, dt_min: float = DT_MIN, dt_max: float = DT_MAX,
                  form: DecayForm = "mamba2", depth: float = 0.5):
         super().__init__(form)
         self.a_proj = nn.Linear(d_model, heads, bias=False)
         self._add_decay_parameters(heads, heads, depth)
         if form == "mamba2":
-            # A ~ U(0, 16) and dt log-uniform in [dt_min, dt_max]: a spread of time scales
-            # across heads, from nearly no decay to fast forgetting.
+            # A per head, and Mamba2's dt per head
             with torch.no_grad():
-                self.A_log.copy_(torch.log(torch.empty(heads).uniform_(0, 16)))
-                dt = torch.exp(torch.rand(heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-                self.dt_bias.copy_(inverse_softplus(dt.clamp(min=1e-4)))
+                self.A_log.copy_(torch.log(torch.empty(heads).uniform_(*SCALAR_RATE_INIT)))
+                self.dt_bias.copy_(mamba2_dt_bias(heads, dt_min, dt_max))
 
     def _decay_inputs(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.log_rate(), self.a_proj(x), self.bias
@@ -155,8 +174,10 @@ class ChannelGate(_Gate):
         self.f_proj = LowRankLinear(d_model, rank, heads * head_dim, bias=False, inner=DECAY_FORMS[form].inner)
         self._add_decay_parameters(heads, heads * head_dim, depth)
         if form == "mamba2":
+            # A per head, and Mamba2's dt per key channel (KDA's)
             with torch.no_grad():
-                self.A_log.copy_(torch.log(torch.empty(heads).uniform_(1, 16)))  # dt_bias stays 0
+                self.A_log.copy_(torch.log(torch.empty(heads).uniform_(*CHANNEL_RATE_INIT)))
+                self.dt_bias.copy_(mamba2_dt_bias(heads * head_dim))
 
     def _decay_inputs(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         proj = self.f_proj(x).unflatten(-1, (self.heads, self.head_dim))

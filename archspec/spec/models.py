@@ -150,7 +150,7 @@ class MixerSpec(_Section):
     decay: DecayForm | None = Field(
         None,
         description="How the gate forms its log decay g: mamba2 g = -exp(A) softplus(W x + dt_bias), learned "
-        "rate A per head (Mamba2, Gated DeltaNet, KDA; unbounded, several nats a token at initialisation), "
+        "rate A per head (Mamba2, Gated DeltaNet, KDA; unbounded; Mamba2's initial time steps, 0.001-1.6 nats a token), "
         "rwkv7 g = -exp(-1/2) sigmoid(z), z = w0 + tanh(x W1) W2 per channel (W x + w0 per head for a scalar "
         "gate): RWKV-7's decay, at most 0.61 nats a token, or gla g = logsigmoid(W x + b) / 16: GLA's decay. "
         "Default mamba2; only with a gate.",

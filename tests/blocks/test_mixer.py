@@ -3,6 +3,7 @@ it claims to be (checked against a hand-written float64 reference); capture work
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -263,3 +264,28 @@ def test_rwkv7_decay_is_bounded_and_starts_at_rwkv7s_decay_speeds():
     keys = model.state_dict().keys()
     assert not any(k.endswith("gate.A_log") or k.endswith("gate.dt_bias") for k in keys)
     assert sum(k.endswith("gate.w0") for k in keys) == layers
+
+
+def test_mamba2_gates_start_at_mamba2s_rates_and_time_steps():
+    """The mamba2 form as flash-linear-attention 0.6 initialises Gated DeltaNet and KDA (and
+    transformers' Kimi Linear): `A = exp(A_log)` uniform per head in [0, 16] (scalar) or
+    [1, 16] (channel), and `softplus(dt_bias) = dt` log-uniform in [0.001, 0.1], per head
+    for the scalar gate and per key channel for KDA's, so that an initialised layer decays
+    by `A dt` a token: a fraction of a nat, never the several nats of `dt_bias = 0`."""
+    torch.manual_seed(0)
+    heads, head_dim = 16, 32
+    for plan_name, low, rates_per in (("gdn-scalar", 0.0, "head"), ("kda-channel", 1.0, "channel")):
+        mixer = build_model(model_plan(COMBINATIONS[plan_name], layers=1)).mixers()[0]
+        plan = dataclasses.replace(mixer.plan, heads=heads, head_dim=head_dim)
+        gate = Mixer(plan, 64).gate
+        A = gate.A_log.detach().exp()
+        dt = F.softplus(gate.dt_bias.detach().double())
+        assert A.shape == (heads,) and bool(((A >= low) & (A <= 16)).all()) and A.max() > 12, plan_name
+        assert dt.numel() == (heads if rates_per == "head" else heads * head_dim), plan_name
+        torch.testing.assert_close(dt.min(), torch.tensor(1e-3, dtype=torch.float64), rtol=0.5, atol=0)
+        assert bool((dt <= 0.1 + 1e-6).all()) and dt.max() > 0.05, plan_name
+        if rates_per == "channel":  # log-uniform: as many time steps in each decade
+            decades = torch.histc(dt.log10(), bins=2, min=-3, max=-1)
+            assert bool((decades / dt.numel() - 0.5).abs().max() < 0.1), decades
+        g = gate(torch.randn(2, 64, 64))
+        assert -g.mean() < 0.5, plan_name

@@ -16,7 +16,11 @@ labels, logits_to_keep)` that returns `CausalLMOutputWithPast`, `generate()` thr
   several through the chunk kernel from the state, or token by token with attention
   layers.
 - `labels` (aligned with `input_ids`, -100 unscored): the mean next-token cross-entropy,
-  shifted inside as transformers' causal LMs do.
+  shifted inside as transformers' causal LMs do. In training mode, on a sequence without
+  a state or padding, the loss is archspec's linear cross-entropy straight from the rows
+  before the head and no logits are made (`logits` is None, as flash-linear-attention's
+  models with a fused linear cross-entropy return it): a `[B, T, vocab]` float32 tensor,
+  its softmax and its gradient are never held. In evaluation the logits come back too.
 """
 
 from __future__ import annotations
@@ -121,6 +125,10 @@ class ArchspecForCausalLM(PreTrainedModel, GenerationMixin):
 
         if state is not None and padded:
             raise ValueError("a continuation's new tokens must all be real (attention_mask 1): padding belongs to the prompt")
+        if labels is not None and self.training and state is None and not padded and not use_cache and not logits_to_keep:
+            loss = self._training_loss(input_ids, labels)
+            output = CausalLMOutputWithPast(loss=loss, logits=None)
+            return output if return_dict is not False else output.to_tuple()
         if state is not None and (T == 1 or attention):
             cache.reserve(T)
             logits = torch.stack([self.model.step(input_ids[:, t], state) for t in range(T)], dim=1)
@@ -141,9 +149,24 @@ class ArchspecForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             if logits.shape[1] != T:
                 raise ValueError("labels need the logits of every position: leave logits_to_keep at 0")
-            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+            scores = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least
+            loss = F.cross_entropy(scores.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
         output = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
         return output if return_dict is not False else output.to_tuple()
+
+    def _training_loss(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        """The mean next-token loss without logits (`blocks/loss.py`): position t predicts
+        `labels[:, t + 1]`; the ids and the shifted labels are checked and counted in one
+        host read before the first layer, as `LanguageModel.forward` does."""
+        from archspec.blocks.loss import checked_scored_labels, next_token_loss
+
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels must be input_ids' shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+        scored = checked_scored_labels(input_ids, shifted, self.model.plan.vocab_size)
+        hidden, _ = self.model.hidden_states(input_ids)
+        return next_token_loss(hidden, self.model.head.weight, shifted, backend=self.model.fused_backend,
+                               scored_rows=scored)
 
     def _prefill_rows(self, input_ids: Tensor, mask: Tensor, capacity: int) -> tuple[Tensor, list]:
         """A padded batch through `blocks.generate.prefill`: each row's real tokens as a

@@ -136,6 +136,36 @@ def test_save_pretrained_and_from_pretrained_through_the_auto_classes(tmp_path, 
     assert isinstance(transformers.AutoConfig.from_pretrained(tmp_path), hf.ArchspecConfig)
 
 
+@pytest.mark.parametrize("path,extra", [(GDN, []), HYBRID], ids=["gdn", "hybrid"])
+def test_training_loss_makes_no_logits_and_equals_the_logits_cross_entropy(path, extra):
+    """In training mode with labels the wrapper takes archspec's linear cross-entropy (no
+    logits come back); its loss and every gradient equal cross-entropy of the logits of the
+    same weights in evaluation (shifted, -100 unscored); a bad label is a clear error."""
+    model, spec = _compiled(path, extra)
+    wrapped = hf.ArchspecForCausalLM.from_archspec(model, spec).double()
+    ids = _ids((2, 12))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    wrapped.train()
+    out = wrapped(input_ids=ids, labels=labels)
+    assert out.logits is None
+    got = [out.loss, *torch.autograd.grad(out.loss, list(wrapped.parameters()))]
+    wrapped.eval()
+    ref = wrapped(input_ids=ids, labels=labels, use_cache=False)
+    assert ref.logits.shape == (2, 12, 256)
+    logp = torch.log_softmax(ref.logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    keep = labels[:, 1:] != -100
+    torch.testing.assert_close(ref.loss, -logp[keep].mean(), rtol=1e-12, atol=1e-12)
+    want = [ref.loss, *torch.autograd.grad(ref.loss, list(wrapped.parameters()))]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    wrapped.train()
+    bad = labels.clone()
+    bad[1, 5] = 999
+    with pytest.raises(ValueError, match=r"labels: 1 outside \[0, 256\) that are not -100; the first, at \[1, 4\], is 999"):
+        wrapped(input_ids=ids, labels=bad)
+
+
 def test_gradient_checkpointing_through_transformers_equals_the_plain_step():
     """transformers' `activation_checkpointing_enable()` (`gradient_checkpointing_enable()`
     before it; what its Trainer calls) flags every block: the loss and every gradient of a

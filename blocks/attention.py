@@ -5,8 +5,9 @@ models and of Qwen3-Next are built:
 
 1. `q = W_q x` (`heads` heads), `k = W_k x`, `v = W_v x` (`kv_heads` heads each; every
    key/value head serves `heads / kv_heads` query heads: grouped-query attention).
-2. Optional RMSNorm over each query and key head (`qk_norm`), then RoPE on q and k
-   (`rope_theta`; none for NoPE), at the tokens' absolute positions.
+2. Optional RMSNorm over each query and key head (`qk_norm`; the fused norm of `norm.py`,
+   written in the autocast dtype), then RoPE on q and k (`rope_theta`; none for NoPE), at
+   the tokens' absolute positions.
 3. `o = softmax(q k^T / sqrt(head_dim) + causal mask) v`; with a sliding `window`, token t
    attends to tokens `t - window + 1 .. t` only.
 4. Optional output gate `o * sigmoid(W_g x)` per channel (Qwen3-Next's gated attention),
@@ -19,7 +20,8 @@ window if there is one) take FlexAttention with a block mask on CUDA (compiled; 
 the blocks outside the window and those pairing two documents), and SDPA with an explicit
 boolean mask elsewhere, because FlexAttention without compilation materialises every
 score anyway (and the FLOP counter cannot see it). The packed documents' block mask is
-built on every call from the tokens' document ids, tile by tile, never as a T x T mask.
+built from the tokens' document ids, tile by tile, never as a T x T mask, once per
+`cu_seqlens` tensor: every attention layer of a step shares it.
 A continuation (a state with cached keys) also takes SDPA with an explicit mask.
 
 Decoding state (`AttentionState`): the rotated keys and the values of the tokens a later
@@ -48,6 +50,7 @@ import torch.nn.functional as F
 
 from archspec.kernels.packed import per_offsets_tensor
 
+from .norm import RMSNorm
 from .plan import AttentionPlan
 
 if TYPE_CHECKING:
@@ -283,8 +286,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_model, Hkv * D, bias=False)
         self.v_proj = nn.Linear(d_model, Hkv * D, bias=False)
         self.g_proj = nn.Linear(d_model, H * D, bias=False) if plan.output_gate else None
-        self.q_norm = nn.RMSNorm(D, eps=norm_eps) if plan.qk_norm else None
-        self.k_norm = nn.RMSNorm(D, eps=norm_eps) if plan.qk_norm else None
+        # the fused norm (`nn.RMSNorm`'s parameter and state-dict key): under autocast
+        # `nn.RMSNorm` meets bfloat16 rows and a float32 weight and falls back to its
+        # unfused form, in float32
+        self.q_norm = RMSNorm(D, eps=norm_eps) if plan.qk_norm else None
+        self.k_norm = RMSNorm(D, eps=norm_eps) if plan.qk_norm else None
         self.o_proj = nn.Linear(H * D, d_model, bias=False)
 
     @property
@@ -334,8 +340,8 @@ class Attention(nn.Module):
         if plan.rope_theta is not None:
             cos, sin = rope_angles(positions, plan.head_dim, plan.rope_theta, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # under autocast the q/k norms may return float32 while v is bfloat16; the kernels
-        # (FlexAttention in particular) take one dtype
+        # the kernels (FlexAttention in particular) take one dtype; a replaced q/k norm
+        # (`nn.RMSNorm` under autocast) may return float32 where v is bfloat16
         q, k = q.to(v.dtype), k.to(v.dtype)
 
         cached = 0 if state is None else state.cached

@@ -166,9 +166,11 @@ def linear_cross_entropy(
     (with zero gradients) when no row is scored.
 
     `scored_rows`: the mean's denominator when the caller has counted the scored targets and
-    checked them (`checked_scored_targets`); then nothing is read on the host here (module
-    docstring), and a target outside the vocabulary makes the loss NaN. Without it, the
-    targets are counted and checked here (one host read; a `ValueError` says which is bad).
+    checked them (`checked_scored_targets`), or a larger count they are part of (the scored
+    targets of every micro-batch of an accumulated step: transformers' `num_items_in_batch`);
+    then nothing is read on the host here (module docstring), and a target outside the
+    vocabulary makes the loss NaN. Without it, the targets are counted and checked here (one
+    host read; a `ValueError` says which is bad).
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} must be targets' shape {tuple(targets.shape)} + [d]")

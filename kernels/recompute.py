@@ -8,7 +8,9 @@ information twice. `Recompute(fn, args, kwargs, shape)` says how to form the inp
 stands for. The tensors among `args` and `kwargs` are saved through the function's
 `save_for_backward` (so their lifetime, version checks and saved-tensor hooks are
 autograd's own, and a tensor another node keeps costs nothing more); the rest is kept as
-it is.
+it is. What the node keeps of the recipe itself holds no tensor (`without_tensors`): a
+reference there would keep the tensor alive past an activation checkpoint that drops the
+node's saved tensors, and out of reach of hooks that move them (offloading).
 """
 
 from __future__ import annotations
@@ -22,6 +24,18 @@ import torch
 Tensor = torch.Tensor
 
 
+class _Slot:
+    """Where a saved tensor goes back into a recipe's arguments (`without_tensors`)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<saved tensor>"
+
+
+SLOT = _Slot()
+
+
 @dataclass(frozen=True)
 class Recompute:
     fn: Callable[..., Tensor]
@@ -33,24 +47,33 @@ class Recompute:
         """The tensors among the arguments, in order: what the backward needs kept."""
         return [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, Tensor)]
 
+    def without_tensors(self) -> Recompute:
+        """The same recipe with a `SLOT` where each tensor was (what a node keeps; `run`
+        takes the tensors back in the same order)."""
+        slot = lambda a: SLOT if isinstance(a, Tensor) else a  # noqa: E731
+        return Recompute(self.fn, tuple(slot(a) for a in self.args), {k: slot(v) for k, v in self.kwargs.items()},
+                         self.shape)
+
     def run(self, tensors: list[Tensor] | None = None) -> Tensor:
-        """`fn` on the arguments (the tensors among them replaced by `tensors`, as the
-        backward gets them back), without autograd, reshaped."""
+        """`fn` on the arguments (the tensors among them, or the slots where they were,
+        replaced by `tensors`, as the backward gets them back), without autograd, reshaped."""
         given = iter(self.tensors() if tensors is None else tensors)
-        args = tuple(next(given) if isinstance(a, Tensor) else a for a in self.args)
-        kwargs = {k: next(given) if isinstance(v, Tensor) else v for k, v in self.kwargs.items()}
+        fill = lambda a: next(given) if isinstance(a, (Tensor, _Slot)) else a  # noqa: E731
+        args = tuple(fill(a) for a in self.args)
+        kwargs = {k: fill(v) for k, v in self.kwargs.items()}
         with torch.no_grad():
             out = self.fn(*args, **kwargs)
         return out if self.shape is None else out.reshape(self.shape)
 
 
 def pack(recompute: Mapping[str, Recompute]) -> tuple[list[Tensor], list[tuple[str, Recompute, int]]]:
-    """(every tensor to save, and per entry its name, recipe and how many of them are its)."""
+    """(every tensor to save, and per entry its name, its recipe without its tensors and how
+    many of them are its)."""
     tensors, layout = [], []
     for name, recipe in recompute.items():
         own = recipe.tensors()
         tensors += own
-        layout.append((name, recipe, len(own)))
+        layout.append((name, recipe.without_tensors(), len(own)))
     return tensors, layout
 
 

@@ -21,6 +21,10 @@ labels, logits_to_keep)` that returns `CausalLMOutputWithPast`, `generate()` thr
   before the head and no logits are made (`logits` is None, as flash-linear-attention's
   models with a fused linear cross-entropy return it): a `[B, T, vocab]` float32 tensor,
   its softmax and its gradient are never held. In evaluation the logits come back too.
+  `num_items_in_batch` (transformers' loss keyword, which its `Trainer` passes because
+  `accepts_loss_kwargs`): the loss is the sum over the scored positions divided by it, the
+  count over every micro-batch of an accumulated step, so that accumulated gradients are
+  those of the whole batch's mean.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ class ArchspecForCausalLM(PreTrainedModel, GenerationMixin):
     # `Block`'s flag (`blocks/lm.py`); the blocks are not transformers' layer class, so its
     # `every_n_layers` does not thin them: `model.set_activation_checkpointing(n)` does.
     supports_gradient_checkpointing = True
+    # `forward` divides the summed loss by `num_items_in_batch` when given: transformers'
+    # Trainer then neither divides by the accumulation steps again nor averages twice
+    accepts_loss_kwargs = True
     _tied_weights_keys = {"model.head.weight": "model.embed.weight"}
 
     def __init__(self, config: ArchspecConfig):
@@ -109,6 +116,7 @@ class ArchspecForCausalLM(PreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast | tuple:
         if input_ids is None or inputs_embeds is not None:
             raise ValueError("ArchspecForCausalLM takes input_ids (not inputs_embeds)")
+        num_items = _items(kwargs.pop("num_items_in_batch", None))
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, ArchspecCache):
             raise ValueError(f"ArchspecForCausalLM keeps its state in an ArchspecCache, got {type(cache).__name__}")
@@ -126,7 +134,7 @@ class ArchspecForCausalLM(PreTrainedModel, GenerationMixin):
         if state is not None and padded:
             raise ValueError("a continuation's new tokens must all be real (attention_mask 1): padding belongs to the prompt")
         if labels is not None and self.training and state is None and not padded and not use_cache and not logits_to_keep:
-            loss = self._training_loss(input_ids, labels)
+            loss = self._training_loss(input_ids, labels, num_items)
             output = CausalLMOutputWithPast(loss=loss, logits=None)
             return output if return_dict is not False else output.to_tuple()
         if state is not None and (T == 1 or attention):
@@ -150,14 +158,19 @@ class ArchspecForCausalLM(PreTrainedModel, GenerationMixin):
             if logits.shape[1] != T:
                 raise ValueError("labels need the logits of every position: leave logits_to_keep at 0")
             scores = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least
-            loss = F.cross_entropy(scores.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+            pairs = (scores.flatten(0, 1), labels[:, 1:].flatten())
+            if num_items is None:
+                loss = F.cross_entropy(*pairs, ignore_index=IGNORE_INDEX)
+            else:
+                loss = F.cross_entropy(*pairs, ignore_index=IGNORE_INDEX, reduction="sum") / max(num_items, 1)
         output = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
         return output if return_dict is not False else output.to_tuple()
 
-    def _training_loss(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+    def _training_loss(self, input_ids: Tensor, labels: Tensor, num_items: int | None = None) -> Tensor:
         """The mean next-token loss without logits (`blocks/loss.py`): position t predicts
         `labels[:, t + 1]`; the ids and the shifted labels are checked and counted in one
-        host read before the first layer, as `LanguageModel.forward` does."""
+        host read before the first layer, as `LanguageModel.forward` does. With `num_items`
+        the summed loss is divided by it instead of by this batch's count."""
         from archspec.blocks.loss import checked_scored_labels, next_token_loss
 
         if labels.shape != input_ids.shape:
@@ -166,7 +179,7 @@ class ArchspecForCausalLM(PreTrainedModel, GenerationMixin):
         scored = checked_scored_labels(input_ids, shifted, self.model.plan.vocab_size)
         hidden, _ = self.model.hidden_states(input_ids)
         return next_token_loss(hidden, self.model.head.weight, shifted, backend=self.model.fused_backend,
-                               scored_rows=scored)
+                               scored_rows=scored if num_items is None else num_items)
 
     def _prefill_rows(self, input_ids: Tensor, mask: Tensor, capacity: int) -> tuple[Tensor, list]:
         """A padded batch through `blocks.generate.prefill`: each row's real tokens as a
@@ -194,3 +207,13 @@ class ArchspecForCausalLM(PreTrainedModel, GenerationMixin):
         out = hidden.new_zeros(*input_ids.shape, hidden.shape[-1])
         out[mask] = hidden[0]
         return out, new_state
+
+
+def _items(num_items_in_batch) -> int | None:
+    """transformers' `num_items_in_batch` (an int or a one-element tensor) as an int."""
+    if num_items_in_batch is None:
+        return None
+    count = int(num_items_in_batch)
+    if count < 0:
+        raise ValueError(f"num_items_in_batch must be >= 0, got {count}")
+    return count

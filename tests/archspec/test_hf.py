@@ -159,6 +159,17 @@ def test_training_loss_makes_no_logits_and_equals_the_logits_cross_entropy(path,
     want = [ref.loss, *torch.autograd.grad(ref.loss, list(wrapped.parameters()))]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # transformers' loss keyword: an accumulated step of two such micro-batches counts twice
+    # the scored positions, and each micro-batch's loss is its sum over that count
+    assert wrapped.accepts_loss_kwargs
+    twice = int(keep.sum()) * 2
+    for mode in ("train", "eval"):
+        getattr(wrapped, mode)()
+        half = wrapped(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(twice)).loss
+        torch.testing.assert_close(half, ref.loss / 2, rtol=1e-12, atol=1e-12)
+        grads = torch.autograd.grad(half, list(wrapped.parameters()))
+        for a, b in zip(grads, want[1:]):
+            torch.testing.assert_close(a, b / 2, rtol=1e-10, atol=1e-12)
     wrapped.train()
     bad = labels.clone()
     bad[1, 5] = 999

@@ -138,3 +138,36 @@ def test_gpu_checkpointed_step_equals_the_plain_step(name):
     names = ["loss", *(n for n, _ in model.named_parameters())]
     for pname, a, b in zip(names, *runs):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5, msg=lambda e, p=pname: f"{p}: {e}")
+
+
+def test_a_checkpointed_block_keeps_no_recipe_tensor_alive(monkeypatch):
+    """The recurrence keeps its recipes' tensors as saved tensors only (what its node keeps of
+    a recipe holds none), so a checkpoint frees them after the forward like every other
+    saved tensor; without checkpointing they live until the backward."""
+    import gc
+    import weakref
+
+    from archspec.kernels.recompute import Recompute
+
+    recorded: list[weakref.ref] = []
+    original = Recompute.__init__
+
+    def recording(self, fn, args=(), kwargs=None, shape=None):
+        original(self, fn, args, {} if kwargs is None else kwargs, shape)
+        recorded.extend(weakref.ref(t) for t in self.tensors() if not isinstance(t, torch.nn.Parameter))
+
+    monkeypatch.setattr(Recompute, "__init__", recording)
+    torch.manual_seed(0)
+    model = build_model(model_plan(COMBINATIONS["kda-channel"], layers=2)).train()
+    model.set_backend("triton")
+    ids, labels, _ = _batch(False)
+    alive = {}
+    for every in (0, 1):
+        model.set_activation_checkpointing(every)
+        recorded.clear()
+        loss = model(ids, labels=labels)
+        gc.collect()
+        alive[every] = sum(ref() is not None for ref in recorded)
+        assert recorded, "the Triton path made no recipes"
+        loss.backward()
+    assert alive[0] > 0 and alive[1] == 0, alive

@@ -90,16 +90,19 @@ def check_fits(
     training: bool = False,
     what: str = "the module",
     free: int | None = None,
+    checkpoint_every: int = 0,
 ) -> MemoryEstimate:
     """Raise `ArchspecError` when `plan` surely does not fit on `device`; return the estimate.
 
+    `checkpoint_every`: the training step checkpoints every n-th block (0: none).
     `free` overrides the measured free memory (tests). Where free memory cannot be told
     nothing is refused. A model built on the CPU and moved to CUDA needs its weights on
     the CPU first: callers check both.
     """
     device = torch.device(device)
     activation_bytes = 2 if (training and device.type == "cuda") else 4  # the trainer's bfloat16 autocast on CUDA
-    estimate = estimate_memory(plan, batch=batch, seq_len=seq_len, training=training, activation_bytes=activation_bytes)
+    estimate = estimate_memory(plan, batch=batch, seq_len=seq_len, training=training, activation_bytes=activation_bytes,
+                               checkpoint_every=checkpoint_every)
     available = free_bytes(device) if free is None else free
     if available is not None and estimate.total > available:
         where = "this machine's memory" if device.type == "cpu" else str(device)

@@ -22,6 +22,11 @@ counts
   an output gate, the gate's pre-activation (`2 heads D + 2 kv_heads D`, `+ heads D`);
   its scores are left out (a flash kernel does not keep them).
 
+With activation checkpointing every n-th block (`checkpoint_every`; `LanguageModel.
+set_activation_checkpointing`), a checkpointed block keeps only its inputs (the residual
+stream and the output not yet added to it, `2 d_model`), and its activations exist one
+block at a time, while its backward runs: the most of them is added once.
+
 It leaves out what a backend may avoid holding (the logits, with a fused loss; the
 chunks' score matrices), the optimizer's and allocator's temporaries, and evaluation.
 `tests/blocks/test_memory.py` checks the bound against the tensors autograd really saves
@@ -85,8 +90,9 @@ def _attention_elements(a: AttentionPlan, d: int) -> int:
     return 2 * d + q_and_output + keys_and_values + gate
 
 
-def activation_elements_per_token(plan: ModelPlan) -> int:
-    """Elements autograd must keep per token of a training step (see the module docstring)."""
+def activation_elements_per_token(plan: ModelPlan, checkpoint_every: int = 0) -> int:
+    """Elements autograd must keep per token of a training step (see the module docstring),
+    with every `checkpoint_every`-th block checkpointed (0: none)."""
     d = plan.d_model
     if plan.mlp == "none":
         mlp = 0
@@ -94,22 +100,24 @@ def activation_elements_per_token(plan: ModelPlan) -> int:
         hidden = mlp_hidden_size(plan.mlp, d, plan.mlp_ratio)
         # SwiGLU's gate and up (their product is kept by the torch path only), GELU's two
         mlp = d + 2 * hidden
-    layers = sum(
-        _attention_elements(layer, d) if isinstance(layer, AttentionPlan) else _recurrent_elements(layer, d)
-        for layer in plan.layer_plans
-    )
-    return layers + plan.layers * mlp + d
+    blocks = [(_attention_elements(layer, d) if isinstance(layer, AttentionPlan) else _recurrent_elements(layer, d)) + mlp
+              for layer in plan.layer_plans]
+    checkpointed = [checkpoint_every > 0 and i % checkpoint_every == 0 for i in range(len(blocks))]
+    kept = sum(2 * d if c else block for block, c in zip(blocks, checkpointed))
+    recomputed = max((block for block, c in zip(blocks, checkpointed) if c), default=0)  # one block's at a time
+    return kept + recomputed + d
 
 
 def estimate_memory(
-    plan: ModelPlan, *, batch: int = 0, seq_len: int = 0, training: bool = False, activation_bytes: int = 4
+    plan: ModelPlan, *, batch: int = 0, seq_len: int = 0, training: bool = False, activation_bytes: int = 4,
+    checkpoint_every: int = 0,
 ) -> MemoryEstimate:
     """The memory a module of `plan` needs at least: its weights, or a training step on
     `[batch, seq_len]` tokens with activations of `activation_bytes` each (4 for float32,
-    2 under bfloat16 autocast)."""
+    2 under bfloat16 autocast), every `checkpoint_every`-th block checkpointed (0: none)."""
     params = count_params(plan)
     weights = params * WEIGHT_BYTES
     if not training:
         return MemoryEstimate(params, weights, 0, 0)
-    activations = batch * seq_len * activation_elements_per_token(plan) * activation_bytes
+    activations = batch * seq_len * activation_elements_per_token(plan, checkpoint_every) * activation_bytes
     return MemoryEstimate(params, weights, (TRAINING_COPIES - 1) * weights, activations)

@@ -45,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--target", type=float, help="early-stop threshold of the task's validation metric; 0 never stops")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--backend", choices=("torch", "triton", "naive"), help="force a kernel backend (default auto)")
+    p.add_argument("--activation-checkpointing", type=int, default=0, metavar="N",
+                   help="keep only every N-th block's inputs and run its forward again in the backward: the same "
+                   "gradients in less memory (default 0: none)")
     p.add_argument("--diagnostics", action="store_true", help="effective rank, residual ratio q_t, factor norms, and their plot")
     p.add_argument("--no-throughput", action="store_true", help="skip measuring tokens_per_s and peak_mem_bytes")
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")
@@ -145,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         measure_throughput=not args.no_throughput,
         resume=args.resume,
+        activation_checkpointing=args.activation_checkpointing,
     )
     console = Console(stderr=result.status != "ok")
     if not args.quiet:

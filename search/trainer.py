@@ -238,12 +238,17 @@ def train(
     progress_label: str | None = None,
     on_validation: Callable[[int, dict[str, float]], None] | None = None,
     data_parallel: Any = None,
+    activation_checkpointing: int = 0,
 ) -> TrainResult:
     """Train `spec` on `task` (a `Task` or a name for `get_task(name, preset, **task_options)`).
 
     `steps`, `batch_size`, `lr`, `warmup_steps`, `eval_every` override the task preset;
     `target` overrides the early-stop threshold (0 disables early stopping); `backend`
-    forces a kernel backend (`torch`, `naive`, `triton`). `time_limit_s` ends the
+    forces a kernel backend (`torch`, `naive`, `triton`). `activation_checkpointing` n
+    checkpoints every n-th block (`LanguageModel.set_activation_checkpointing`; 0: none):
+    the same gradients for less memory and a forward more of those blocks, so the memory
+    check and the measured `peak_mem_bytes` and `tokens_per_s` are those of that training,
+    and a resume may change it. `time_limit_s` ends the
     optimisation early (then evaluates as usual; `train.time_limited` in metrics.json).
     With `out_dir`, the weights are saved unless `save_weights=False`; `resume=True`
     continues the unfinished run in `out_dir` from its last validation (the same
@@ -263,16 +268,22 @@ def train(
         raise ArchspecError("task_options apply when the task is given by name")
     device = resolve_device(device)
     config = _config(task, steps, batch_size, lr, warmup_steps, eval_every, target)
+    if isinstance(activation_checkpointing, bool) or not isinstance(activation_checkpointing, int) \
+            or activation_checkpointing < 0:
+        raise ArchspecError(f"bad training settings: activation_checkpointing must be an integer >= 0 (every n-th "
+                            f"block; 0: none), got {activation_checkpointing!r}")
     if data_parallel is not None:
         data_parallel.rows(config.batch_size)  # refuses a global batch too small to split
     overrides = list(overrides)  # read twice: for the memory check, then to build
 
-    _check_fits(spec, task, overrides, config, device)
+    _check_fits(spec, task, overrides, config, device, activation_checkpointing)
     torch.manual_seed(seed)
     built = build_model_for_task(spec, task, overrides)
     model = built.model.to(device)
     if backend is not None:
         model.set_backend(backend)
+    if activation_checkpointing:
+        model.set_activation_checkpointing(activation_checkpointing)
     # What the loop steps: the model, or the model in DDP (whose backward averages the
     # ranks' gradients); evaluation, checkpoints and weights use the model itself.
     stepper = model if data_parallel is None else data_parallel.wrap(model)
@@ -294,7 +305,8 @@ def train(
         "spec_source": spec_label if spec_label is not None else (str(spec) if isinstance(spec, (str, os.PathLike)) else None),
         "task": task.describe(),
         "train": {**dataclasses.asdict(config), "seed": seed, "device": str(device), "preset": preset,
-                  "data_parallel": 1 if data_parallel is None else data_parallel.world_size},
+                  "data_parallel": 1 if data_parallel is None else data_parallel.world_size,
+                  "activation_checkpointing": activation_checkpointing},
     }
     metrics: dict[str, float] = cost_metrics(built.plan, device)
 
@@ -375,14 +387,16 @@ def train(
     return result
 
 
-def _check_fits(spec: Any, task: Task, overrides: Iterable[Any], config: TrainConfig, device: torch.device) -> None:
+def _check_fits(spec: Any, task: Task, overrides: Iterable[Any], config: TrainConfig, device: torch.device,
+                checkpoint_every: int = 0) -> None:
     """Refuse a model that surely cannot be built or trained here, before building it."""
     from archspec.memory import check_fits
 
     plan, _ = plan_for_task(spec, task, overrides)
     what = f"spec {plan.name!r}"
     check_fits(plan, "cpu", what=what)  # built on the CPU, then moved
-    check_fits(plan, device, batch=config.batch_size, seq_len=task.train_len, training=True, what=what)
+    check_fits(plan, device, batch=config.batch_size, seq_len=task.train_len, training=True, what=what,
+               checkpoint_every=checkpoint_every)
 
 
 def _config(

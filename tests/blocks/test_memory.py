@@ -74,6 +74,44 @@ def test_activations_scale_with_the_tokens_and_vanish_without_training():
     assert built_only.total == built_only.weights == one.weights
 
 
+def test_checkpointed_blocks_keep_their_inputs_and_one_block_at_a_time():
+    """With every n-th block checkpointed, each of those keeps only its two inputs (2 d_model
+    a token), and the most any of them holds comes back once, while its backward runs."""
+    plan = archspec.lower(archspec.load_spec(REPO / "specs" / "models" / "qwen3-next-hybrid.yaml", SMALL))
+    d = plan.d_model
+    plain = estimate_memory(plan, batch=2, seq_len=64, training=True)
+    assert estimate_memory(plan, batch=2, seq_len=64, training=True, checkpoint_every=0) == plain
+    per_token = {n: estimate_memory(plan, batch=1, seq_len=1, training=True, checkpoint_every=n).activations // 4
+                 for n in (0, 1, 2, 3)}
+    assert per_token[1] < per_token[2] < per_token[0] and per_token[3] < per_token[0]
+    # every block checkpointed: the inputs of each and the final norm's input, and one
+    # block's activations on top (more than none of them, less than all of them)
+    inputs = plan.layers * 2 * d + d
+    assert inputs < per_token[1] < inputs + (per_token[0] - d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["deltanet", "qwen3-next-hybrid"])
+def test_the_checkpointed_estimate_stays_below_a_real_checkpointed_step_on_cuda(name):
+    plan = archspec.lower(archspec.load_spec(REPO / "specs" / "models" / f"{name}.yaml"))
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    model = build_model(plan).to(device)
+    model.set_activation_checkpointing(1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch, seq_len = 8, 512
+    ids = torch.randint(0, plan.vocab_size, (batch, seq_len), device=device)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(ids, labels=torch.roll(ids, -1, 1))
+    loss.backward()
+    optimizer.step()
+    peak = torch.cuda.max_memory_allocated(device) - start
+    estimate = estimate_memory(plan, batch=batch, seq_len=seq_len, training=True, activation_bytes=2, checkpoint_every=1)
+    assert estimate.total <= peak <= 20 * estimate.total, (estimate, peak)
+
+
 def test_huge_specs_are_priced_without_building_anything():
     plan = archspec.lower(archspec.load_spec(REPO / "specs" / "models" / "deltanet.yaml", ["mixer.heads=1e9"]))
     estimate = estimate_memory(plan, batch=8, seq_len=512, training=True)

@@ -154,7 +154,7 @@ report: [token_acc@16, seq_acc@61]
     found = {(field, message.split(":")[0]) for _, field, message in problems(path, load_experiment)}
     assert found == {
         ("train.lrr", "the trainer has no option 'lrr'; it takes steps, batch_size, lr, warmup_steps, eval_every, target, "
-                      "backend, measure_throughput, time_limit_s, save_weights, resume"),
+                      "backend, measure_throughput, time_limit_s, save_weights, resume, activation_checkpointing"),
         ("runs[1].sets", "unknown key 'sets' (did you mean set?); valid keys here"),
         ("runs[2]", "the run's spec does not validate"),
         ("runs[3].spec", "no such model spec 'missing.yaml' (relative to the experiment file)"),

@@ -90,6 +90,27 @@ def test_deterministic_under_a_seed():
     assert losses[0] != losses[2]
 
 
+def test_activation_checkpointing_trains_the_same_run(tmp_path, capsys):
+    """Checkpointing changes memory, not the mathematics: every logged loss and the final
+    metrics are the plain run's (CPU, deterministic), it is recorded, and a bad value is a
+    clear error; the CLI takes it too."""
+    two_layers = [*TINY[1:], "model.layers=2"]
+    runs = [trainer.train(DELTANET, tiny_s3(), steps=5, seed=3, overrides=two_layers, quiet=True,
+                          measure_throughput=False, activation_checkpointing=n) for n in (0, 1)]
+    assert [h["loss"] for h in runs[0].record["history"]] == [h["loss"] for h in runs[1].record["history"]]
+    assert _strip_timing(runs[0].metrics) == _strip_timing(runs[1].metrics)
+    assert [r.record["train"]["activation_checkpointing"] for r in runs] == [0, 1]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(archspec.errors.ArchspecError, match="activation_checkpointing must be an integer >= 0"):
+            trainer.train(DELTANET, tiny_s3(), steps=1, overrides=TINY, quiet=True, measure_throughput=False,
+                          activation_checkpointing=bad)
+    out = tmp_path / "run"
+    code = main(["train", DELTANET, "--task", "s3", "--steps", "2", "--quiet", "--no-throughput", "--out", str(out),
+                 "--activation-checkpointing", "1", *(x for o in two_layers for x in ("--set", o))])
+    assert code == 0
+    assert json.loads((out / "metrics.json").read_text())["train"]["activation_checkpointing"] == 1
+
+
 class _NaNAfter(nn.Module):
     """Wraps a model; from the `at`-th training forward on, its logits are NaN."""
 

@@ -7,7 +7,8 @@ first and refuses with every problem found, naming each file:
 
 - every trial record parses and is a record of its folder's trial (`RunDir.read_trials`);
 - `study.db` is a regular file, an intact SQLite database (`PRAGMA quick_check`, opened
-  read-only), an Optuna storage holding the search's study (named after it, or
+  read-only, after SQLite's own recovery of a write a kill cut off: `_roll_back_cut_write`),
+  an Optuna storage holding the search's study (named after it, or
   `archspec` in runs made before) with its objectives, and it knows every trial the files record, each with the same point;
 - `trials/` and `ray/` are directories where they exist.
 
@@ -81,8 +82,31 @@ def study_problems(run: RunDir, spec: SearchSpec, records: list[TrialRecord]) ->
     return problems
 
 
+def _roll_back_cut_write(file: Any) -> str | None:
+    """A write cut off by a kill leaves its rollback journal (`study.db-journal`) hot, and
+    a read-only connection refuses the database ("attempt to write a readonly database"):
+    SQLite must first roll the journal back. One read-write read lets it, its own recovery,
+    which restores the last committed state (what the resumed study's first read would do
+    anyway; no committed trial is touched). Why it could not, or None."""
+    if not file.with_name(file.name + "-journal").exists():
+        return None
+    try:
+        connection = sqlite3.connect(file)
+        try:
+            connection.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        finally:
+            connection.close()
+    except sqlite3.Error as exc:
+        return f"an interrupted write's journal could not be rolled back ({exc})"
+    return None
+
+
 def _sqlite_problem(file: Any) -> str | None:
-    """Why `file` is not an intact SQLite database, read without changing it."""
+    """Why `file` is not an intact SQLite database, read without changing it (beyond the
+    rollback of a write a kill cut off, `_roll_back_cut_write`)."""
+    reason = _roll_back_cut_write(file)
+    if reason:
+        return reason
     try:
         connection = sqlite3.connect(f"{file.resolve().as_uri()}?mode=ro", uri=True)
     except sqlite3.Error as exc:

@@ -435,3 +435,43 @@ def test_a_broken_metrics_file_in_an_experiment_is_named(tmp_path, capsys, conte
     assert main(["experiment", str(exp), "--out", str(tmp_path / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert f"{broken}: " in err and words in err and "delete it to train that run again" in err and "Traceback" not in err
+
+
+def test_a_write_cut_off_by_a_kill_is_rolled_back_not_called_damage(tmp_path):
+    """kill -9 in the middle of a study write leaves SQLite's rollback journal hot, and a
+    read-only connection refuses such a database ("attempt to write a readonly
+    database"): the resume check lets SQLite roll it back and finds the last committed
+    study, untouched, instead of refusing it as damaged."""
+    import sqlite3
+    import subprocess
+    import sys
+
+    from archspec.search.runcheck import _sqlite_problem
+
+    file = tmp_path / "study.db"
+    study = optuna.create_study(study_name="t", storage=f"sqlite:///{file}", directions=["maximize", "minimize"])
+    study.add_trial(optuna.trial.create_trial(values=[0.5, 10.0]))
+    # a writer that dies mid-transaction: its cache is too small to hold the changes, so
+    # they reach the database file, with the original pages in the journal
+    crash = f"""
+import os, sqlite3
+db = sqlite3.connect({str(file)!r}, isolation_level=None)
+db.execute("PRAGMA cache_size=1")
+db.execute("BEGIN IMMEDIATE")
+db.execute("CREATE TABLE filler (x BLOB)")
+for _ in range(64):
+    db.execute("INSERT INTO filler VALUES (randomblob(4096))")
+db.execute("UPDATE trials SET state = 'FAIL'")
+os._exit(0)
+"""
+    subprocess.run([sys.executable, "-c", crash], check=True)
+    journal = file.with_name("study.db-journal")
+    assert journal.exists() and journal.stat().st_size > 0
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):  # what the check met before
+        with sqlite3.connect(f"{file.as_uri()}?mode=ro", uri=True) as db:
+            db.execute("PRAGMA quick_check").fetchone()
+    assert _sqlite_problem(file) is None
+    with sqlite3.connect(file) as db:
+        tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        states = [state for (state,) in db.execute("SELECT state FROM trials")]
+    assert "filler" not in tables and states == ["COMPLETE"]  # the last committed study

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from archspec.blocks.gates import ChannelGate, ScalarGate
-from archspec.blocks.lm import INIT_STD
+from archspec.blocks.lm import init_weights
 from archspec.blocks.plan import RecurrencePlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,9 +111,7 @@ def initialised_log_decay(plan: RecurrencePlan, B: int, T: int, H: int, K: int, 
             gate = ChannelGate(INIT_GATE_D_MODEL, H, K, rank=V, form=plan.decay)
         else:
             gate = ScalarGate(INIT_GATE_D_MODEL, H, form=plan.decay)
-        for module in gate.modules():
-            if isinstance(module, torch.nn.Linear):
-                torch.nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+        init_weights(gate, layers=1)  # a gate has no residual output: every weight N(0, INIT_STD)
         rows = torch.randn(B, T, INIT_GATE_D_MODEL)
         with torch.no_grad():
             return gate(rows).float()

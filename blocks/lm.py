@@ -59,6 +59,16 @@ RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
 CHECKPOINT = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
 
 
+def init_weights(root: nn.Module, layers: int) -> None:
+    """The LM's initialisation (module docstring) of every linear and embedding weight in
+    `root`, a stack of `layers` blocks: N(0, INIT_STD), the residual outputs scaled down."""
+    residual_std = INIT_STD / math.sqrt(2 * layers)
+    for name, module in root.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = residual_std if name.rsplit(".", 1)[-1] in RESIDUAL_OUTPUTS else INIT_STD
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+
+
 def sequence_mixer(layer: LayerPlan, d_model: int, norm_eps: float, depth: float = 0.5) -> Mixer | Attention:
     """The module of one layer plan; `depth` its place in the stack (0 first, 1 last)."""
     if isinstance(layer, AttentionPlan):
@@ -123,11 +133,7 @@ class LanguageModel(nn.Module):
             self.head.weight = self.embed.weight
 
     def _init_weights(self) -> None:
-        residual_std = INIT_STD / math.sqrt(2 * self.plan.layers)
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if name.rsplit(".", 1)[-1] in RESIDUAL_OUTPUTS else INIT_STD
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+        init_weights(self, self.plan.layers)
 
     def sequence_mixers(self) -> list[Mixer | Attention]:
         """Each layer's sequence mixer, bottom first: a `Mixer` or an `Attention`."""

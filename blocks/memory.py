@@ -7,20 +7,22 @@ counts
 - the weights (`count_params` x bytes per weight), and when training, their gradients
   and AdamW's two moments: 4 copies in all;
 - when training, one step's activations that autograd must keep for the backward, per
-  token and layer: the block's input and the mixer's normalised input (`2 d_model`),
-  the projected streams (the stream widths once: the Triton path keeps them before their
+  token and layer: the mixer's normalised input (`d_model`; on CUDA the pre-norm keeps
+  its output, which the projections keep anyway, instead of the residual stream), the
+  projected streams (the stream widths once: the Triton path keeps them before their
   conv and forms the conv's output again in the recurrence's backward; twice without a
-  conv, before and after the SiLU),
-  the recurrence's output (`H V`: the output norm's input), RWKV-7's erase
-  vectors and their gate (`2 n_h H K`), the decay (`H`, or `H K` per channel), the
-  state at each chunk boundary (`H K V` per chunk, of the longer chunks of the two
-  backends), and the MLP's input and hidden activations (`d_model + 2 hidden`: SwiGLU's
-  gate and up, whose product the fused path forms again; GELU's input and output); plus
-  the final norm's input.
-  An attention layer of a hybrid stack keeps, besides the block's input and normalised
-  input, its queries, keys and values after RoPE, its output before `o_proj` and, with
-  an output gate, the gate's pre-activation (`2 heads D + 2 kv_heads D`, `+ heads D`);
-  its scores are left out (a flash kernel does not keep them).
+  conv, before and after the SiLU), the recurrence's output (`H V`: the output norm's
+  input), RWKV-7's erase vectors and their gate (`2 n_h H K`), the decay (`H`, or `H K`
+  per channel), what the recurrence keeps of each chunk (the torch backend: the state at
+  its boundary, `H K V`; the Triton kernel: the inverse of its triangular system,
+  `H BT x BT` for `BT` sub-steps, none for a diagonal transition; the smaller of the
+  two), and the MLP's input and hidden activations (`d_model + 2 hidden`: SwiGLU's gate
+  and up, whose product the fused path forms again; GELU's input and output); plus the
+  final norm's output, the loss's input.
+  An attention layer of a hybrid stack keeps, besides its normalised input, its queries,
+  keys and values after RoPE, its output before `o_proj` and, with an output gate, the
+  gate's pre-activation (`2 heads D + 2 kv_heads D`, `+ heads D`); its scores are left
+  out (a flash kernel does not keep them).
 
 With activation checkpointing every n-th block (`checkpoint_every`; `LanguageModel.
 set_activation_checkpointing`), a checkpointed block keeps only its inputs (the residual
@@ -30,15 +32,16 @@ block at a time, while its backward runs: the most of them is added once.
 It leaves out what a backend may avoid holding (the logits, with a fused loss; the
 chunks' score matrices), the optimizer's and allocator's temporaries, and evaluation.
 `tests/blocks/test_memory.py` checks the bound against the tensors autograd really saves
-on the torch backend: at or below them, and within a factor of 3.5 of them, for every
-shipped design (up to about 6 where a large vocabulary's logits dominate a small model).
+for every shipped design: at or below them on the torch backend (float32), and on the
+Triton path under bfloat16 autocast (the CUDA training step's functions) at or below
+them and within a factor of 2 of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from archspec.kernels.chunking import torch_tokens_per_chunk, triton_tokens_per_chunk
+from archspec.kernels.chunking import TRITON_CHUNK_SIZE, torch_tokens_per_chunk, triton_tokens_per_chunk
 
 from .cost import count_params
 from .mixer import stream_widths
@@ -64,30 +67,34 @@ class MemoryEstimate:
 
 
 def _recurrent_elements(m: RecurrencePlan, d: int) -> int:
-    """Per token, what one recurrent layer's mixer keeps (with the block's two inputs)."""
-    # Both backends keep the state at every chunk boundary; the longer chunk of the two
-    # keeps fewer, and a lower bound must hold for either.
-    chunk = max(torch_tokens_per_chunk(m.n_h, delta=m.transition != "diagonal"), triton_tokens_per_chunk(m.n_h))
+    """Per token, what one recurrent layer's mixer keeps (with its normalised input)."""
+    # Per chunk, the torch backend keeps the state at its boundary; the Triton kernel forms
+    # the states again in its backward and keeps the inverse of each chunk's triangular
+    # system (`TRITON_CHUNK_SIZE` sub-steps square), which a diagonal transition has not. A
+    # lower bound must hold for either.
+    delta = m.transition != "diagonal"
+    torch_states = -(-m.heads * m.head_dim * m.value_dim // torch_tokens_per_chunk(m.n_h, delta=delta))
+    triton_inverses = -(-m.heads * TRITON_CHUNK_SIZE**2 // triton_tokens_per_chunk(m.n_h)) if delta else 0
+    per_chunk = min(torch_states, triton_inverses)
     # the streams once (the torch path keeps them after their conv too; the Triton path
     # forms the conv's output again, `kernels.Recompute`), the output norm's input; its
     # normalised rows are kept by the torch path only (the fused read-out forms them again
     # in the backward, `kernels.rms_norm_linear`)
     kept_streams = 1 if m.short_conv else 2  # without a conv, SiLU's input and output are both kept
-    mixer = 2 * d + kept_streams * sum(stream_widths(m).values()) + m.heads * m.value_dim
+    mixer = d + kept_streams * sum(stream_widths(m).values()) + m.heads * m.value_dim
     # what the kernel keeps besides the streams: RWKV-7's erase vectors (and the gate
     # values they are made of), the decay per head (scalar) or per key channel
     mixer += 2 * m.n_h * m.heads * m.head_dim if m.erase else 0
     mixer += {"none": 0, "scalar": m.heads, "channel": m.heads * m.head_dim}[m.gate]
-    states = -(-m.heads * m.head_dim * m.value_dim // chunk)  # one K x V state per head per chunk
-    return mixer + states
+    return mixer + per_chunk
 
 
 def _attention_elements(a: AttentionPlan, d: int) -> int:
-    """Per token, what one attention layer keeps (with the block's two inputs)."""
+    """Per token, what one attention layer keeps (with its normalised input)."""
     q_and_output = 2 * a.heads * a.head_dim
     keys_and_values = 2 * a.kv_heads * a.head_dim
     gate = a.heads * a.head_dim if a.output_gate else 0
-    return 2 * d + q_and_output + keys_and_values + gate
+    return d + q_and_output + keys_and_values + gate
 
 
 def activation_elements_per_token(plan: ModelPlan, checkpoint_every: int = 0) -> int:

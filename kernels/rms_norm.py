@@ -12,6 +12,12 @@ addition fused into the same kernels (forward and backward) on CUDA.
 The output dtype is the caller's (`out_dtype`): under bfloat16 autocast the norm writes
 bfloat16 rows for the projection that reads them, so the float32 residual stream is read
 once and no float32 copy of the normalised rows is kept for the backward.
+
+The ungated norm's CUDA path keeps its output, not its input, for the backward
+(`keeps_output`): the rows come back as `y / w`. The projection after a pre-norm keeps
+`y` anyway, so a pre-norm costs its backward one float a row instead of the float32
+residual stream (4 bytes a feature, twice a block); the weight's magnitude is floored at
+1e-12 for it (`triton/rms_norm.py`), within float32's rounding of the definition.
 """
 
 from __future__ import annotations
@@ -24,6 +30,16 @@ from .fused import resolve_fused_backend
 Tensor = torch.Tensor
 
 GATE_ACTIVATIONS = ("none", "silu", "sigmoid")
+
+# Output dtypes with float32's exponent range: `x * rstd * w` keeps every row value that
+# matters as a normal number, so the backward can read the rows back from the output.
+# float16 (smallest normal 6e-5) would flush small values, so its norms keep their input.
+OUTPUT_KEEPING_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+
+
+def keeps_output(activation: str, out_dtype: torch.dtype) -> bool:
+    """Whether the CUDA path keeps the norm's output for its backward instead of its input."""
+    return activation == "none" and out_dtype in OUTPUT_KEEPING_DTYPES
 
 
 def rms_norm_ref(x: Tensor, weight: Tensor, gate: Tensor | None = None, *, eps: float = 1e-6,
@@ -47,18 +63,21 @@ class _RMSNormTriton(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
         g2 = None if gate is None else gate.reshape(-1, shape[-1]).contiguous()
-        y, rstd, _ = rms_norm_forward_triton(x2, weight.contiguous(), g2, eps, activation, out_dtype)
-        ctx.save_for_backward(x2, weight, g2, rstd)
-        ctx.activation, ctx.shape = activation, shape
+        from_output = keeps_output(activation, out_dtype)
+        y, rstd, _ = rms_norm_forward_triton(x2, weight.contiguous(), g2, eps, activation, out_dtype,
+                                             floor_weight=from_output)
+        ctx.save_for_backward(y if from_output else x2, weight, g2, rstd)
+        ctx.activation, ctx.shape, ctx.from_output, ctx.x_dtype = activation, shape, from_output, x.dtype
         return y.reshape(shape)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         from .triton.rms_norm import rms_norm_backward_triton
 
-        x2, weight, g2, rstd = ctx.saved_tensors
+        rows, weight, g2, rstd = ctx.saved_tensors
         dx, dgate, dw, _ = rms_norm_backward_triton(
-            x2, weight.contiguous(), g2, rstd, dy.reshape(x2.shape).contiguous(), ctx.activation
+            rows, weight.contiguous(), g2, rstd, dy.reshape(rows.shape).contiguous(), ctx.activation,
+            from_output=ctx.from_output, x_dtype=ctx.x_dtype,
         )
         shape = ctx.shape
         return dx.reshape(shape), dw.to(weight.dtype), None if dgate is None else dgate.reshape(shape), None, None, None
@@ -91,23 +110,27 @@ class _AddRMSNormTriton(torch.autograd.Function):
 
         shape = x.shape
         residual_dtype = torch.promote_types(x.dtype, h.dtype)
+        from_output = keeps_output("none", out_dtype)
         y, rstd, r = rms_norm_forward_triton(x.reshape(-1, shape[-1]).contiguous(), weight.contiguous(), None, eps,
                                              "none", out_dtype, h=h.reshape(-1, shape[-1]).contiguous(),
-                                             residual_dtype=residual_dtype)
-        ctx.save_for_backward(r, weight, rstd)
-        ctx.shape, ctx.x_dtype, ctx.h_dtype = shape, x.dtype, h.dtype
+                                             residual_dtype=residual_dtype, floor_weight=from_output)
+        ctx.save_for_backward(y if from_output else r, weight, rstd)
+        ctx.shape, ctx.x_dtype, ctx.h_dtype, ctx.residual_dtype = shape, x.dtype, h.dtype, residual_dtype
+        ctx.from_output = from_output
         return y.reshape(shape), r.reshape(shape)
 
     @staticmethod
     def backward(ctx, dy: Tensor | None, d_residual: Tensor | None):
         from .triton.rms_norm import rms_norm_backward_triton
 
-        r, weight, rstd = ctx.saved_tensors
+        rows, weight, rstd = ctx.saved_tensors
         if dy is None:
-            dy = torch.zeros(r.shape, device=r.device, dtype=r.dtype)
-        dr = None if d_residual is None else d_residual.reshape(r.shape).to(r.dtype).contiguous()
-        dx, _, dw, dh = rms_norm_backward_triton(r, weight.contiguous(), None, rstd, dy.reshape(r.shape).contiguous(),
-                                                 "none", d_residual=dr, h_dtype=ctx.h_dtype)
+            dy = torch.zeros(rows.shape, device=rows.device, dtype=rows.dtype)
+        dr = None if d_residual is None else d_residual.reshape(rows.shape).to(ctx.residual_dtype).contiguous()
+        dx, _, dw, dh = rms_norm_backward_triton(rows, weight.contiguous(), None, rstd,
+                                                 dy.reshape(rows.shape).contiguous(), "none", d_residual=dr,
+                                                 h_dtype=ctx.h_dtype, from_output=ctx.from_output,
+                                                 x_dtype=ctx.residual_dtype)
         shape = ctx.shape
         return dx.to(ctx.x_dtype).reshape(shape), dh.reshape(shape), dw.to(weight.dtype), None, None
 

@@ -3,7 +3,9 @@ gradient.
 
 - Linear cross-entropy: against `F.cross_entropy` on the full float64 logits.
 - RMSNorm (plain, SiLU- and sigmoid-gated): against the formula written out in float64;
-  with the residual stream's addition fused in, against the sum and the formula.
+  with the residual stream's addition fused in, against the sum and the formula; what the
+  ungated norm keeps for its backward (its output), and its gradients where a weight is
+  zero.
 - Short conv + SiLU (+ per-head L2 norm): against a loop over each sequence on its own,
   with carried tails and packed documents.
 - SwiGLU's down projection: against `(g * sigmoid(g) * u) @ W^T` written out in float64.
@@ -218,6 +220,73 @@ def test_add_rms_norm_keeps_a_float32_stream_beside_a_bfloat16_output(backend):
     for g, want in zip(grads, _grads(_rms_norm_definition(ref_r, ref[2], None, "none", 1e-6).sum() + ref_r.sum(), ref)):
         torch.testing.assert_close(g.double(), want, atol=3e-2, rtol=3e-2)
     assert add_rms_norm(x, None, w, backend=backend)[1] is x  # nothing to add: the stream as it is
+
+
+def _saved_storages(run) -> dict[int, torch.Tensor]:
+    """The tensors `run()` keeps for its backward, one per storage."""
+    saved: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return saved, out
+
+
+@pytest.mark.parametrize("with_sum", [True, False])
+def test_an_ungated_norm_keeps_its_bfloat16_output_not_its_float32_rows(with_sum):
+    """A pre-norm under autocast: the float32 stream in, bfloat16 rows out. The Triton path
+    keeps the output (which the projection after it keeps too) and one float a row, never
+    the stream."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 6, 16, generator=gen, requires_grad=True)
+    h = torch.randn(4, 6, 16, generator=gen).bfloat16().requires_grad_() if with_sum else None
+    w = torch.ones(16, requires_grad=True)
+    saved, (y, _) = _saved_storages(lambda: add_rms_norm(x, h, w, out_dtype=torch.bfloat16, backend="triton"))
+    kept = {(tuple(t.shape), t.dtype) for ptr, t in saved.items() if ptr != w.untyped_storage().data_ptr()}
+    assert y.untyped_storage().data_ptr() in saved
+    assert kept == {((24, 16), torch.bfloat16), ((24,), torch.float32)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("with_sum", [True, False])
+def test_a_norm_keeping_its_output_gives_the_exact_gradients_of_zero_and_tiny_weights(dtype, with_sum):
+    """`y / w` gives the rows back only where `w` is not zero: the floored weight keeps a
+    zero (or a subnormal) weight's rows in the output, so its gradient is still the
+    definition's `sum(dy * x * rstd)`, and the input's too."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 5, 8, generator=gen, dtype=dtype, requires_grad=True)
+    h = torch.randn(3, 5, 8, generator=gen, dtype=dtype, requires_grad=True)
+    w = torch.tensor([0.0, 1e-30, -1e-20, -0.0, 0.7, -1.3, 1e-3, 2.0], dtype=dtype, requires_grad=True)
+    inputs = [x, h, w] if with_sum else [x, w]
+    y, _ = add_rms_norm(x, h if with_sum else None, w, eps=1e-5, backend="triton")
+    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    rows = ref_inputs[0] + ref_inputs[1] if with_sum else ref_inputs[0]
+    ref = _rms_norm_definition(rows, ref_inputs[-1], None, "none", 1e-5)
+    dy = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(y.double(), ref, **_tol("triton", dtype))
+    grads = _grads(y, inputs, dy.to(dtype))
+    for g, r in zip(grads, _grads(ref, ref_inputs, dy)):
+        torch.testing.assert_close(g.double(), r, **_tol("triton", dtype))
+    assert grads[-1][:4].abs().min() > 0  # the zero weights learn
+
+
+def test_a_float16_norm_keeps_its_input():
+    """float16's smallest normal (6e-5) would flush small rows out of the output, so a
+    float16 output keeps the norm's input and gives the definition's gradients."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 6, 16, generator=gen, requires_grad=True)
+    w = (1 + 0.3 * torch.randn(16, generator=gen)).requires_grad_()
+    saved, y = _saved_storages(lambda: rms_norm(x, w, out_dtype=torch.float16, backend="triton"))
+    assert x.untyped_storage().data_ptr() in saved and y.untyped_storage().data_ptr() not in saved
+    ref_inputs = [x.detach().double().requires_grad_(), w.detach().double().requires_grad_()]
+    ref = _rms_norm_definition(*ref_inputs, None, "none", 1e-6)
+    dy = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(y.double(), ref, atol=2e-3, rtol=2e-3)
+    for g, r in zip(_grads(y, [x, w], dy.half()), _grads(ref, ref_inputs, dy)):
+        torch.testing.assert_close(g.double(), r, atol=2e-2, rtol=2e-2)
 
 
 def test_rms_norm_writes_the_requested_dtype_and_refuses_bad_gates():

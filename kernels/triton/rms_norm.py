@@ -101,6 +101,7 @@ def rms_norm_backward_kernel(
     wr = tl.load(w + cols, mask=col_ok, other=0.0).to(ACC)
     if FROM_OUTPUT:
         wr = floored(wr)
+        inv_w = 1.0 / wr  # once per program: the rows come back as y * (1 / w)
     dw_acc = tl.zeros([BLOCK_D], dtype=ACC)
     first = pid * rows_per_program
     last = tl.minimum(first + rows_per_program, M)
@@ -112,7 +113,7 @@ def rms_norm_backward_kernel(
         r = tl.load(rstd + rows, mask=rows < last, other=0.0)
         dyr = tl.load(dy + offs, mask=mask, other=0.0).to(ACC)
         if FROM_OUTPUT:
-            xhat = xr / wr[None, :]
+            xhat = xr * inv_w[None, :]
         else:
             xhat = xr * r[:, None]
         if ACT != 0:

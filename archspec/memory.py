@@ -74,10 +74,11 @@ def human_bytes(count: float) -> str:
 
 def describe(estimate: MemoryEstimate) -> str:
     parts = [f"{human_bytes(estimate.weights)} of weights ({estimate.params:,} parameters)"]
-    if estimate.gradients_and_optimizer:
-        parts.append(f"{human_bytes(estimate.gradients_and_optimizer)} of gradients and AdamW state")
-    if estimate.activations:
-        parts.append(f"{human_bytes(estimate.activations)} of activations")
+    if estimate.optimizer:
+        parts.append(f"{human_bytes(estimate.optimizer)} of AdamW state")
+    if estimate.gradients or estimate.activations:
+        parts.append(f"the larger of {human_bytes(estimate.gradients)} of gradients and "
+                     f"{human_bytes(estimate.activations)} of activations")
     return ", ".join(parts)
 
 

@@ -4,8 +4,10 @@ A lower bound, on purpose: it serves to refuse a spec that surely cannot fit bef
 anything is allocated (`archspec.memory`), and must never refuse one that would. It
 counts
 
-- the weights (`count_params` x bytes per weight), and when training, their gradients
-  and AdamW's two moments: 4 copies in all;
+- the weights (`count_params` x bytes per weight), and when training, AdamW's two
+  moments and the larger of the gradients and the activations below: the backward forms
+  the gradients while it frees the activations (the trainer sets the gradients to None
+  between steps), so the two need not be held at once;
 - when training, one step's activations that autograd must keep for the backward, per
   token and layer: the mixer's normalised input (`d_model`; on CUDA the pre-norm keeps
   its output, which the projections keep anyway, instead of the residual stream), the
@@ -49,21 +51,24 @@ from .mlp import mlp_hidden_size
 from .plan import AttentionPlan, ModelPlan, RecurrencePlan
 
 WEIGHT_BYTES = 4  # the modules are built in float32
-TRAINING_COPIES = 4  # weights, gradients, AdamW's exp_avg and exp_avg_sq
+OPTIMIZER_COPIES = 2  # AdamW's exp_avg and exp_avg_sq, each the weights' size
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes a module needs at least; `activations` is 0 when not training."""
+    """Bytes a module needs at least; gradients, optimizer and activations are 0 when not
+    training."""
 
     params: int  # parameter count
     weights: int
-    gradients_and_optimizer: int
+    gradients: int
+    optimizer: int
     activations: int
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients_and_optimizer + self.activations
+        # the gradients grow in the backward as the activations are freed (module docstring)
+        return self.weights + self.optimizer + max(self.gradients, self.activations)
 
 
 def _recurrent_elements(m: RecurrencePlan, d: int) -> int:
@@ -125,6 +130,6 @@ def estimate_memory(
     params = count_params(plan)
     weights = params * WEIGHT_BYTES
     if not training:
-        return MemoryEstimate(params, weights, 0, 0)
+        return MemoryEstimate(params, weights, 0, 0, 0)
     activations = batch * seq_len * activation_elements_per_token(plan, checkpoint_every) * activation_bytes
-    return MemoryEstimate(params, weights, (TRAINING_COPIES - 1) * weights, activations)
+    return MemoryEstimate(params, weights, weights, OPTIMIZER_COPIES * weights, activations)

@@ -13,10 +13,13 @@ The output dtype is the caller's (`out_dtype`): under bfloat16 autocast the norm
 bfloat16 rows for the projection that reads them, so the float32 residual stream is read
 once and no float32 copy of the normalised rows is kept for the backward.
 
-The ungated norm's CUDA path keeps its output, not its input, for the backward
-(`keeps_output`): the rows come back as `y / w`. The projection after a pre-norm keeps
-`y` anyway, so a pre-norm costs its backward one float a row instead of the float32
-residual stream (4 bytes a feature, twice a block); the weight's magnitude is floored at
+A pre-norm's CUDA path (`add_rms_norm`, and `rms_norm(..., keep_output=True)`) keeps its
+output, not its input, for the backward (`keeps_output`): the rows come back as `y / w`.
+The projection after a pre-norm keeps `y` anyway, so a pre-norm costs its backward one
+float a row instead of the float32 residual stream (4 bytes a feature, twice a block).
+Elsewhere (attention's q/k norms, whose output the next op does not keep) that would save
+nothing and cost precision, so `rms_norm` keeps its input by default. The weight's
+magnitude is floored at
 1e-12 for it (`triton/rms_norm.py`), within float32's rounding of the definition. The
 backward then reads rows rounded to bfloat16: on random rows (1024 x 1024, against
 float64) the weight's gradient is within 3.3e-3 (a linear layer's weight gradient under
@@ -41,7 +44,7 @@ OUTPUT_KEEPING_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 
 
 def keeps_output(activation: str, out_dtype: torch.dtype) -> bool:
-    """Whether the CUDA path keeps the norm's output for its backward instead of its input."""
+    """Whether a norm asked to keep its output can: ungated, in a dtype with float32's range."""
     return activation == "none" and out_dtype in OUTPUT_KEEPING_DTYPES
 
 
@@ -60,13 +63,14 @@ def rms_norm_ref(x: Tensor, weight: Tensor, gate: Tensor | None = None, *, eps: 
 
 class _RMSNormTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, gate: Tensor | None, eps: float, activation: str, out_dtype: torch.dtype):
+    def forward(ctx, x: Tensor, weight: Tensor, gate: Tensor | None, eps: float, activation: str, out_dtype: torch.dtype,
+                keep_output: bool):
         from .triton.rms_norm import rms_norm_forward_triton
 
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
         g2 = None if gate is None else gate.reshape(-1, shape[-1]).contiguous()
-        from_output = keeps_output(activation, out_dtype)
+        from_output = keep_output and keeps_output(activation, out_dtype)
         y, rstd, _ = rms_norm_forward_triton(x2, weight.contiguous(), g2, eps, activation, out_dtype,
                                              floor_weight=from_output)
         ctx.save_for_backward(y if from_output else x2, weight, g2, rstd)
@@ -83,14 +87,16 @@ class _RMSNormTriton(torch.autograd.Function):
             from_output=ctx.from_output, x_dtype=ctx.x_dtype,
         )
         shape = ctx.shape
-        return dx.reshape(shape), dw.to(weight.dtype), None if dgate is None else dgate.reshape(shape), None, None, None
+        return dx.reshape(shape), dw.to(weight.dtype), None if dgate is None else dgate.reshape(shape), None, None, None, None
 
 
 def rms_norm(x: Tensor, weight: Tensor, gate: Tensor | None = None, *, eps: float = 1e-6, activation: str = "none",
-             out_dtype: torch.dtype | None = None, backend: str = "auto") -> Tensor:
+             out_dtype: torch.dtype | None = None, backend: str = "auto", keep_output: bool = False) -> Tensor:
     """`x` `[..., D]`, `weight` `[D]`, `gate` like `x` (needed unless `activation="none"`).
 
     Returns `[..., D]` in `out_dtype` (default `x.dtype`); differentiable in all three.
+    `keep_output`: a pre-norm, whose output the next op keeps anyway: the CUDA path keeps
+    that output for its backward instead of `x` where it can (module docstring).
     """
     if activation not in GATE_ACTIVATIONS:
         raise ValueError(f"rms_norm: activation must be one of {GATE_ACTIVATIONS}, got {activation!r}")
@@ -102,7 +108,7 @@ def rms_norm(x: Tensor, weight: Tensor, gate: Tensor | None = None, *, eps: floa
         raise ValueError(f"rms_norm: gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
     out_dtype = out_dtype or x.dtype
     if resolve_fused_backend(backend, x.device) == "triton":
-        return _RMSNormTriton.apply(x, weight, gate, eps, activation, out_dtype)
+        return _RMSNormTriton.apply(x, weight, gate, eps, activation, out_dtype, keep_output)
     return rms_norm_ref(x, weight, gate, eps=eps, activation=activation, out_dtype=out_dtype)
 
 
@@ -145,7 +151,7 @@ def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, *, eps: float = 1e
     bfloat16 `h`); `y` is in `out_dtype` (default that dtype). On CUDA the addition is fused
     into the norm, forward and backward."""
     if h is None:
-        return rms_norm(x, weight, eps=eps, out_dtype=out_dtype, backend=backend), x
+        return rms_norm(x, weight, eps=eps, out_dtype=out_dtype, backend=backend, keep_output=True), x
     if h.shape != x.shape:
         raise ValueError(f"add_rms_norm: h must have x's shape {tuple(x.shape)}, got {tuple(h.shape)}")
     if weight.shape != x.shape[-1:]:

@@ -273,13 +273,22 @@ def test_a_norm_keeping_its_output_gives_the_exact_gradients_of_zero_and_tiny_we
     assert grads[-1][:4].abs().min() > 0  # the zero weights learn
 
 
+def test_a_norm_that_is_not_a_pre_norm_keeps_its_input():
+    """Attention's q/k norms: the op after them keeps no copy of their output, so keeping it
+    would save nothing and read back rounded rows; `rms_norm` keeps its input unless asked."""
+    x = torch.randn(4, 6, 16).bfloat16().requires_grad_()
+    w = torch.ones(16, requires_grad=True)
+    saved, y = _saved_storages(lambda: rms_norm(x, w, backend="triton"))
+    assert x.untyped_storage().data_ptr() in saved and y.untyped_storage().data_ptr() not in saved
+
+
 def test_a_float16_norm_keeps_its_input():
     """float16's smallest normal (6e-5) would flush small rows out of the output, so a
     float16 output keeps the norm's input and gives the definition's gradients."""
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(4, 6, 16, generator=gen, requires_grad=True)
     w = (1 + 0.3 * torch.randn(16, generator=gen)).requires_grad_()
-    saved, y = _saved_storages(lambda: rms_norm(x, w, out_dtype=torch.float16, backend="triton"))
+    saved, y = _saved_storages(lambda: rms_norm(x, w, out_dtype=torch.float16, backend="triton", keep_output=True))
     assert x.untyped_storage().data_ptr() in saved and y.untyped_storage().data_ptr() not in saved
     ref_inputs = [x.detach().double().requires_grad_(), w.detach().double().requires_grad_()]
     ref = _rms_norm_definition(*ref_inputs, None, "none", 1e-6)

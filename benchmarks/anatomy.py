@@ -74,26 +74,33 @@ def profile(call: Callable[[], None], device: str) -> dict:
     }
 
 
-def markdown(anatomies: dict[str, dict], step_ms: dict[tuple[str, str], float] | None = None) -> list[str]:
+def markdown(anatomies: dict[str, dict], step_ms: dict[tuple[str, str], float] | None = None,
+             host_ms: dict[tuple[str, str], tuple[float, float]] | None = None) -> list[str]:
     """A table of every design's profiled step: ms per category, ours and fla's rows.
     With `step_ms` (the timed step of (spec, impl) at the profiled setting), the share of
-    the step the device spent idle: the host's (Python, launches) where it is large."""
+    the step the device spent idle: the host's (Python, launches) where it is large; with
+    `host_ms`, the host's time to issue the forward + loss and the backward, which says
+    which half it is."""
     if not anatomies:
         return []
-    step_ms = step_ms or {}
+    step_ms, host_ms = step_ms or {}, host_ms or {}
     labels = [label for label, _ in CATEGORIES] + [OTHER]
     lines = ["", "Where one forward + loss + backward spends its device time (one profiled step of each design "
              "at the setting shown, ms of kernel time by part of the model; `idle`: the share of the timed step "
-             "no kernel ran; `models.json` keeps the heaviest kernels by name):", "",
-             "| spec | setting | impl | step ms | busy ms | idle | " + " | ".join(labels) + " |",
-             "|---|---|---|---|---|---|" + "---|" * len(labels)]
+             "no kernel ran; `host ms`: the host's time to issue the forward + loss and the backward, "
+             "medians of the timed steps, which near the step's time where the host bounds it; `models.json` keeps "
+             "the heaviest kernels by name):", "",
+             "| spec | setting | impl | step ms | busy ms | idle | host ms fwd / bwd | " + " | ".join(labels) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(labels)]
     for spec in sorted(anatomies):
         setting = anatomies[spec]["setting"]
         for impl, prof in anatomies[spec]["impls"].items():
             step = step_ms.get((spec, impl))
             timed = "-" if step is None else f"{step:.2f}"
             idle = "-" if not step else f"{max(0.0, 1 - prof['busy_ms'] / step):.0%}"
+            host = host_ms.get((spec, impl))
+            issued = "-" if host is None else f"{host[0]:.2f} / {host[1]:.2f}"
             cells = [f"{prof['categories'].get(label, 0.0):.2f}" for label in labels]
-            lines.append(f"| {spec} | {setting} | {impl} | {timed} | {prof['busy_ms']:.2f} | {idle} | "
+            lines.append(f"| {spec} | {setting} | {impl} | {timed} | {prof['busy_ms']:.2f} | {idle} | {issued} | "
                          + " | ".join(cells) + " |")
     return lines

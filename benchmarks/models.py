@@ -43,7 +43,9 @@ SETTING`, e.g. `packed`) is profiled (`anatomy.py`, `--no-anatomy` skips it): it
 kernels' device time by part of the model
 (recurrence, matmuls, loss, norms, short convolution, activations, attention, other) goes
 under the table, the heaviest kernels by name into the JSON, so a row that misses its
-target shows which part limits it.
+target shows which part limits it. Beside it, the share of the timed step no kernel ran
+and the host's time to issue the forward + loss and the backward (every timed row keeps
+both in the JSON): a half whose host time nears the step's share is bound by the host.
 
 Results: `DIR/models.json` (machine, torch / triton / fla versions, commit, every row)
 and `DIR/models.md`, written after every setting, so a run cut short by `--budget-s`
@@ -312,8 +314,15 @@ class Trainee:
         self.optimizer = make_optimizer(model, lr=1e-4, device=device)
         self.params = sum(p.numel() for p in model.parameters())
 
-    def forward_backward(self, batch: Batch) -> None:
-        self.loss_fn(batch).backward()
+    def forward_backward(self, batch: Batch) -> tuple[float, float]:
+        """One forward + loss + backward; the host's seconds to issue each half. CUDA runs
+        them asynchronously, so a half whose host time nears its device time is bound
+        by the host (Python, launches), not by its kernels."""
+        began = time.perf_counter()
+        loss = self.loss_fn(batch)
+        issued = time.perf_counter()
+        loss.backward()
+        return issued - began, time.perf_counter() - issued
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
@@ -416,6 +425,9 @@ class Row:
     refused: str | None = None
     warmup_s: float | None = None  # the untimed steps (compiling and autotuning, where the caches are cold)
     step_ms_all: list[float] = field(default_factory=list)
+    # the host's time to issue the forward + loss and the backward (medians; `Trainee.forward_backward`)
+    host_forward_ms: float | None = None
+    host_backward_ms: float | None = None
 
 
 def time_side_by_side(trainees: list[Trainee], batch: Batch, rounds: int, warmup: int, device: str,
@@ -427,11 +439,12 @@ def time_side_by_side(trainees: list[Trainee], batch: Batch, rounds: int, warmup
     steps: dict[str, list[float]] = {t.name: [] for t in live}
     optim: dict[str, list[float]] = {t.name: [] for t in live}
     peak: dict[str, int] = {t.name: 0 for t in live}
+    host: dict[str, list[tuple[float, float]]] = {t.name: [] for t in live}
 
     def attempt(t: Trainee, timed: bool) -> None:
         try:
             if timed:
-                s, extra = _timed(lambda: t.forward_backward(batch), device)
+                s, extra = _timed(lambda: host[t.name].append(t.forward_backward(batch)), device)
                 o, extra_o = _timed(t.optimizer_step, device)
                 steps[t.name].append(s)
                 optim[t.name].append(o)
@@ -462,6 +475,8 @@ def time_side_by_side(trainees: list[Trainee], batch: Batch, rounds: int, warmup
         row.step_ms = 1e3 * median
         row.optimizer_ms = 1e3 * statistics.median(optim[t.name])
         row.step_ms_all = [round(1e3 * s, 3) for s in steps[t.name]]
+        row.host_forward_ms = 1e3 * statistics.median(f for f, _ in host[t.name])
+        row.host_backward_ms = 1e3 * statistics.median(b for _, b in host[t.name])
         row.rounds = rounds
         row.peak_mem_bytes = t.resident_bytes() + peak[t.name] if device.startswith("cuda") else None
 
@@ -652,9 +667,12 @@ def markdown(record: dict[str, Any]) -> str:
 
     lines += measured_notes(rows)
     profiled = record.get("anatomy", {})
-    step_ms = {(r["spec"], r["impl"]): r["step_ms"] for r in rows
-               if r.get("step_ms") and r["spec"] in profiled and r["setting"] == profiled[r["spec"]]["setting"]}
-    lines += anatomy.markdown(profiled, step_ms)
+    at_profiled = [r for r in rows
+                   if r.get("step_ms") and r["spec"] in profiled and r["setting"] == profiled[r["spec"]]["setting"]]
+    step_ms = {(r["spec"], r["impl"]): r["step_ms"] for r in at_profiled}
+    host_ms = {(r["spec"], r["impl"]): (r["host_forward_ms"], r["host_backward_ms"])
+               for r in at_profiled if r.get("host_forward_ms") is not None}
+    lines += anatomy.markdown(profiled, step_ms, host_ms)
     lines += common.run_notes(record)
     return "\n".join(lines) + "\n"
 

@@ -19,11 +19,11 @@ The projection after a pre-norm keeps `y` anyway, so a pre-norm costs its backwa
 float a row instead of the float32 residual stream (4 bytes a feature, twice a block).
 Elsewhere (attention's q/k norms, whose output the next op does not keep) that would save
 nothing and cost precision, so `rms_norm` keeps its input by default. The weight's
-magnitude is floored at
-1e-12 for it (`triton/rms_norm.py`), within float32's rounding of the definition. The
-backward then reads rows rounded to bfloat16: on random rows (1024 x 1024, against
-float64) the weight's gradient is within 3.3e-3 (a linear layer's weight gradient under
-bfloat16 autocast: 2.4e-3) and the stream's within 1.9e-4 (6e-8 from the float32 rows).
+magnitude is floored at 1e-12 for it (`triton/rms_norm.py`), within float32's rounding of
+the definition. The backward then reads rows rounded to bfloat16: on random rows (1024 x
+1024, against float64) the weight's gradient is within 3.3e-3 (a linear layer's weight
+gradient under bfloat16 autocast: 2.4e-3) and the stream's within 1.9e-4 (6e-8 from the
+float32 rows).
 """
 
 from __future__ import annotations

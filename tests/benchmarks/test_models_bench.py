@@ -38,6 +38,10 @@ def test_smoke_run_writes_every_setting(bench, tmp_path):
         assert r["batch"] * r["seq_len"] == 64  # equal tokens per step in every setting
         assert r["warmup_s"] is not None and r["warmup_s"] >= 0
         assert r["measured"]["kernels_sha1"] == record["machine"]["kernels_sha1"]
+        # On the CPU nothing runs asynchronously: issuing the two halves is the whole step
+        # (medians of one round: the step's own time holds both and the syncs around them).
+        assert 0 < r["host_forward_ms"] and 0 < r["host_backward_ms"]
+        assert r["host_forward_ms"] + r["host_backward_ms"] <= r["step_ms"]
     assert next(r for r in rows if r["setting"] == "packed")["documents"] > 1
     table = (tmp_path / "models.md").read_text()
     assert "| gated-deltanet | gated-deltanet | packed |" in table
@@ -51,7 +55,10 @@ def test_smoke_run_writes_every_setting(bench, tmp_path):
         assert prof["busy_ms"] > 0 and sum(prof["categories"].values()) == pytest.approx(prof["busy_ms"], abs=0.01)
         assert prof["categories"]["matmul"] > 0 and prof["kernels"][0][2] >= prof["kernels"][-1][2]
         step = next(r["step_ms"] for r in rows if r["spec"] == spec and r["setting"] == entry["setting"])
+        row = next(r for r in rows if r["spec"] == spec and r["setting"] == entry["setting"])
+        host = f"{row['host_forward_ms']:.2f} / {row['host_backward_ms']:.2f}"
         assert f"| {spec} | {entry['setting']} | ours | {step:.2f} | {prof['busy_ms']:.2f} |" in table
+        assert f"| {host} |" in table.split(f"| {spec} | {entry['setting']} | ours | {step:.2f} |")[1].splitlines()[0]
 
 
 def test_a_profiled_setting_the_size_lacks_is_refused(bench, tmp_path, capsys):

@@ -1,0 +1,206 @@
+"""Short-convolution benchmark: the mixer streams' causal depthwise conv with its SiLU,
+forward and forward + backward, ours beside flash-linear-attention's `causal_conv1d`.
+
+    python benchmarks/short_conv.py [--rounds 5] [--against DIR] [--launch block_t=128,num_warps=8 ...]
+                                    [--out DIR] [--smoke]
+
+The shapes are one stream of the whole-model benchmark's layer (`models.py`: 16,384 tokens
+a step, d_model 1024, kernel width 4, bfloat16): `q/v` (no norm), `key` (our conv also
+L2-normalises each head of 128, which fla does inside its recurrence instead, so fla's
+row is the conv alone) and `packed` (one row of documents of 64-4,096 tokens, as
+`models.py` packs them, with `cu_seqlens`). A DeltaNet layer runs three such streams.
+
+Per call it reports the median ms (`triton.testing.do_bench`) of ours and fla's timed
+alternately in one process, `--rounds` rounds, and the floor: the bytes a pass must move
+(forward x and y; backward x, dy and dx; the weight's few bytes aside) over the copy rate
+measured on the H200. `--against DIR` also times an earlier copy of `kernels/` (`git
+archive REV kernels | tar -x -C DIR`), alternately with the others; each `--launch`
+times our kernels at other settings than `ShortConvLaunch`'s (the table in
+`kernels/triton/launch.py`), after checking their output and gradients against the
+table's (`max_rel_err`: a miscompile is off by far more than bfloat16's rounding).
+Results: `DIR/short_conv.{json,md}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, kernels_before, machine, median_ms, write_results  # noqa: E402  (a script beside its helpers)
+
+COPY_BYTES_PER_S = 4.27e12  # device-to-device copy measured on the H200 (kernel_times.py)
+WIDTH = 4  # the models' conv width (`short_conv: 4` in specs/models)
+EPS = 1e-6
+
+# (name, B, T, C, head_dim, packed): one stream of the whole-model benchmark's layer
+SETTINGS = [("q/v", 8, 2048, 1024, 0, False), ("key", 8, 2048, 1024, 128, False), ("packed", 1, 16384, 1024, 0, True)]
+SMOKE_SETTINGS = [("q/v", 2, 40, 16, 0, False), ("key", 2, 40, 16, 8, False), ("packed", 1, 80, 16, 0, True)]
+
+
+def document_offsets(total: int, seed: int = 0) -> torch.Tensor:
+    """`cu_seqlens` of `total` tokens in documents of 64-4,096 (models.py's packed row)."""
+    from models import ISSUE_SIZE, document_lengths
+
+    lengths = document_lengths(total, min(ISSUE_SIZE.min_doc, total), min(ISSUE_SIZE.max_doc, total), seed)
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def floor_ms(B: int, T: int, C: int, element_bytes: int) -> dict[str, float]:
+    """The fewest bytes each pass moves over the copy rate: forward x and y, forward +
+    backward those and x, dy, dx again."""
+    tensor = B * T * C * element_bytes
+    return {"forward": 2 * tensor / COPY_BYTES_PER_S * 1e3, "forward+backward": 5 * tensor / COPY_BYTES_PER_S * 1e3}
+
+
+def parse_launch(text: str):
+    """`block_t=128,num_warps=8` -> a `ShortConvLaunch` with those fields changed."""
+    from archspec.kernels.triton.launch import SHORT_CONV_LAUNCH
+
+    fields = {f.name for f in dataclasses.fields(SHORT_CONV_LAUNCH)}
+    changes = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--launch takes positive integers for {sorted(fields)}, got {item!r}")
+        changes[key] = int(value)
+    return dataclasses.replace(SHORT_CONV_LAUNCH, **changes)
+
+
+def at_launch(x: torch.Tensor, w: torch.Tensor, head: int, cu: torch.Tensor | None, dy: torch.Tensor, launch
+              ) -> dict[str, Callable[[], Any]]:
+    """Our Triton forward and forward + backward called at `launch` (no autograd: the
+    backward from the fixed `dy`); each returns `[y]` or `[y, dx, dw]`."""
+    from archspec.kernels.short_conv import packed_sequence_index
+    from archspec.kernels.triton.short_conv import short_conv_backward_triton, short_conv_forward_triton
+
+    starts, docs = (None, None) if cu is None else packed_sequence_index(cu, x.shape[1])
+    xd, w2 = x.detach(), w.detach()
+    options = dict(activation=True, head=head, eps=EPS, launch=launch)
+
+    def forward() -> list[torch.Tensor]:
+        return [short_conv_forward_triton(xd, w2, None, starts, docs, **options)]
+
+    def both() -> list[torch.Tensor]:
+        return forward() + list(short_conv_backward_triton(xd, w2, None, starts, docs, dy, **options))
+
+    return {"forward": forward, "forward+backward": both}
+
+
+def max_rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """The largest relative (Frobenius) difference of the tensors, pair by pair."""
+    return max(((g.double() - r.double()).norm() / r.double().norm().clamp(min=1e-30)).item() for g, r in zip(got, ref))
+
+
+def calls(x: torch.Tensor, w: torch.Tensor, head: int, cu: torch.Tensor | None, dy: torch.Tensor,
+          before: Any | None, with_fla: bool) -> dict[str, dict[str, Callable[[], Any]]]:
+    """Per implementation, its forward and forward + backward (from the fixed `dy`)."""
+    from archspec.kernels import short_conv
+
+    impls: dict[str, Callable[[], torch.Tensor]] = {
+        "ours": lambda: short_conv(x, w, cu_seqlens=cu, head_dim=head, eps=EPS, backend="triton")}
+    if before is not None:
+        impls["before"] = lambda: before.short_conv(x, w, cu_seqlens=cu, head_dim=head, eps=EPS, backend="triton")
+    if with_fla:
+        from fla.modules.causal_conv1d.ops import causal_conv1d
+
+        impls["fla"] = lambda: causal_conv1d(x, w, activation="silu", backend="triton", cu_seqlens=cu)[0]
+
+    def both(fn: Callable[[], torch.Tensor]) -> Callable[[], Any]:
+        return lambda: torch.autograd.grad(fn(), [x, w], dy)
+
+    return {name: {"forward": fn, "forward+backward": both(fn)} for name, fn in impls.items()}
+
+
+def time_setting(setting: tuple, rounds: int, before: Any | None, with_fla: bool, launches: list[str], device: str,
+                 time_fn: Callable[[Callable[[], Any]], float]) -> dict[str, Any]:
+    name, B, T, C, head, packed = setting
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(B, T, C, device=device, dtype=dtype, generator=gen).requires_grad_()
+    # float32 like the models' conv weights, which autocast leaves as they are
+    w = (0.5 * torch.randn(C, WIDTH, device=device, generator=gen)).requires_grad_()
+    dy = torch.randn(B, T, C, device=device, dtype=dtype, generator=gen)
+    cu = document_offsets(T).to(device) if packed else None
+    table = calls(x, w, head, cu, dy, before, with_fla)
+    errors: dict[str, float] = {}
+    if launches:
+        from archspec.kernels.triton.launch import SHORT_CONV_LAUNCH
+
+        reference = at_launch(x, w, head, cu, dy, SHORT_CONV_LAUNCH)["forward+backward"]()
+        for text in launches:
+            passes = at_launch(x, w, head, cu, dy, parse_launch(text))
+            errors[text] = max_rel_err(passes["forward+backward"](), reference)
+            table[f"ours[{text}]"] = passes
+    ms: dict[str, dict[str, list[float]]] = {impl: {p: [] for p in passes} for impl, passes in table.items()}
+    for _ in range(rounds):
+        for impl, passes in table.items():  # alternately: the host's and clocks' drift falls on all alike
+            for p, fn in passes.items():
+                ms[impl][p].append(time_fn(fn))
+    row = {"setting": name, "B": B, "T": T, "C": C, "head_dim": head, "documents": None if cu is None else len(cu) - 1,
+           "floor_ms": floor_ms(B, T, C, x.element_size()), "max_rel_err": errors,
+           "ms": {impl: {p: statistics.median(v) for p, v in passes.items()} for impl, passes in ms.items()}}
+    return row
+
+
+def markdown(record: dict) -> str:
+    m = record["machine"]
+    named = ["ours", "before", "fla"]
+    impls = [i for i in named if any(i in r["ms"] for r in record["rows"])]
+    impls += sorted({i for r in record["rows"] for i in r["ms"] if i not in named})  # ours at other launches
+    head = " | ".join(f"{i} {p}" for p in ("forward", "forward+backward") for i in impls)
+    lines = ["# Short convolution: ours against flash-linear-attention's causal_conv1d", "",
+             f"{m.get('device', 'CPU')}, torch {m['torch']}, Triton {m['triton']}, fla {m['fla']}, commit {m['commit']} "
+             f"(kernels {m['kernels_sha1']}), {m['date']}. Width {WIDTH}, SiLU, bfloat16; median ms of "
+             f"{record['rounds']} alternating rounds; floor: the bytes a pass moves over {COPY_BYTES_PER_S / 1e12:.2f} "
+             "TB/s. `key` normalises each head of 128 in our conv (fla's row is its conv alone)."
+             + (f" `before`: the kernels in {record['against']}." if record.get("against") else ""), "",
+             f"| setting | {head} | floor fwd / fwd+bwd |", "|---|" + "---|" * (2 * len(impls) + 1)]
+    for r in record["rows"]:
+        cells = [f"{r['ms'][i][p]:.3f}" if i in r["ms"] else "-" for p in ("forward", "forward+backward") for i in impls]
+        lines.append(f"| {r['setting']} | " + " | ".join(cells) +
+                     f" | {r['floor_ms']['forward']:.3f} / {r['floor_ms']['forward+backward']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each implementation")
+    parser.add_argument("--no-fla", action="store_true", help="ours only")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="a folder holding an earlier copy of kernels/, timed beside the current ones")
+    parser.add_argument("--launch", action="append", default=[],
+                        help="our kernels also at these ShortConvLaunch settings, e.g. block_t=128,num_warps=8 (repeatable)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, ours only: the script runs")
+    args = parser.parse_args(argv)
+    settings, time_fn, device = SETTINGS, median_ms, "cuda"
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+        settings, args.rounds, args.no_fla, device = SMOKE_SETTINGS, 1, True, "cpu"
+        time_fn = lambda fn: (fn(), 0.0)[1]  # noqa: E731  (the interpreter has no timer: run each call once)
+    for text in args.launch:
+        try:
+            parse_launch(text)
+        except ValueError as exc:
+            parser.error(str(exc))
+    before = None if args.against is None else kernels_before(args.against)
+    record = {"machine": machine(), "rounds": args.rounds, "against": None if args.against is None else str(args.against),
+              "rows": []}
+    for setting in settings:
+        record["rows"].append(time_setting(setting, args.rounds, before, not args.no_fla, args.launch, device, time_fn))
+        write_results(args.out, "short_conv", record, markdown(record))  # after every setting
+    table = markdown(record)
+    print(table, flush=True)
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,15 +1,8 @@
 """Cross-entropy of a chunk of logits, its gradient written over the logits in place.
 
-One program per row. When the row fits one block (`ONE_BLOCK`: a vocabulary of up to
-`block_v` columns, the usual case) it is read once into registers: its maximum, the sum of
-exponentials and the log-sum-exp, then each logit `x_j` is overwritten with
-`scale * (softmax(x)_j - [j == target])`, the gradient of the row's loss, from the
-exponentials already formed: one read and one write of the row, one `exp` per logit.
-Otherwise a first pass over the vocabulary in blocks keeps the running maximum and the sum
-of exponentials (the online log-sum-exp) and a second reads the row again to write the
-gradient. (The blocked form on every row, 4,096 columns and 8 warps, took 2.10 ms of the
-166M DeltaNet step on the H200 for 16,384 rows of 32,000 bfloat16 logits, 1.5 TB/s, where
-fla's fused loss took 1.00; `benchmarks/results/models.json`, commit 72256b2.) The
+One program per row: a first pass over the vocabulary in blocks keeps the running maximum
+and the sum of exponentials (the online log-sum-exp), a second pass overwrites each logit
+`x_j` with `scale * (softmax(x)_j - [j == target])`, the gradient of the row's loss. The
 logits arrive in the compute dtype (bfloat16 under autocast) and only one chunk of rows
 exists at a time (`kernels/linear_ce.py`), so no float32 copy of the whole vocabulary's
 logits is ever made; the arithmetic is float32 in registers (float64 for float64 logits).
@@ -34,40 +27,13 @@ Tensor = torch.Tensor
 @triton.jit(do_not_specialize=["V", "ignore_index"])
 def softmax_ce_grad_kernel(
     logits, stride_row, targets, loss, V, ignore_index, scale_ptr,
-    BLOCK_V: tl.constexpr, ONE_BLOCK: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride_row
     target = tl.load(targets + row).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
-    ignored = target == ignore_index
-    outside = (target != ignore_index) & ((target < 0) | (target >= V))
-    # a tensor: a float64 scale stays float64
-    row_scale = tl.where(ignored, 0.0, tl.where(outside, float("nan"), tl.load(scale_ptr)))
-    if ONE_BLOCK:
-        _one_block_row(base, cols, target, ignored, outside, row_scale, loss + row, V, ACC)
-    else:
-        _blocked_row(base, cols, target, ignored, outside, row_scale, loss + row, V, BLOCK_V, ACC)
 
-
-@triton.jit
-def _one_block_row(base, cols, target, ignored, outside, row_scale, p_loss, V, ACC: tl.constexpr):
-    """The whole row in registers: one read, one write, one `exp` a logit."""
-    valid = cols < V
-    x = tl.load(base + cols, mask=valid, other=float("-inf")).to(ACC)
-    m = tl.max(x, 0)  # at least one logit is finite
-    e = tl.exp(x - m)  # 0 past V
-    s = tl.sum(e, 0)
-    x_target = tl.sum(tl.where(cols == target, x, 0.0), 0)
-    tl.store(p_loss, tl.where(ignored, 0.0, tl.where(outside, float("nan"), m + tl.log(s) - x_target)))
-    grad = e / s - tl.where(cols == target, 1.0, 0.0)
-    tl.store(base + cols, (grad * row_scale).to(base.dtype.element_ty), mask=valid)
-
-
-@triton.jit
-def _blocked_row(base, cols, target, ignored, outside, row_scale, p_loss, V, BLOCK_V: tl.constexpr,
-                 ACC: tl.constexpr):
-    """A row wider than one block: two passes over it."""
     # Pass 1: log-sum-exp online. The first block holds at least one finite logit, so the
     # running maximum is finite after it and exp(m_old - m_new) never sees inf - inf.
     m = tl.full((), float("-inf"), ACC)
@@ -80,17 +46,21 @@ def _blocked_row(base, cols, target, ignored, outside, row_scale, p_loss, V, BLO
         m = m_new
     lse = m + tl.log(s)
 
+    ignored = target == ignore_index
+    outside = (target != ignore_index) & ((target < 0) | (target >= V))
     safe_target = tl.where(ignored | outside, 0, target)
     x_target = tl.load(base + safe_target).to(ACC)
-    tl.store(p_loss, tl.where(ignored, 0.0, tl.where(outside, float("nan"), lse - x_target)))
+    tl.store(loss + row, tl.where(ignored, 0.0, tl.where(outside, float("nan"), lse - x_target)))
 
     # Pass 2: the gradient over the logits, in place.
+    # a tensor: a float64 scale stays float64
+    row_scale = tl.where(ignored, 0.0, tl.where(outside, float("nan"), tl.load(scale_ptr)))
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         valid = offs < V
         x = tl.load(base + offs, mask=valid, other=0.0).to(ACC)
         grad = tl.exp(x - lse) - tl.where(offs == target, 1.0, 0.0)
-        tl.store(base + offs, (grad * row_scale).to(base.dtype.element_ty), mask=valid)
+        tl.store(base + offs, (grad * row_scale).to(logits.dtype.element_ty), mask=valid)
 
 
 def softmax_ce_grad_triton(
@@ -108,7 +78,6 @@ def softmax_ce_grad_triton(
     softmax_ce_grad_kernel[(N,)](
         logits, logits.stride(0), targets, loss, V, ignore_index,
         torch.as_tensor(scale, device=logits.device, dtype=acc),
-        BLOCK_V=block_v, ONE_BLOCK=V <= block_v, ACC=accumulation(acc)[1],
-        num_warps=launch.num_warps if V <= block_v else launch.blocked_num_warps,
+        BLOCK_V=block_v, ACC=accumulation(acc)[1], num_warps=launch.num_warps,
     )
     return loss

@@ -139,17 +139,16 @@ def settings(mode: Mode, gate: Gate, operands: torch.dtype) -> Launch:
 
 @dataclass(frozen=True)
 class CrossEntropyLaunch:
-    """Launch settings: the widest row held in registers at once, and warps per row.
+    """Launch settings: vocabulary columns per loop iteration and warps per row.
 
-    A row of 32,000 bfloat16 logits is 64 KB: one block of 32,768 columns holds it whole
-    (one read and one write of the row; 32 warps give every thread 32 columns: Liger-Kernel's
-    fused loss launches its rows with the same block limit and warps). A wider vocabulary
-    loops over blocks of that width, two passes, with `blocked_num_warps`.
+    A row of 32,000 bfloat16 logits is 64 KB: 8 blocks of 4,096 columns keep each pass a
+    short loop of wide, coalesced loads; 8 warps give every thread 16 columns a block.
+    Holding the row whole in one block of 32,768 at 32 warps (one read, one write) was
+    slower in the whole model: 2.81 ms of the 166M DeltaNet step on the H200 against 2.10.
     """
 
-    block_v: int = 32768
-    num_warps: int = 32
-    blocked_num_warps: int = 32
+    block_v: int = 4096
+    num_warps: int = 8
 
 
 CROSS_ENTROPY_LAUNCH = CrossEntropyLaunch()

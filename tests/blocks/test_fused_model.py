@@ -88,8 +88,9 @@ def test_model_on_triton_pieces_equals_torch(name, packed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("seed", [4, 7])
 @pytest.mark.parametrize("name", ["gdn-scalar", "kda-channel", "rwkv7-nh2-b2-channel"])
-def test_gpu_model_in_autocast_triton_equals_torch(name):
+def test_gpu_model_in_autocast_triton_equals_torch(name, seed):
     """bf16 autocast with float32 weights on CUDA: the fused model against plain torch.
 
     Both autocast runs are compared with the same model in float32 without autocast (torch
@@ -106,8 +107,9 @@ def test_gpu_model_in_autocast_triton_equals_torch(name):
     same criterion is applied to what the recurrence hands the gate, `dL/dg` per token and
     channel (a forward hook on the gate takes it, which also makes the mixer keep `g`
     instead of its recipe: `test_recompute` shows the two give equal gradients); the gate's
-    own backward from `dL/dg` is `test_gpu_log_decay_kernel_equals_torch`'s."""
-    torch.manual_seed(4)
+    own backward from `dL/dg` is `test_gpu_log_decay_kernel_equals_torch`'s. Two seeds; a
+    failure lists the parameters nearest their limit, fused against plain errors."""
+    torch.manual_seed(seed)
     plan = model_plan(COMBINATIONS[name], layers=2, d_model=256, vocab_size=1000)
     model = build_model(plan).cuda()
     gates = [m.gate for m in model.mixers()]
@@ -131,14 +133,16 @@ def test_gpu_model_in_autocast_triton_equals_torch(name):
         return ((a - ref).norm() / ref.norm().clamp(min=1e-12)).item()
 
     named = [*model.named_parameters(), *((f"dL/dg of layer {i}", g) for i, g in enumerate(seen))]
-    checked = 0
+    rows = []  # (error over its limit, name, fused error, plain error)
     for i, (pname, p) in enumerate(named, start=1):
         if id(p) in decay_params:
             continue
         fused, plain = error("triton", i), error("torch", i)
-        assert fused <= 2 * plain + 1e-2, f"{pname}: gradient {fused:.2e} off float32, plain torch's {plain:.2e}"
-        checked += 1
-    assert checked == len(named) - len(decay_params) and len(seen) == len(gates) == 2
+        rows.append((fused / (2 * plain + 1e-2), pname, fused, plain))
+    rows.sort(reverse=True)
+    worst = "; ".join(f"{pname} {fused:.2e} (plain {plain:.2e})" for _, pname, fused, plain in rows[:5])
+    assert rows[0][0] <= 1, f"gradients off float32 by more than twice plain torch's + 1e-2: {worst}"
+    assert len(rows) == len(named) - len(decay_params) and len(seen) == len(gates) == 2
 
 
 def test_hooked_convs_and_gates_keep_their_outputs_on_the_triton_path():

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, kernels_before, machine, median_ms, write_results  # noqa: E402  (a script beside its helpers)
+from common import ROOT, first_line, kernels_before, machine, median_ms, write_results  # noqa: E402  (a script beside its helpers)
 
 COPY_BYTES_PER_S = 4.27e12  # device-to-device copy measured on the H200 (kernel_times.py)
 WIDTH = 4  # the models' conv width (`short_conv: 4` in specs/models)
@@ -100,23 +100,28 @@ def max_rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
 
 
 def calls(x: torch.Tensor, w: torch.Tensor, head: int, cu: torch.Tensor | None, dy: torch.Tensor,
-          before: Any | None, with_fla: bool) -> dict[str, dict[str, Callable[[], Any]]]:
-    """Per implementation, its forward and forward + backward (from the fixed `dy`)."""
+          before: Any | None, with_fla: bool) -> tuple[dict[str, dict[str, Callable[[], Any]]], dict[str, str]]:
+    """Per implementation, its forward and forward + backward (from the fixed `dy`); and
+    the peers that could not be had (fla not installed), with why."""
     from archspec.kernels import short_conv
 
     impls: dict[str, Callable[[], torch.Tensor]] = {
         "ours": lambda: short_conv(x, w, cu_seqlens=cu, head_dim=head, eps=EPS, backend="triton")}
+    refused: dict[str, str] = {}
     if before is not None:
         impls["before"] = lambda: before.short_conv(x, w, cu_seqlens=cu, head_dim=head, eps=EPS, backend="triton")
     if with_fla:
-        from fla.modules.causal_conv1d.ops import causal_conv1d
-
-        impls["fla"] = lambda: causal_conv1d(x, w, activation="silu", backend="triton", cu_seqlens=cu)[0]
+        try:
+            from fla.modules.causal_conv1d.ops import causal_conv1d
+        except ImportError as exc:
+            refused["fla"] = first_line(exc)
+        else:
+            impls["fla"] = lambda: causal_conv1d(x, w, activation="silu", backend="triton", cu_seqlens=cu)[0]
 
     def both(fn: Callable[[], torch.Tensor]) -> Callable[[], Any]:
         return lambda: torch.autograd.grad(fn(), [x, w], dy)
 
-    return {name: {"forward": fn, "forward+backward": both(fn)} for name, fn in impls.items()}
+    return {name: {"forward": fn, "forward+backward": both(fn)} for name, fn in impls.items()}, refused
 
 
 def time_setting(setting: tuple, rounds: int, before: Any | None, with_fla: bool, launches: list[str], device: str,
@@ -129,7 +134,13 @@ def time_setting(setting: tuple, rounds: int, before: Any | None, with_fla: bool
     w = (0.5 * torch.randn(C, WIDTH, device=device, generator=gen)).requires_grad_()
     dy = torch.randn(B, T, C, device=device, dtype=dtype, generator=gen)
     cu = document_offsets(T).to(device) if packed else None
-    table = calls(x, w, head, cu, dy, before, with_fla)
+    table, refused = calls(x, w, head, cu, dy, before, with_fla)
+    for impl, passes in list(table.items()):  # one untimed call each: a peer that refuses is recorded, not fatal
+        try:
+            passes["forward+backward"]()
+        except Exception as exc:  # an earlier kernels/ of another API, fla's kernel on this machine
+            refused[impl] = first_line(exc)
+            del table[impl]
     errors: dict[str, float] = {}
     if launches:
         from archspec.kernels.triton.launch import SHORT_CONV_LAUNCH
@@ -145,7 +156,7 @@ def time_setting(setting: tuple, rounds: int, before: Any | None, with_fla: bool
             for p, fn in passes.items():
                 ms[impl][p].append(time_fn(fn))
     row = {"setting": name, "B": B, "T": T, "C": C, "head_dim": head, "documents": None if cu is None else len(cu) - 1,
-           "floor_ms": floor_ms(B, T, C, x.element_size()), "max_rel_err": errors,
+           "floor_ms": floor_ms(B, T, C, x.element_size()), "max_rel_err": errors, "refused": refused,
            "ms": {impl: {p: statistics.median(v) for p, v in passes.items()} for impl, passes in ms.items()}}
     return row
 
@@ -167,6 +178,8 @@ def markdown(record: dict) -> str:
         cells = [f"{r['ms'][i][p]:.3f}" if i in r["ms"] else "-" for p in ("forward", "forward+backward") for i in impls]
         lines.append(f"| {r['setting']} | " + " | ".join(cells) +
                      f" | {r['floor_ms']['forward']:.3f} / {r['floor_ms']['forward+backward']:.3f} |")
+    refusals = {(impl, why) for r in record["rows"] for impl, why in r.get("refused", {}).items()}
+    lines += [""] + [f"- {impl} refused: {why}" for impl, why in sorted(refusals)] if refusals else []
     return "\n".join(lines) + "\n"
 
 

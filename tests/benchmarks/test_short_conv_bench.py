@@ -27,3 +27,22 @@ def test_smoke_run_writes_every_setting(tmp_path):
         assert r["floor_ms"]["forward"] == 2 * tensor_ms and r["floor_ms"]["forward+backward"] == 5 * tensor_ms
     assert written["rows"][2]["documents"] >= 1 and written["rows"][1]["head_dim"] == 8
     assert "| packed |" in (tmp_path / "short_conv.md").read_text()
+
+
+def test_a_peer_that_refuses_is_recorded_and_ours_still_timed():
+    """An earlier `kernels/` whose conv raises, and fla where it is not installed (or will
+    not run on CPU tensors): each is recorded in the row with its error; ours is timed."""
+
+    class Refusing:
+        @staticmethod
+        def short_conv(*args, **kwargs):
+            raise TypeError("short_conv() got an unexpected keyword argument 'head_dim'")
+
+    with benchmark_module("short_conv") as bench:
+        row = bench.time_setting(bench.SMOKE_SETTINGS[0], 1, Refusing(), True, [], "cpu", lambda fn: (fn(), 0.0)[1])
+        table = bench.markdown({"machine": bench.machine(), "rounds": 1, "against": "old", "rows": [row]})
+    sys.modules.pop("models", None)
+    assert set(row["ms"]) == {"ours"}
+    assert row["refused"]["before"] == "TypeError: short_conv() got an unexpected keyword argument 'head_dim'"
+    assert "fla" in row["refused"]
+    assert "- before refused: TypeError" in table and "- fla refused: " in table

@@ -256,6 +256,15 @@ def median_ms(fn: Callable[[], Any]) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """`|got - want| / |want|` (Frobenius, float64); infinite where `got` is not finite, as
+    a miscompiled kernel's output may be."""
+    got, want = got.double(), want.double()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
 def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
 

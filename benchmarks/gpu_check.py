@@ -38,7 +38,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, Bench, CompileJob, compile_in_workers, first_line, machine, make_inputs, run_ours  # noqa: E402
+from common import (  # noqa: E402  (a script beside its helpers)
+    ROOT, Bench, CompileJob, compile_in_workers, first_line, machine, make_inputs, relative_error, run_ours,
+)
 
 TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}  # relative Frobenius error (docs/kernel.md, "Numerics")
 BETA2 = (("mixer.transition.beta_range", (0, 2)),)
@@ -76,11 +78,7 @@ def _with_grads(bench: Bench, x: dict, backend: str, d_o: torch.Tensor, d_s: tor
 
 
 def _errors(got: dict, want: dict) -> dict[str, float]:
-    def err(g: torch.Tensor, w: torch.Tensor) -> float:
-        g, w = g.double(), w.double()
-        return float("inf") if not torch.isfinite(g).all() else ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
-
-    return {name: err(got[name], w) for name, w in want.items()}
+    return {name: relative_error(got[name], w) for name, w in want.items()}
 
 
 def _gate_sums(x: dict, grads: dict) -> dict[str, torch.Tensor]:

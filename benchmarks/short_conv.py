@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, first_line, kernels_before, machine, median_ms, write_results  # noqa: E402  (a script beside its helpers)
+from common import ROOT, first_line, kernels_before, machine, median_ms, relative_error, write_results  # noqa: E402  (a script beside its helpers)
 
 COPY_BYTES_PER_S = 4.27e12  # device-to-device copy measured on the H200 (kernel_times.py)
 WIDTH = 4  # the models' conv width (`short_conv: 4` in specs/models)
@@ -94,11 +94,6 @@ def at_launch(x: torch.Tensor, w: torch.Tensor, head: int, cu: torch.Tensor | No
     return {"forward": forward, "forward+backward": both}
 
 
-def max_rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    """The largest relative (Frobenius) difference of the tensors, pair by pair."""
-    return max(((g.double() - r.double()).norm() / r.double().norm().clamp(min=1e-30)).item() for g, r in zip(got, ref))
-
-
 def calls(x: torch.Tensor, w: torch.Tensor, head: int, cu: torch.Tensor | None, dy: torch.Tensor,
           before: Any | None, with_fla: bool) -> tuple[dict[str, dict[str, Callable[[], Any]]], dict[str, str]]:
     """Per implementation, its forward and forward + backward (from the fixed `dy`); and
@@ -148,7 +143,7 @@ def time_setting(setting: tuple, rounds: int, before: Any | None, with_fla: bool
         reference = at_launch(x, w, head, cu, dy, SHORT_CONV_LAUNCH)["forward+backward"]()
         for text in launches:
             passes = at_launch(x, w, head, cu, dy, parse_launch(text))
-            errors[text] = max_rel_err(passes["forward+backward"](), reference)
+            errors[text] = max(relative_error(g, r) for g, r in zip(passes["forward+backward"](), reference))
             table[f"ours[{text}]"] = passes
     ms: dict[str, dict[str, list[float]]] = {impl: {p: [] for p in passes} for impl, passes in table.items()}
     for _ in range(rounds):

@@ -54,8 +54,8 @@ def test_smoke_run_writes_every_setting(bench, tmp_path):
         prof = entry["impls"]["ours"]
         assert prof["busy_ms"] > 0 and sum(prof["categories"].values()) == pytest.approx(prof["busy_ms"], abs=0.01)
         assert prof["categories"]["matmul"] > 0 and prof["kernels"][0][2] >= prof["kernels"][-1][2]
-        step = next(r["step_ms"] for r in rows if r["spec"] == spec and r["setting"] == entry["setting"])
         row = next(r for r in rows if r["spec"] == spec and r["setting"] == entry["setting"])
+        step = row["step_ms"]
         host = f"{row['host_forward_ms']:.2f} / {row['host_backward_ms']:.2f}"
         assert f"| {spec} | {entry['setting']} | ours | {step:.2f} | {prof['busy_ms']:.2f} |" in table
         assert f"| {host} |" in table.split(f"| {spec} | {entry['setting']} | ours | {step:.2f} |")[1].splitlines()[0]

@@ -218,8 +218,8 @@ def test_add_rms_norm_keeps_a_float32_stream_beside_a_bfloat16_output(backend):
     assert add_rms_norm(x, None, w, backend=backend)[1] is x  # nothing to add: the stream as it is
 
 
-def _saved_storages(run) -> dict[int, torch.Tensor]:
-    """The tensors `run()` keeps for its backward, one per storage."""
+def _saved_storages(run) -> tuple[dict[int, torch.Tensor], object]:
+    """The tensors `run()` keeps for its backward, one per storage, and what it returned."""
     saved: dict[int, torch.Tensor] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

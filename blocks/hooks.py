@@ -14,3 +14,11 @@ import torch.nn as nn
 
 def has_forward_hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def fusable(linear: nn.Module) -> bool:
+    """Whether a fused path may bypass `linear`'s forward and use its weight alone (the
+    read-out's `kernels.rms_norm_linear`, the projections' `kernels.fan_out_linear`): a
+    plain bias-free `nn.Linear` without hooks. A module replaced or wrapped (a LoRA
+    adapter, a quantised layer) or hooked keeps its own forward."""
+    return type(linear) is nn.Linear and linear.bias is None and not has_forward_hooks(linear)

@@ -44,13 +44,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from archspec.kernels import Recompute, decode_step, linear_recurrence
+from archspec.kernels import Recompute, decode_step, fan_out_linear, linear_recurrence
 from archspec.kernels.row_linear import HeadNorm, PreNorm, row_linear
 from archspec.kernels.short_conv import stream_step
 
 from .conv import ShortConv
 from .gates import DECAY_FORMS, ChannelGate, ScalarGate
-from .hooks import has_forward_hooks
+from .hooks import fusable, has_forward_hooks
 from .joined import JoinedWeights
 from .lowrank import LowRankLinear
 from .norm import GatedRMSNorm, RMSNorm
@@ -200,16 +200,30 @@ class Mixer(nn.Module):
         d = None if self.preconditioner is None else self.preconditioner.start_state(batch_size, device, acc)
         return MixerState(torch.zeros(batch_size, H, K, V, device=device, dtype=acc), conv, d)
 
+    def _projections(self, x: Tensor) -> dict[str, Tensor]:
+        """The streams' and beta's projections of `x` that are plain bias-free Linears
+        without hooks (`fusable`), by name, formed in one call whose backward sums their
+        input gradients inside its matmuls (`kernels.fan_out_linear`); the others are
+        left to their own forward. Their gradients all arrive as the recurrence's backward
+        ends, so joining them holds none back (the output gate's would wait: it is apart)."""
+        modules = {name: m for name, m in self.proj.items() if fusable(m)}
+        if self.b_proj is not None and fusable(self.b_proj):
+            modules["beta"] = self.b_proj
+        if len(modules) < 2:
+            return {}
+        return dict(zip(modules, fan_out_linear(x, [m.weight for m in modules.values()], backend=self.fused_backend)))
+
     def _stream(self, name: str, x: Tensor, state: MixerState | None, tails: dict[str, Tensor],
                 cu_seqlens: Tensor | None, unit: bool, return_state: bool, shape: tuple[int, ...],
-                recipes: dict[str, Recompute]) -> Tensor:
-        """Projection, optional short conv (its new tail goes to `tails` when the state is
+                recipes: dict[str, Recompute], projected: dict[str, Tensor]) -> Tensor:
+        """Projection (`projected`'s where `_projections` formed it), optional short conv
+        (its new tail goes to `tails` when the state is
         returned), SiLU, and with `unit` the L2 norm of each head, reshaped to `shape`: the
         conv, SiLU and norm are one fused call that recomputes rather than saves its
         intermediates, and its recipe goes to `recipes` under the recurrence argument the stream
         feeds (`RECURRENCE_ARGUMENT`; the recurrence forms the output
         again in its backward instead of keeping it beside the conv's input)."""
-        h = self.proj[name](x)
+        h = projected[name] if name in projected else self.proj[name](x)
         head_dim = self.plan.head_dim if unit else 0
         if self.conv is not None:
             conv, tail = self.conv[name], None if state is None else state.conv[name]
@@ -242,18 +256,21 @@ class Mixer(nn.Module):
         unit = plan.transition != "diagonal"  # the delta rule and RWKV-7 need unit q, k
 
         recipes: dict[str, Recompute] = {}
-        q = self._stream("q", x, state, tails, cu_seqlens, unit, return_state, (B, T, H, K), recipes)
+        projected = self._projections(x)
+        q = self._stream("q", x, state, tails, cu_seqlens, unit, return_state, (B, T, H, K), recipes, projected)
         # (t, n, h, d) order: the n_h sub-steps of token t are rows t*n_h .. t*n_h + n_h - 1.
-        k = self._stream("k", x, state, tails, cu_seqlens, unit, return_state, (B, T * n, H, K), recipes)
-        v = self._stream("v", x, state, tails, cu_seqlens, False, return_state, (B, T * n, H, V), recipes)
+        k = self._stream("k", x, state, tails, cu_seqlens, unit, return_state, (B, T * n, H, K), recipes, projected)
+        v = self._stream("v", x, state, tails, cu_seqlens, False, return_state, (B, T * n, H, V), recipes, projected)
 
         beta = erase = write_key = None
         if self.b_proj is not None:
-            beta = plan.beta_scale * torch.sigmoid(self.b_proj(x)).reshape(B, T * n, H)
+            beta_logit = projected["beta"] if "beta" in projected else self.b_proj(x)
+            beta = plan.beta_scale * torch.sigmoid(beta_logit).reshape(B, T * n, H)
         if self.a_proj is not None:
             erase = plan.beta_scale * torch.sigmoid(self.a_proj(x)).reshape(B, T * n, H, K) * k
         if "w" in self.proj:
-            write_key = self._stream("w", x, state, tails, cu_seqlens, True, return_state, (B, T * n, H, K), recipes)
+            write_key = self._stream("w", x, state, tails, cu_seqlens, True, return_state, (B, T * n, H, K), recipes,
+                                     projected)
 
         d_final, osdn_inputs = None, None
         if self.preconditioner is not None:

@@ -1,7 +1,9 @@
 """The channel mixer of each block: SwiGLU (LLaMA, fla's GatedMLP) or a GELU MLP.
 
 SwiGLU's `down(silu(gate) * up)` is `kernels.swiglu_linear`: it saves only `gate` and `up`
-for its backward and recomputes the product (fused into one kernel each way on CUDA).
+for its backward and recomputes the product (fused into one kernel each way on CUDA); its
+gate and up projections are one `kernels.fan_out_linear`, whose backward sums the input's
+two gradients inside its matmuls.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from archspec.kernels.fan_out import fan_out_linear
 from archspec.kernels.row_linear import SWIGLU, PreNorm, row_linear
 from archspec.kernels.swiglu import swiglu_linear
 
+from .hooks import fusable
 from .joined import JoinedWeights
 from .plan import Mlp
 
@@ -50,7 +54,10 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_proj is not None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            if fusable(self.gate_proj) and fusable(self.up_proj):  # one backward sums x's two gradients
+                gate, up = fan_out_linear(x, [self.gate_proj.weight, self.up_proj.weight], backend=self.fused_backend)
+            else:
+                gate, up = self.gate_proj(x), self.up_proj(x)
             return swiglu_linear(gate, up, self.down_proj.weight, backend=self.fused_backend)
         return self.down_proj(F.gelu(self.up_proj(x)))
 

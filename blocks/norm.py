@@ -22,18 +22,11 @@ from archspec.kernels import add_rms_norm, rms_norm, rms_norm_linear
 from archspec.kernels.fused import compute_dtype
 from archspec.kernels.row_linear import PreNorm
 
-from .hooks import has_forward_hooks
+from .hooks import fusable
 
 Tensor = torch.Tensor
 
 GateActivation = Literal["silu", "sigmoid"]
-
-
-def fusable(linear: nn.Module) -> bool:
-    """Whether a read-out may bypass `linear`'s forward and use its weight alone
-    (`kernels.rms_norm_linear`): a plain bias-free `nn.Linear` without hooks. A module
-    replaced or wrapped (a LoRA adapter, a quantised layer) or hooked keeps its own forward."""
-    return type(linear) is nn.Linear and linear.bias is None and not has_forward_hooks(linear)
 
 
 class RMSNorm(nn.RMSNorm):

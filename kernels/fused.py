@@ -9,6 +9,8 @@
   carried tails.
 - `swiglu.swiglu_linear`: SwiGLU's down projection, the product recomputed in the backward.
 - `log_decay.gate_log_decay`: the decay gates' `-exp(A_log) * f(proj + bias)`, `f` softplus or sigmoid.
+- `fan_out.fan_out_linear`: several projections of one input, their input gradients
+  summed inside the backward's matmuls (cuBLAS, not Triton: `"triton"` selects it too).
 
 Each has a plain torch path (the definition, and what runs on the CPU) and a Triton path
 in `kernels/triton/`; `backend="auto"` takes Triton on CUDA tensors and torch elsewhere,

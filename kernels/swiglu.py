@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fan_out import weight_grad
 from .fused import compute_dtype, resolve_fused_backend
 
 Tensor = torch.Tensor
@@ -59,7 +60,7 @@ class _SwiGLUDown(torch.autograd.Function):
             d_gate, d_up, product = swiglu_backward_triton(gate.contiguous(), up.contiguous(), dh.contiguous(), cdtype)
         else:
             d_gate, d_up, product = _swiglu_backward_ref(gate, up, dh, cdtype)
-        d_weight = (dy.flatten(0, -2).T @ product.flatten(0, -2)).to(weight.dtype)
+        d_weight = weight_grad(dy.flatten(0, -2), product.flatten(0, -2), weight.dtype)
         return d_gate, d_up, d_weight, None, None
 
 

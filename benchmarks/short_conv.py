@@ -19,6 +19,12 @@ times our kernels at other settings than `ShortConvLaunch`'s (the table in
 `kernels/triton/launch.py`), after checking their output and gradients against the
 table's (`max_rel_err`: a miscompile is off by far more than bfloat16's rounding).
 Results: `DIR/short_conv.{json,md}`.
+
+`do_bench` puts CUDA events around each call, so a call that issues several kernels (a
+backward through autograd) also counts the host's gaps between them. On the H200 the
+two-pass backward of a q/v stream took 0.51 ms here and 0.155 ms of device time in the
+whole DeltaNet step's profile (`models.py`'s anatomy), where a one-pass backward that was
+faster here was slower: judge a kernel change by that profile.
 """
 
 from __future__ import annotations

@@ -67,6 +67,34 @@ def test_loss_path_checks_tokens_before_the_step_and_not_in_the_loss(monkeypatch
         model(ids, labels=bad_labels)
 
 
+def test_loss_path_takes_the_callers_count_as_a_device_tensor(monkeypatch):
+    """`scored_labels` (the count a caller checked, as a 0-dim tensor: what a captured CUDA
+    graph is handed, `archspec.graphed_step`): the same loss and gradients as the model's
+    own count, and no check or host read of the labels; without labels it is refused."""
+    model = build_model(model_plan(COMBINATIONS["kda-channel"], layers=1)).double()
+    model.set_backend("torch")
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 13, (2, 9), generator=gen)
+    labels = torch.roll(ids, -1, 1)
+    labels[:, -1] = IGNORE_INDEX
+    labels[0, 3] = IGNORE_INDEX
+    params = list(model.parameters())
+    want = model(ids, labels=labels)
+    want_grads = torch.autograd.grad(want, params)
+
+    def no_host_read(*args, **kwargs):
+        raise AssertionError("the labels were checked again")
+
+    monkeypatch.setattr("archspec.blocks.lm.checked_scored_labels", no_host_read)
+    monkeypatch.setattr("archspec.kernels.linear_ce.checked_scored_targets", no_host_read)
+    got = model(ids, labels=labels, scored_labels=torch.tensor(15))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(torch.autograd.grad(got, params), want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="scored_labels counts the scored labels: pass labels with it"):
+        model(ids, scored_labels=torch.tensor(15))
+
+
 @pytest.mark.parametrize("name,packed", [("gdn-scalar", False), ("kda-channel", False), ("osdn-apf-nh2", True),
                                          ("rwkv7-decay-channel", True)])
 def test_model_on_triton_pieces_equals_torch(name, packed):

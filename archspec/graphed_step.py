@@ -2,7 +2,7 @@
 
 At the benchmark's size (166-225M parameters, 16,384 tokens a step) the step is bound by
 the host on the H200: issuing its ~250 Triton launches and ~260 other kernels took the
-host 25-48 ms for the forward + loss and 26-64 ms for the backward, while the device was
+host 24-48 ms for the forward + loss and 26-64 ms for the backward, while the device was
 busy 43 ms (DeltaNet) to 59 ms (KDA) of it (`benchmarks/models.py`, host columns and
 profile). A replayed graph issues the whole step in one launch, so the step should take
 its device time (not yet measured on a GPU). This is PyTorch's whole-network capture (`torch.cuda.graph`), for a step

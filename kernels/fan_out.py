@@ -28,20 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fused import compute_dtype, resolve_fused_backend
+from .fused import compute_dtype, resolve_fused_backend, weight_grad
 
 Tensor = torch.Tensor
-
-# Inputs whose product CUDA can write in float32 directly (`torch.mm(..., out_dtype=)`).
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def weight_grad(rows: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
-    """`rows^T @ x` `[out, in]` in `dtype`: the float32 gradient of a float32 weight whose
-    matmuls ran in bfloat16 comes out of the matmul itself on CUDA."""
-    if rows.is_cuda and dtype == torch.float32 and rows.dtype in _LOW_PRECISION:
-        return torch.mm(rows.t(), x, out_dtype=torch.float32)
-    return (rows.t() @ x).to(dtype)
 
 
 class _FanOut(torch.autograd.Function):

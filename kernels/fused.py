@@ -38,3 +38,16 @@ def compute_dtype(t: Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(t.device.type):
         return torch.get_autocast_dtype(t.device.type)
     return t.dtype
+
+
+# Inputs whose product CUDA can write in float32 directly (`torch.mm(..., out_dtype=)`).
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def weight_grad(rows: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """`rows^T @ x` `[out, in]` in `dtype`: the float32 gradient of a float32 weight whose
+    matmuls ran in bfloat16 comes out of the matmul itself on CUDA (`fan_out_linear`,
+    `swiglu_linear`)."""
+    if rows.is_cuda and dtype == torch.float32 and rows.dtype in _LOW_PRECISION:
+        return torch.mm(rows.t(), x, out_dtype=torch.float32)
+    return (rows.t() @ x).to(dtype)

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fan_out import weight_grad
-from .fused import compute_dtype, resolve_fused_backend
+from .fused import compute_dtype, resolve_fused_backend, weight_grad
 
 Tensor = torch.Tensor
 

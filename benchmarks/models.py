@@ -2,7 +2,7 @@
 flash-linear-attention's HF model of the same design.
 
     python benchmarks/models.py [--out DIR] [--specs a,b] [--no-fla] [--rounds N]
-                                [--budget-s S] [--warm-workers N] [--merge] [--smoke]
+                                [--budget-s S] [--warm-workers N] [--merge] [--graphed] [--smoke]
 
 Each spec in `specs/models` is compiled at the size of issue 17 (d_model 1024, 8 layers,
 8 heads of 128, vocabulary 32,000, SwiGLU MLP) with float32 master weights and trained
@@ -50,7 +50,10 @@ both in the JSON): a half whose host time nears the step's share is bound by the
 Results: `DIR/models.json` (machine, torch / triton / fla versions, commit, every row)
 and `DIR/models.md`, written after every setting, so a run cut short by `--budget-s`
 keeps what it finished; `--merge` keeps an earlier file's rows of the specs not run now,
-so a run can be split over several calls (`--specs a,b --merge`). `--smoke` runs ours only, at a tiny size, on the CPU (the test
+so a run can be split over several calls (`--specs a,b --merge`). `--graphed` also
+times ours with the step captured as a CUDA graph (`archspec.graphed_step`: one launch
+issues the whole forward + loss + backward, for a step bound by the host) in the same
+rounds, row `ours-graph`, listed under the table. `--smoke` runs ours only, at a tiny size, on the CPU (the test
 suite runs it).
 """
 
@@ -348,6 +351,33 @@ def ours(plan, size: Size) -> Trainee:
     return Trainee("ours", model, loss, size.device)
 
 
+GRAPHED = "ours-graph"
+
+
+class GraphedTrainee(Trainee):
+    """Ours with the step captured as a CUDA graph (`archspec.graphed_step`), one graph for
+    the batch shape at hand (a new shape drops the old graph and captures again). The host
+    time is the whole call (check, copies, replay) as the forward's, none as the backward's."""
+
+    def __init__(self, plan, size: Size):
+        from archspec.blocks import build_model
+
+        super().__init__(GRAPHED, build_model(plan).to(size.device), lambda batch: None, size.device)
+        self.step = None
+
+    def forward_backward(self, batch: Batch) -> tuple[float, float]:
+        from archspec.graphed_step import GraphedStep
+
+        began = time.perf_counter()
+        shape = tuple(batch.inputs.shape)
+        if self.step is None or self.step.shape != shape:
+            self.step = None  # the old graph and its memory pool go before the new capture
+            torch.cuda.empty_cache()
+            self.step = GraphedStep(self.model, *shape)
+        self.step(batch.inputs, batch.labels, batch.cu_seqlens)
+        return time.perf_counter() - began, 0.0
+
+
 def theirs(plan, size: Size, params: int) -> Trainee:
     from archspec.training import autocast_for
 
@@ -573,37 +603,47 @@ def setting_specific(refusal: str) -> bool:
 
 def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: int, log: Callable[[str], None],
                on_setting: Callable[[list[Row]], None] = lambda rows: None,
-               anatomies: dict[str, dict] | None = None, anatomy_at: str | None = None) -> list[Row]:
+               anatomies: dict[str, dict] | None = None, anatomy_at: str | None = None,
+               graphed: bool = False) -> list[Row]:
     """The rows of one design, every setting's handed to `on_setting` as it is measured
     (a run cut short keeps them: a cold machine spends minutes compiling the first).
     With `anatomies`, one step of each model at the setting `anatomy_at` (default: the
-    first) is profiled into it under the spec's name (`anatomy.profile`)."""
+    first) is profiled into it under the spec's name (`anatomy.profile`). With `graphed`
+    (CUDA), ours is also timed with its step captured as a CUDA graph (`GraphedTrainee`,
+    row `ours-graph`) beside the others, in the settings without packed documents; its
+    peak is left out (the graph holds the step's memory in its own pool, allocated once at
+    capture) and it is not profiled."""
     anatomy_at = anatomy_at or size.settings()[0][0]
     plan = load_plan(spec, size)
     design = fla_design(plan)
     trainees, refusal = beside_fla(plan, ours(plan, size), lambda params: theirs(plan, size, params),
                                    with_fla=with_fla, label=spec.stem, log=log)
+    if graphed and size.device.startswith("cuda"):
+        trainees.insert(1, GraphedTrainee(plan, size))
     rows: list[Row] = []
     for setting, B, T in size.settings():
         batch = make_batch(size, B, T, packed=setting == "packed")
         docs = None if batch.cu_seqlens is None else batch.cu_seqlens.numel() - 1
+        timed = [t for t in trainees if not (t.name == GRAPHED and batch.cu_seqlens is not None)]
         by_impl = {t.name: Row(spec.stem if design is None else design, spec.stem, setting, t.name, B, T, docs, t.params)
-                   for t in trainees}
-        time_side_by_side(trainees, batch, rounds, warmup, size.device, by_impl)
+                   for t in timed}
+        time_side_by_side(timed, batch, rounds, warmup, size.device, by_impl)
+        if GRAPHED in by_impl:
+            by_impl[GRAPHED].peak_mem_bytes = None
         measured = list(by_impl.values())
         if with_fla and "fla" not in by_impl:
             measured.append(Row(design or spec.stem, spec.stem, setting, "fla", B, T, docs, refused=refusal))
         rows += measured
         if anatomies is not None and setting == anatomy_at:  # after the timing, never in it; before the rows are handed on
             anatomies[spec.stem] = {"setting": setting, "impls": {
-                t.name: profile_step(t, batch) for t in trainees if not by_impl[t.name].refused}}
+                t.name: profile_step(t, batch) for t in timed if t.name != GRAPHED and not by_impl[t.name].refused}}
         on_setting(measured)
         for row in by_impl.values():  # a peer refusing the design (not this setting's size) is not asked again
             if row.impl != "ours" and row.refused and not setting_specific(row.refused):
                 trainees = [t for t in trainees if t.name != row.impl]
                 refusal = row.refused
         for row in by_impl.values():
-            log(f"  {setting:>8} {row.impl:4}: " + (f"refused: {row.refused.splitlines()[0]}" if row.refused else
+            log(f"  {setting:>8} {row.impl:10}: " + (f"refused: {row.refused.splitlines()[0]}" if row.refused else
                 f"{row.tokens_per_s:,.0f} tok/s, optimizer {row.optimizer_ms:.1f} ms, peak "
                 f"{'n/a' if row.peak_mem_bytes is None else f'{row.peak_mem_bytes / 1e9:.2f} GB'}"))
     for t in trainees:
@@ -665,6 +705,7 @@ def markdown(record: dict[str, Any]) -> str:
                      f"{o['optimizer_ms']:.1f} / {f['optimizer_ms']:.1f} | {_gb(o['peak_mem_bytes'])} / {_gb(f['peak_mem_bytes'])} | {mem} |")
     import common
 
+    lines += graphed_notes(rows)
     lines += measured_notes(rows)
     profiled = record.get("anatomy", {})
     at_profiled = [r for r in rows
@@ -675,6 +716,26 @@ def markdown(record: dict[str, Any]) -> str:
     lines += anatomy.markdown(profiled, step_ms, host_ms)
     lines += common.run_notes(record)
     return "\n".join(lines) + "\n"
+
+
+def graphed_notes(rows: list[dict]) -> list[str]:
+    """The `ours-graph` rows (`--graphed`): tokens/s with the step replayed from a CUDA
+    graph, against ours eager and fla's in the same rounds."""
+    parts = []
+    for r in rows:
+        if r["impl"] != GRAPHED:
+            continue
+        group = {x["impl"]: x for x in rows if x["spec"] == r["spec"] and x["setting"] == r["setting"]}
+        if r.get("refused") or not r.get("tokens_per_s"):
+            parts.append(f"{r['spec']} {r['setting']}: refused ({(r.get('refused') or '?').splitlines()[0][:120]})")
+            continue
+        against = [f"{r['tokens_per_s'] / group[k]['tokens_per_s']:.2f}x {k}" for k in ("ours", "fla")
+                   if group.get(k, {}).get("tokens_per_s")]
+        parts.append(f"{r['spec']} {r['setting']}: {r['tokens_per_s']:,.0f} ({', '.join(against)})")
+    if not parts:
+        return []
+    return ["", "Ours with the step captured as a CUDA graph (`--graphed`, `archspec.graphed_step`), tokens/s: "
+            + "; ".join(parts) + "."]
 
 
 def measured_notes(rows: list[dict]) -> list[str]:
@@ -720,6 +781,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--anatomy-at", default=None, metavar="SETTING",
                     help="the setting whose step is profiled (T=2048, T=8192 or packed at the issue's size; default the first)")
     ap.add_argument("--smoke", action="store_true", help="ours only, tiny size, on the CPU")
+    ap.add_argument("--graphed", action="store_true",
+                    help="also time ours with its step captured as a CUDA graph (row ours-graph; not packed)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of specs not run now from an earlier models.json in --out (runs split over calls)")
     args = ap.parse_args(argv)
@@ -783,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run_design(SPECS / f"{name}.yaml", size, with_fla=with_fla, rounds=args.rounds, warmup=args.warmup,
                        log=log, on_setting=keep, anatomies=None if args.no_anatomy else record["anatomy"],
-                       anatomy_at=args.anatomy_at)
+                       anatomy_at=args.anatomy_at, graphed=args.graphed)
         except Exception as exc:  # one design failing (out of memory, ...) must not lose the others
             record["failed"][name] = traceback.format_exc()
             log(f"{name} failed: {first_line(exc)}")

@@ -169,6 +169,7 @@ class LanguageModel(nn.Module):
         *,
         labels: Tensor | None = None,
         cu_seqlens: Tensor | None = None,
+        scored_labels: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, list[LayerState]]:
         """Logits `[B, T, vocab]`, or with `labels` the mean next-token loss (a scalar; the
         logits are never made); and the state after the last token if `return_state`.
@@ -178,9 +179,17 @@ class LanguageModel(nn.Module):
         B = 1) packs N documents in the row: each starts from its own state (`state` with N
         rows) or from zeros, and the returned state has one row per document (recurrent
         layers only: an attention layer takes packed documents without a state).
+
+        `scored_labels`: how many labels are scored, a 0-dim integer tensor on the model's
+        device, from a caller that has checked the ids and labels itself
+        (`checked_scored_labels`), so that the step reads nothing on the host at all (a
+        captured CUDA graph, `archspec.graphed_step`, may not).
         """
         # Checked before the first kernel is queued (`blocks/loss.py`): the loss then reads nothing on the host.
-        scored = None if labels is None else checked_scored_labels(input_ids, labels, self.plan.vocab_size)
+        if scored_labels is not None and labels is None:
+            raise ValueError("scored_labels counts the scored labels: pass labels with it")
+        scored = scored_labels if scored_labels is not None or labels is None else checked_scored_labels(
+            input_ids, labels, self.plan.vocab_size)
         x, new_state = self.hidden_states(input_ids, state, return_state, cu_seqlens=cu_seqlens)
         if labels is None:
             out = self.head(x)

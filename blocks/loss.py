@@ -23,7 +23,7 @@ Tensor = torch.Tensor
 
 
 def next_token_loss(hidden: Tensor, head_weight: Tensor, labels: Tensor, *, backend: str = "auto",
-                    scored_rows: int | None = None) -> Tensor:
+                    scored_rows: int | Tensor | None = None) -> Tensor:
     """Mean cross-entropy of `hidden @ head_weight^T` (`hidden` `[B, T, d]`) against `labels` `[B, T]`;
     `scored_rows` from `checked_scored_labels` (else the labels are checked here)."""
     if labels.shape != hidden.shape[:-1]:

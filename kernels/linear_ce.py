@@ -94,14 +94,18 @@ def _accumulate_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, chunk_rows: int,
-                backend: str, cdtype: torch.dtype, grad_enabled: bool, scored_rows: int) -> Tensor:
+                backend: str, cdtype: torch.dtype, grad_enabled: bool, scored_rows: int | Tensor) -> Tensor:
         N, d = hidden.shape
         V = weight.shape[0]
         # Under no_grad (evaluation) only the loss is formed: no gradient matmuls.
         need_h, need_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         acc = torch.promote_types(cdtype, torch.float32)
-        # no scored row: loss 0 and zero gradients. One tensor for every chunk's step.
-        scale = torch.full((), 1.0 / max(scored_rows, 1), device=hidden.device, dtype=acc)
+        # no scored row: loss 0 and zero gradients. One tensor for every chunk's step; a
+        # count on the device stays there (a captured CUDA graph reads it at each replay).
+        if isinstance(scored_rows, Tensor):
+            scale = 1.0 / scored_rows.to(device=hidden.device, dtype=acc).clamp(min=1)
+        else:
+            scale = torch.full((), 1.0 / max(scored_rows, 1), device=hidden.device, dtype=acc)
         step = _softmax_ce_grad(backend)
         h = hidden.to(cdtype)
         w = weight.to(cdtype)
@@ -156,7 +160,7 @@ def linear_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     chunk_rows: int | None = None,
     backend: str = "auto",
-    scored_rows: int | None = None,
+    scored_rows: int | Tensor | None = None,
 ) -> Tensor:
     """Mean cross-entropy of `hidden @ weight^T` against `targets` over the rows whose target
     is not `ignore_index`; a float32 scalar (float64 for float64 inputs), differentiable in `hidden` and `weight`.
@@ -169,7 +173,9 @@ def linear_cross_entropy(
     checked them (`checked_scored_targets`), or a larger count they are part of (the scored
     targets of every micro-batch of an accumulated step: transformers' `num_items_in_batch`);
     then nothing is read on the host here (module docstring), and a target outside the
-    vocabulary makes the loss NaN. Without it, the targets are counted and checked here (one
+    vocabulary makes the loss NaN. It may be a 0-dim integer tensor on `hidden`'s device, which
+    is read only there (`archspec.graphed_step` writes each batch's count into one before
+    replaying its captured step). Without it, the targets are counted and checked here (one
     host read; a `ValueError` says which is bad).
     """
     if hidden.shape[:-1] != targets.shape:
@@ -187,6 +193,10 @@ def linear_cross_entropy(
         raise ValueError(f"linear_cross_entropy: chunk_rows must be >= 1, got {rows}")
     if scored_rows is None:
         scored_rows = checked_scored_targets(targets, weight.shape[0], ignore_index, "linear_cross_entropy: targets")
+    elif isinstance(scored_rows, Tensor):
+        if scored_rows.dim() != 0 or scored_rows.dtype.is_floating_point or scored_rows.device != hidden.device:
+            raise ValueError(f"linear_cross_entropy: a scored_rows tensor must be a 0-dim integer on {hidden.device}, got "
+                             f"shape {tuple(scored_rows.shape)}, {scored_rows.dtype} on {scored_rows.device}")
     elif scored_rows < 0:
         raise ValueError(f"linear_cross_entropy: scored_rows must be >= 0, got {scored_rows}")
     return _LinearCrossEntropy.apply(hidden2, weight, flat, ignore_index, rows, name, cdtype, torch.is_grad_enabled(),

@@ -39,16 +39,21 @@ def test_loss_path_refuses_mismatched_labels():
         model(torch.zeros(2, 4, dtype=torch.long), labels=torch.zeros(2, 3, dtype=torch.long))
 
 
+def _one_layer_lm_and_batch(name: str, seed: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A one-layer float64 LM on the torch path and a [2, 9] batch of ids and next-token labels."""
+    model = build_model(model_plan(COMBINATIONS[name], layers=1)).double()
+    model.set_backend("torch")
+    ids = torch.randint(0, 13, (2, 9), generator=torch.Generator().manual_seed(seed))
+    labels = torch.roll(ids, -1, 1)
+    labels[:, -1] = IGNORE_INDEX
+    return model, ids, labels
+
+
 def test_loss_path_checks_tokens_before_the_step_and_not_in_the_loss(monkeypatch):
     """The token ids and labels are checked and the labels counted once, before the first
     layer (`checked_scored_labels`): the loss in the middle of the step reads nothing on the
     host. A bad id or label is a clear error that says which and where."""
-    model = build_model(model_plan(COMBINATIONS["gdn-scalar"], layers=1)).double()
-    model.set_backend("torch")
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 13, (2, 9), generator=gen)
-    labels = torch.roll(ids, -1, 1)
-    labels[:, -1] = IGNORE_INDEX
+    model, ids, labels = _one_layer_lm_and_batch("gdn-scalar", 5)
     want = F.cross_entropy(model(ids)[:, :-1].flatten(0, 1), labels[:, :-1].flatten())
 
     def no_host_read(*args, **kwargs):
@@ -65,6 +70,29 @@ def test_loss_path_checks_tokens_before_the_step_and_not_in_the_loss(monkeypatch
     bad_labels[0, 2] = -5
     with pytest.raises(ValueError, match=r"labels: 1 outside \[0, 13\) that are not -100; the first, at \[0, 2\], is -5"):
         model(ids, labels=bad_labels)
+
+
+def test_loss_path_takes_the_callers_count_as_a_device_tensor(monkeypatch):
+    """`scored_labels` (the count a caller checked, as a 0-dim tensor: what a captured CUDA
+    graph is handed, `archspec.graphed_step`): the same loss and gradients as the model's
+    own count, and no check or host read of the labels; without labels it is refused."""
+    model, ids, labels = _one_layer_lm_and_batch("kda-channel", 6)
+    labels[0, 3] = IGNORE_INDEX
+    params = list(model.parameters())
+    want = model(ids, labels=labels)
+    want_grads = torch.autograd.grad(want, params)
+
+    def no_host_read(*args, **kwargs):
+        raise AssertionError("the labels were checked again")
+
+    monkeypatch.setattr("archspec.blocks.lm.checked_scored_labels", no_host_read)
+    monkeypatch.setattr("archspec.kernels.linear_ce.checked_scored_targets", no_host_read)
+    got = model(ids, labels=labels, scored_labels=torch.tensor(15))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(torch.autograd.grad(got, params), want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="scored_labels counts the scored labels: pass labels with it"):
+        model(ids, scored_labels=torch.tensor(15))
 
 
 @pytest.mark.parametrize("name,packed", [("gdn-scalar", False), ("kda-channel", False), ("osdn-apf-nh2", True),

@@ -127,6 +127,17 @@ def test_linear_cross_entropy_with_the_callers_count(backend, monkeypatch):
         assert torch.isfinite(grad_h[[0, 1, 2, 3, 5]]).all()  # the row's own gradient only
     with pytest.raises(ValueError, match="scored_rows must be >= 0"):
         linear_cross_entropy(hidden, weight, targets, backend=backend, scored_rows=-1)
+    # the count as a 0-dim device tensor (what a replayed CUDA graph reads): the same step
+    as_tensor = linear_cross_entropy(hidden, weight, targets, chunk_rows=5, backend=backend, scored_rows=torch.tensor(10))
+    torch.testing.assert_close(as_tensor, counted, rtol=0, atol=0)
+    for g, w in zip(_grads(as_tensor, [hidden, weight]), want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    empty = linear_cross_entropy(hidden, weight, torch.full_like(targets, IGNORE_INDEX), backend=backend,
+                                 scored_rows=torch.tensor(0))
+    assert empty.item() == 0 and all((g == 0).all() for g in _grads(empty, [hidden, weight]))
+    for bad in (torch.tensor([10]), torch.tensor(10.0)):
+        with pytest.raises(ValueError, match="a scored_rows tensor must be a 0-dim integer on cpu"):
+            linear_cross_entropy(hidden, weight, targets, backend=backend, scored_rows=bad)
 
 
 def test_softmax_step_kernel_equals_torch_step():

@@ -739,19 +739,23 @@ def graphed_notes(rows: list[dict]) -> list[str]:
 
 
 def measured_notes(rows: list[dict]) -> list[str]:
-    """Which commit (and kernel sources, `kernels_sha1`) each spec's rows were measured
-    at, where a merged file holds rows of several runs."""
+    """Which machine, commit (and kernel sources, `kernels_sha1`) each spec's rows were
+    measured at, where a merged file holds rows of several runs. Ours and fla's of one row
+    always share a run; rows of different machines compare only through their ratios."""
     runs: dict[tuple, list[str]] = {}
     for r in rows:
         m = r.get("measured") or {}
-        key = (m.get("commit"), m.get("kernels_sha1"), m.get("date"))
+        key = (m.get("device"), m.get("commit"), m.get("kernels_sha1"), m.get("date"))
         if r["spec"] not in runs.setdefault(key, []):
             runs[key].append(r["spec"])
     if len(runs) < 2:
         return []
-    parts = [f"{', '.join(specs)}: commit {c or '?'}, kernels {k or '?'}, {d or '?'}"
-             for (c, k, d), specs in sorted(runs.items(), key=lambda kv: str(kv[0][2]))]
-    return ["", "Measured in several runs (`--merge`): " + "; ".join(parts) + "."]
+    parts = [f"{', '.join(specs)}: {device or 'device ?'}, commit {c or '?'}, kernels {k or '?'}, {d or '?'}"
+             for (device, c, k, d), specs in sorted(runs.items(), key=lambda kv: str(kv[0][3]))]
+    note = "Measured in several runs (`--merge`): " + "; ".join(parts) + "."
+    if len({device for device, *_ in runs}) > 1:
+        note += " The runs were on different machines: compare tokens/s across rows by their ratios to fla's only."
+    return ["", note]
 
 
 def write_results(out: Path, record: dict[str, Any]) -> None:
@@ -825,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
         record["unfit"] = {**{k: v for k, v in earlier.get("unfit", {}).items() if k not in names}, **unfit}
         record["earlier_machines"] = [earlier.get("machine"), *earlier.get("earlier_machines", [])]
     # Each row says which tree it was measured on: `--merge` keeps rows of earlier runs.
-    measured = {k: record["machine"].get(k) for k in ("commit", "kernels_sha1", "date")}
+    measured = {k: record["machine"].get(k) for k in ("commit", "kernels_sha1", "date", "device")}
     pinned = picks.pin_from(out, log) if with_fla and not args.retune and size.device == "cuda" else None
     workers = args.warm_workers if args.warm_workers is not None else 0 if args.smoke else 8
     if workers > 0:

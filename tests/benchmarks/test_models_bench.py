@@ -97,13 +97,17 @@ def test_a_kernel_name_is_put_in_its_part_of_the_model(name, part):
 
 
 def test_merged_rows_say_which_run_measured_them(bench):
-    def row(spec, commit):
-        return {"spec": spec, "measured": {"commit": commit, "kernels_sha1": commit[:3], "date": "2026-12-0" + commit[-1]}}
+    def row(spec, commit, device="H200"):
+        return {"spec": spec, "measured": {"commit": commit, "kernels_sha1": commit[:3], "date": "2026-12-0" + commit[-1],
+                                           "device": device}}
 
     assert bench.measured_notes([row("kda", "aaa1"), row("kda", "aaa1"), row("gla", "aaa1")]) == []  # one run: nothing to say
     notes = bench.measured_notes([row("kda", "aaa1"), row("gla", "bbb2"), row("rwkv7", "bbb2")])
-    assert notes[-1] == ("Measured in several runs (`--merge`): kda: commit aaa1, kernels aaa, 2026-12-01; "
-                         "gla, rwkv7: commit bbb2, kernels bbb, 2026-12-02.")
+    assert notes[-1] == ("Measured in several runs (`--merge`): kda: H200, commit aaa1, kernels aaa, 2026-12-01; "
+                         "gla, rwkv7: H200, commit bbb2, kernels bbb, 2026-12-02.")
+    mixed = bench.measured_notes([row("kda", "aaa1"), row("gla", "bbb2", device="H100")])
+    assert mixed[-1].startswith("Measured in several runs (`--merge`): kda: H200, commit aaa1")
+    assert "gla: H100, commit bbb2" in mixed[-1] and mixed[-1].endswith("by their ratios to fla's only.")
 
 
 def test_graphed_rows_are_listed_against_ours_and_fla(bench):

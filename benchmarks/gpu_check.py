@@ -54,7 +54,7 @@ SUM_TOL = {**TOL, "float32": 1e-3}
 GATE_SUMS = ("sum dg", "sum g dg")
 BETA2 = (("mixer.transition.beta_range", (0, 2)),)
 CHECK_PLANS = [
-    Bench("linear-attention", "gla", (("mixer.gate", "none"),)),
+    Bench("linear-attention", "gla", (("mixer.gate", "none"), ("mixer.decay", None))),  # no gate, so no decay form
     Bench("gla-scalar", "gla", (("mixer.gate", "scalar"),)),
     Bench("gla", "gla"),
     Bench("deltanet", "deltanet"),

@@ -86,6 +86,15 @@ def test_plans_come_from_the_specs() -> None:
     assert plans["deltaproduct-2"].beta_scale == 2.0  # the spec's beta_range [0, 2]
 
 
+def test_every_gpu_check_plan_lowers() -> None:
+    """gpu_check's plans are specs with overrides; one the spec rules refuse would stop the
+    whole check on the GPU before it ran anything."""
+    with benchmark_module("gpu_check") as check:
+        plans = {b.name: b.plan for b in check.CHECK_PLANS}
+    assert (plans["linear-attention"].transition, plans["linear-attention"].gate) == ("diagonal", "none")
+    assert (plans["rwkv7-scalar-2"].n_h, plans["rwkv7-scalar-2"].gate) == (2, "scalar")
+
+
 @pytest.mark.parametrize("regime, least, most", [
     ("mild", 1.0, 1.0),  # a few nats a chunk
     ("strong", 1.0, 1.0),  # trained KDA layers: about 52 nats a chunk, under twice the bound

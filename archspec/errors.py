@@ -46,3 +46,9 @@ class ArchspecError(Exception):
             what = f"{field}: " if field else ""
             lines.append(f"  {where}{what}{msg}")
         return "\n".join(lines)
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message`, cut at `limit` characters: an error as one line of
+    a report or log."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:limit]}"

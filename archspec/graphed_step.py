@@ -1,12 +1,15 @@
 """The training step (forward, loss, backward) captured once as a CUDA graph and replayed.
 
-At the benchmark's size (166-225M parameters, 16,384 tokens a step) the step is bound by
-the host on the H200: issuing its ~250 Triton launches and ~260 other kernels took the
-host 24-48 ms for the forward + loss and 26-64 ms for the backward, while the device was
-busy 43 ms (DeltaNet) to 59 ms (KDA) of it (`benchmarks/models.py`, host columns and
-profile). A replayed graph issues the whole step in one launch, so the step should take
-its device time (not yet measured on a GPU). This is PyTorch's whole-network capture (`torch.cuda.graph`), for a step
-whose batch shape never changes.
+At the benchmark's size (166-225M parameters, 16,384 tokens a step) the eager step is
+bound by the host: issuing its ~250 Triton launches and ~260 other kernels took the host
+24-48 ms for the forward + loss and 26-64 ms for the backward, while the device was busy
+43 ms (DeltaNet) to 59 ms (KDA) of it (`benchmarks/models.py`, host columns and profile,
+H200). A replayed graph issues the whole step in one launch. Measured on an H100 at
+B=8, T=2048 (`benchmarks/models.py --graphed`): DeltaNet 262k -> 354k tokens/s (1.35x),
+KDA 195k -> 262k (1.35x), GLA 264k -> 313k (1.18x), Gated DeltaNet 228k -> 267k (1.17x).
+This is PyTorch's whole-network capture (`torch.cuda.graph`), for a step whose batch
+shape never changes; `archspec.training.TrainingStep` uses it where it can and the eager
+step elsewhere.
 
 What capture needs from the step, and how it gets it here:
 
@@ -14,6 +17,9 @@ What capture needs from the step, and how it gets it here:
   checked and the scored labels counted before each replay (`checked_scored_labels`, one
   read, as the eager step does before its first layer), and the count goes in as a device
   tensor (`LanguageModel.forward(scored_labels=...)`), which the loss reads on the device.
+  The first warm-up step runs under `torch.cuda.set_sync_debug_mode("error")`, so a module
+  that does read on the host is refused (`CaptureRefused`, naming the operation) before
+  any capture begins.
 - Fixed addresses. Each batch is copied into the same input tensors; the gradients are
   the tensors the captured backward wrote, handed back to the parameters after each replay
   (an optimizer's `zero_grad(set_to_none=True)` drops them, harmlessly).
@@ -24,8 +30,9 @@ What capture needs from the step, and how it gets it here:
 
 The optimizer stays outside the graph (fused AdamW is one launch a parameter group), and
 each step is one micro-batch: the captured backward writes the gradients, it does not add
-to them. The graph keeps the step's activations in its own memory pool between replays, so the
-step's memory stays reserved instead of being returned after each backward.
+to them. The graph keeps the step's activations in its own memory pool between replays, so
+the step's memory stays reserved instead of being returned after each backward
+(`pool_bytes` says how much).
 """
 
 from __future__ import annotations
@@ -34,10 +41,16 @@ import torch
 import torch.nn as nn
 
 from archspec.blocks.loss import checked_scored_labels
+from archspec.errors import first_line
 
 Tensor = torch.Tensor
 
 WARMUP_STEPS = 3  # eager steps before capture: Triton compiles, autotuned kernels pick, caches fill
+
+
+class CaptureRefused(ValueError):
+    """The model's step cannot be captured (it reads on the host, or capture failed); the
+    eager step still trains it."""
 
 
 class GraphedStep:
@@ -106,17 +119,53 @@ class GraphedStep:
     def _capture(self) -> None:
         # Warm-up on a side stream, as torch.cuda.graph requires; gradients of those steps
         # are discarded (set to None before capture, so the captured backward allocates
-        # and writes, never accumulates).
+        # and writes, never accumulates). The first runs with host synchronisation made an
+        # error: a read on the host would break the capture (or, worse, be baked into it).
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(WARMUP_STEPS):
+            for i in range(WARMUP_STEPS):
                 self.model.zero_grad(set_to_none=True)
-                self._forward_backward()
+                if i == 0:
+                    self._without_host_reads()
+                else:
+                    self._forward_backward()
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.model.zero_grad(set_to_none=True)
+        # The warm-up's activations went back to the allocator's cache, which the graph's
+        # private pool cannot use: return them, so the step is not held twice.
+        torch.cuda.empty_cache()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.loss = self._forward_backward().detach()
+        try:
+            with torch.cuda.graph(self.graph):
+                self.loss = self._forward_backward().detach()
+        except RuntimeError as exc:
+            self.graph, self.loss = None, None
+            self.model.zero_grad(set_to_none=True)
+            raise CaptureRefused(f"GraphedStep: capturing the step failed: {first_line(exc)}") from exc
         self.grads = [p.grad for p in self.params]
         self.graph.replay()  # capture only records: this batch's step runs now
+
+    def pool_bytes(self) -> tuple[int, int]:
+        """(reserved, allocated) bytes of the graph's private memory pool: it holds the
+        step's activations and gradients between replays, reserved whether or not a replay
+        is running (0, 0 before the capture)."""
+        if self.graph is None:
+            return 0, 0
+        pool = tuple(self.graph.pool())
+        segments = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == pool]
+        return sum(s["total_size"] for s in segments), sum(s["allocated_size"] for s in segments)
+
+    def _without_host_reads(self) -> None:
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            self._forward_backward()
+        except RuntimeError as exc:
+            if "synchroniz" not in str(exc).lower():
+                raise
+            self.model.zero_grad(set_to_none=True)
+            raise CaptureRefused("GraphedStep: the step reads a device value on the host, which a CUDA graph "
+                                 f"cannot replay ({first_line(exc)})") from exc
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from archspec.errors import ArchspecError
-from archspec.training import autocast_for, make_optimizer, training_loss
+from archspec.training import TrainingStep, autocast_for, make_optimizer
 
 __all__ = ["ThroughputReport", "autocast_for", "measure_training_throughput", "register"]
 
@@ -53,6 +53,8 @@ class ThroughputReport:
     step_seconds: tuple[float, ...]  # wall time of each timed forward + loss + backward
     optimizer_seconds: tuple[float, ...] = ()  # wall time of each timed optimizer step
     peak_mem_note: str | None = None  # why peak_mem_bytes is None
+    cuda_graph: bool = False  # the step was replayed from a CUDA graph (`TrainingStep`)
+    eager_reason: str | None = None  # why it was not
 
     @property
     def optimizer_s(self) -> float:
@@ -85,8 +87,15 @@ def measure_training_throughput(
     steps: int = 5,
     vocab_size: int | None = None,
     seed: int = 0,
+    graphed: bool | None = None,
 ) -> ThroughputReport:
     """Tokens per second of the training step on `[batch, seq_len]` random tokens.
+
+    The step is the trainer's (`TrainingStep`): replayed from a CUDA graph where it can be
+    (`graphed` None), always eager (False), or a graph or an error (True). With a graph,
+    the peak is the larger of the most allocated at once (the warm-up's eager steps and
+    the capture) and what is allocated between replays with the graph's private pool
+    counted whole (`GraphedStep.pool_bytes`: it stays reserved between replays).
 
     The module is moved to `device`; its weights are restored and its gradients cleared
     afterwards. Inputs come from a private generator, so measuring does not disturb the
@@ -107,8 +116,10 @@ def measure_training_throughput(
     saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     optimizer = make_optimizer(model, lr=0.0, device=device)
 
+    step = TrainingStep(model, device=device, graphed=graphed)
+
     def forward_backward() -> None:
-        training_loss(model, inputs, labels, device=device).backward()
+        step(inputs, labels)
 
     def optimizer_step() -> None:
         optimizer.step()
@@ -135,9 +146,13 @@ def measure_training_throughput(
     note: str | None = None
     if device.type == "cuda":
         peak = int(torch.cuda.max_memory_allocated(device))
+        if step.graphed:  # during a replay the whole pool is in use, its free blocks too
+            reserved, allocated = step.graph.pool_bytes()
+            peak = max(peak, int(torch.cuda.memory_allocated(device)) + reserved - allocated)
     else:
         note = CPU_PEAK_NOTE if device.type == "cpu" else f"not measured on {device.type}: no peak-memory counter there"
-    del optimizer
+    graph_used, eager_reason = step.graphed, step.eager_reason
+    del optimizer, step  # the graph and its memory pool go before the weights come back
     model.load_state_dict(saved)
     model.zero_grad(set_to_none=True)
     model.train(was_training)
@@ -151,6 +166,8 @@ def measure_training_throughput(
         step_seconds=tuple(step_seconds),
         optimizer_seconds=tuple(optimizer_seconds),
         peak_mem_note=note,
+        cuda_graph=graph_used,
+        eager_reason=eager_reason,
     )
 
 
@@ -178,6 +195,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     bench.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3; the first calls are slow)")
     bench.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    bench.add_argument("--eager", action="store_true",
+                       help="time the eager step, not its CUDA-graph replay (on CUDA the trainer replays a graph "
+                            "where the model allows it)")
     bench.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
     bench.set_defaults(func=run_bench)
 
@@ -202,7 +222,8 @@ def run_bench(args: argparse.Namespace) -> int:
     check_fits(plan, device, batch=args.batch, seq_len=args.seq_len, training=True, what=what)
     model = build_model(plan)
     report = measure_training_throughput(
-        model, batch=args.batch, seq_len=args.seq_len, device=device, warmup=args.warmup, steps=args.steps
+        model, batch=args.batch, seq_len=args.seq_len, device=device, warmup=args.warmup, steps=args.steps,
+        graphed=False if args.eager else None,
     )
     table = Table(title=f"archspec bench {args.spec}")
     table.add_column("tokens/s", justify="right")
@@ -210,14 +231,17 @@ def run_bench(args: argparse.Namespace) -> int:
     table.add_column("peak memory", justify="right")
     table.add_column("batch x seq_len", justify="right")
     table.add_column("device")
+    table.add_column("step")
     table.add_column("params", justify="right")
     params = sum(p.numel() for p in model.parameters())
     mem = "not measured" if report.peak_mem_bytes is None else f"{report.peak_mem_bytes / 2**20:,.1f} MiB"
-    table.add_row(f"{report.tokens_per_s:,.0f}", f"{report.optimizer_s * 1e3:,.1f} ms", mem, f"{report.batch} x {report.seq_len}", report.device, f"{params:,}")
+    table.add_row(f"{report.tokens_per_s:,.0f}", f"{report.optimizer_s * 1e3:,.1f} ms", mem, f"{report.batch} x {report.seq_len}", report.device, "CUDA graph" if report.cuda_graph else "eager", f"{params:,}")
     console = Console()
     console.print(table)
     if report.peak_mem_note:
         console.print(f"peak memory: {report.peak_mem_note}", markup=False, highlight=False, soft_wrap=True)
+    if not report.cuda_graph and report.eager_reason and device.startswith("cuda"):
+        console.print(f"eager step: {report.eager_reason}", markup=False, highlight=False, soft_wrap=True)
     if args.json:
         record = {"spec": str(args.spec), "params": params, **asdict(report), "optimizer_s": report.optimizer_s}
         write_text_atomic(args.json, json.dumps(record, indent=2) + "\n")

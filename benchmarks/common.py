@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from archspec.blocks.gates import ChannelGate, ScalarGate
 from archspec.blocks.lm import init_weights
 from archspec.blocks.plan import RecurrencePlan
+from archspec.errors import first_line
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs" / "models"
@@ -277,10 +278,6 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     if not torch.isfinite(got).all():
         return float("inf")
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
-
-
-def first_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
 
 
 def machine() -> dict:

@@ -43,7 +43,7 @@ from archspec.atomic import write_text_atomic
 from archspec.blocks.loss import masked_labels
 from archspec.errors import ArchspecError
 from archspec.throughput import measure_training_throughput
-from archspec.training import autocast_for, make_optimizer as make_adamw, training_loss
+from archspec.training import TrainingStep, autocast_for, make_optimizer as make_adamw
 
 from .checkpoints import Checkpoints, TrainingState, fingerprint
 from .gpu_share import out_of_memory_reason, peak_bytes
@@ -333,8 +333,11 @@ def train(
         deadline = None if time_limit_s is None else started + time_limit_s
         checkpoints.start()
         label = progress_label or f"{built.spec_record.get('name', 'model')} on {task.name}"
+        train_step = TrainingStep(stepper, device=device, pad_to=task.train_len)  # one graph for drawn lengths
         steps_done, stop = _loop(model, task, config, seed, device, quiet, history, evals, deadline, checkpoints, resumed,
-                                 label, stepper, data_parallel, on_validation)
+                                 label, train_step, data_parallel, on_validation)
+        record["train"]["cuda_graph"] = train_step.graphed  # the last step's: replayed, or eager for eager_step
+        record["train"]["eager_step"] = train_step.eager_reason
         record["train"]["early_stopped"] = stop == "target"
         record["train"]["time_limited"] = stop == "time"
         checkpoints.restore_best(model)  # the scores below are of the weights that are kept
@@ -446,17 +449,18 @@ def _loop(
     checkpoints: Checkpoints,
     resumed: dict[str, Any] | None = None,
     label: str = "",
-    stepper: nn.Module | None = None,
+    train_step: TrainingStep | None = None,
     data_parallel: Any = None,
     on_validation: Callable[[int, dict[str, float]], None] | None = None,
 ) -> tuple[int, str | None]:
     """The optimisation loop; returns (steps done, why it stopped early: "target", "time"
     or None). Raises `_Diverged`. After each validation `checkpoints` keeps the best
     weights and the resume state; `resumed` (a loaded resume state) continues from it.
-    `stepper` is what the training step runs (`model` in DDP for a data-parallel rank);
+    `train_step` is the forward + loss + backward (`TrainingStep` of `model`, or of `model`
+    in DDP for a data-parallel rank: a CUDA graph's replay where it can be);
     with `data_parallel` each rank trains on its rows of the global batch, records the
     global loss, and every rank stops when one would (`search/distributed.py`)."""
-    stepper = model if stepper is None else stepper
+    train_step = TrainingStep(model, device=device) if train_step is None else train_step
     agreed = (lambda flag: flag) if data_parallel is None else data_parallel.any
     optimizer = make_optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
@@ -471,14 +475,12 @@ def _loop(
         for step in range(done + 1, config.steps + 1):
             inputs, targets, mask = task.train_batch(config.batch_size, generator)
             labels = masked_labels(targets, mask)
+            weight = None
             if data_parallel is not None:  # this rank's rows, and their share of the global loss
                 inputs, labels, weight = data_parallel.shard(inputs, labels)
-            loss = training_loss(stepper, inputs.to(device), labels.to(device), device=device)
-            if data_parallel is not None:
-                loss = loss * weight
-            shown = loss if data_parallel is None else data_parallel.average(loss)  # the global batch's loss
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = train_step(inputs.to(device), labels.to(device), scale=weight)  # forward, loss, backward
+            shown = loss if data_parallel is None else data_parallel.average(loss)  # the global batch's loss
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             # One host read for both, after the backward is queued: a read between the forward
             # and the backward would leave the device idle while the host queues the backward.

@@ -97,14 +97,20 @@ def test_real_model_runs_the_training_step_and_is_left_as_it_was():
 
 @pytest.mark.gpu
 def test_gpu_peak_memory_counts_the_optimizer_state():
-    """On CUDA the step runs under bf16 autocast with fused AdamW: the peak holds at least
-    the float32 weights, their gradients and AdamW's two moments."""
+    """On CUDA the step runs under bf16 autocast with fused AdamW, replayed from a CUDA
+    graph: the peak holds at least the float32 weights, their gradients and AdamW's two
+    moments, and no less than the eager step needs."""
     model = archspec.compile(DELTANET, **{**TINY, "model.d_model": 256, "model.vocab_size": 4096})
     before = {k: v.clone() for k, v in model.state_dict().items()}
     report = measure_training_throughput(model, batch=2, seq_len=256, device="cuda", warmup=1, steps=2)
+    assert report.cuda_graph and report.eager_reason is None  # the trainer's step: a graph's replay
     params_bytes = sum(p.numel() * 4 for p in model.parameters())
     assert report.peak_mem_bytes >= 4 * params_bytes
     assert all(torch.equal(before[k].cuda(), v) for k, v in model.state_dict().items())
+    eager = measure_training_throughput(model, batch=2, seq_len=256, device="cuda", warmup=1, steps=2, graphed=False)
+    assert not eager.cuda_graph and eager.eager_reason == "the eager step was asked for"
+    # the graph's pool holds the step's memory between replays: never less than the eager step's peak
+    assert report.peak_mem_bytes >= 0.99 * eager.peak_mem_bytes
 
 
 def test_bench_cli_times_a_hybrid(tmp_path, capsys):

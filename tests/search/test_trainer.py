@@ -52,6 +52,7 @@ def test_metrics_json_schema_and_cost_values(tmp_path):
     assert m["tokens_per_s"] > 0
     # Peak memory is not measured on the CPU: absent, with the reason, never a guess.
     assert "peak_mem_bytes" not in m and "CUDA" in record["not_measured"]["peak_mem_bytes"]
+    assert record["train"]["cuda_graph"] is False and "need a CUDA device" in record["train"]["eager_step"]
 
     assert [e["step"] for e in record["evals"]] == [3, 6]
     assert record["history"][0]["step"] == 1 and math.isfinite(record["history"][-1]["loss"])
@@ -61,6 +62,31 @@ def test_metrics_json_schema_and_cost_values(tmp_path):
     assert record["files"]["accuracy_plot"] == "accuracy.png"
     assert (tmp_path / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert record["files"]["training_plot"] == "training.png"
+
+
+@pytest.mark.gpu
+def test_gpu_trainer_replays_its_step_and_trains_as_the_eager_step(monkeypatch):
+    """On CUDA the trainer replays its step from a CUDA graph, captured once at the task's
+    longest training sequence (parity draws each batch's length, padded to it): the loss
+    of every step and the final scores are the eager trainer's, to the order of float
+    sums."""
+    from archspec.training import TrainingStep
+
+    def run():
+        task = get_task("parity", max_train_len=24, eval_lengths=(24, 48), eval_size=32)
+        return trainer.train(DELTANET, task, steps=12, seed=1, device="cuda", overrides=TINY, quiet=True,
+                             eval_every=6, batch_size=8, target=0, measure_throughput=False)
+
+    graphed = run()
+    assert graphed.status == "ok" and graphed.record["train"]["cuda_graph"], graphed.record["train"]["eager_step"]
+    monkeypatch.setattr(trainer, "TrainingStep", lambda *a, **k: TrainingStep(*a, **k, graphed=False))
+    eager = run()
+    assert eager.record["train"]["cuda_graph"] is False
+    losses = [[h["loss"] for h in r.record["history"]] for r in (graphed, eager)]
+    assert len(losses[0]) == 12
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-3, atol=1e-5)
+    for name, value in eager.record["metrics"].items():
+        assert graphed.record["metrics"][name] == pytest.approx(value, rel=1e-2, abs=1e-2), name
 
 
 def test_training_learns_bytes_beyond_uniform():

@@ -77,6 +77,12 @@ class GraphedStep:
         self.scored = torch.zeros((), dtype=torch.long, device=device)
         self.storage = self._storage()
         self.graph: torch.cuda.CUDAGraph | None = None
+        # (reserved, allocated) bytes of the graph's private memory pool as the capture left
+        # it (0, 0 before): the step's activations and gradients, reserved between replays.
+        # Measured as what the capture added to the device's reserved and allocated memory:
+        # the allocator's unused cache is returned just before it, and while capturing every
+        # allocation of the step comes from the pool.
+        self.pool_bytes = (0, 0)
         self.loss: Tensor | None = None
         self.grads: list[Tensor | None] = []
 
@@ -135,6 +141,7 @@ class GraphedStep:
         # The warm-up's activations went back to the allocator's cache, which the graph's
         # private pool cannot use: return them, so the step is not held twice.
         torch.cuda.empty_cache()
+        reserved, allocated = torch.cuda.memory_reserved(self.device), torch.cuda.memory_allocated(self.device)
         self.graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(self.graph):
@@ -143,18 +150,10 @@ class GraphedStep:
             self.graph, self.loss = None, None
             self.model.zero_grad(set_to_none=True)
             raise CaptureRefused(f"GraphedStep: capturing the step failed: {first_line(exc)}") from exc
+        self.pool_bytes = (torch.cuda.memory_reserved(self.device) - reserved,
+                           torch.cuda.memory_allocated(self.device) - allocated)
         self.grads = [p.grad for p in self.params]
         self.graph.replay()  # capture only records: this batch's step runs now
-
-    def pool_bytes(self) -> tuple[int, int]:
-        """(reserved, allocated) bytes of the graph's private memory pool: it holds the
-        step's activations and gradients between replays, reserved whether or not a replay
-        is running (0, 0 before the capture)."""
-        if self.graph is None:
-            return 0, 0
-        pool = tuple(self.graph.pool())
-        segments = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == pool]
-        return sum(s["total_size"] for s in segments), sum(s["allocated_size"] for s in segments)
 
     def _without_host_reads(self) -> None:
         previous = torch.cuda.get_sync_debug_mode()

@@ -147,7 +147,7 @@ def measure_training_throughput(
     if device.type == "cuda":
         peak = int(torch.cuda.max_memory_allocated(device))
         if step.graphed:  # during a replay the whole pool is in use, its free blocks too
-            reserved, allocated = step.graph.pool_bytes()
+            reserved, allocated = step.graph.pool_bytes
             peak = max(peak, int(torch.cuda.memory_allocated(device)) + reserved - allocated)
     else:
         note = CPU_PEAK_NOTE if device.type == "cpu" else f"not measured on {device.type}: no peak-memory counter there"

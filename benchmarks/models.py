@@ -380,7 +380,7 @@ class GraphedTrainee(Trainee):
     def resident_bytes(self) -> int:
         """Weights, AdamW state and the graph's memory pool: a replay allocates nothing, the
         pool holds the step's activations and gradients between steps."""
-        return super().resident_bytes() + (self.step.pool_bytes()[0] if self.step is not None else 0)
+        return super().resident_bytes() + (self.step.pool_bytes[0] if self.step is not None else 0)
 
 
 def theirs(plan, size: Size, params: int) -> Trainee:

@@ -2,7 +2,7 @@
 flash-linear-attention's HF model of the same design.
 
     python benchmarks/models.py [--out DIR] [--specs a,b] [--no-fla] [--rounds N]
-                                [--budget-s S] [--warm-workers N] [--merge] [--graphed] [--smoke]
+                                [--budget-s S] [--warm-workers N] [--merge] [--no-graph] [--smoke]
 
 Each spec in `specs/models` is compiled at the size of issue 17 (d_model 1024, 8 layers,
 8 heads of 128, vocabulary 32,000, SwiGLU MLP) with float32 master weights and trained
@@ -50,11 +50,13 @@ both in the JSON): a half whose host time nears the step's share is bound by the
 Results: `DIR/models.json` (machine, torch / triton / fla versions, commit, every row)
 and `DIR/models.md`, written after every setting, so a run cut short by `--budget-s`
 keeps what it finished; `--merge` keeps an earlier file's rows of the specs not run now,
-so a run can be split over several calls (`--specs a,b --merge`). `--graphed` also
-times ours with the step captured as a CUDA graph (`archspec.graphed_step`: one launch
-issues the whole forward + loss + backward, for a step bound by the host) in the same
-rounds, row `ours-graph`, listed under the table. `--smoke` runs ours only, at a tiny size, on the CPU (the test
-suite runs it).
+so a run can be split over several calls (`--specs a,b --merge`). On CUDA ours is also
+timed with the step captured as a CUDA graph, as the trainer runs it (`archspec.training.
+TrainingStep`, `archspec.graphed_step`: one launch issues the whole forward + loss +
+backward, for a step bound by the host) in the same rounds, row `ours-graph`, listed
+under the table; not for packed documents, which the trainer runs eagerly (`--no-graph`
+leaves it out). The table's `ours` is the eager step, the one profiled. `--smoke` runs
+ours only, at a tiny size, on the CPU (the test suite runs it).
 """
 
 from __future__ import annotations
@@ -722,8 +724,8 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 def graphed_notes(rows: list[dict]) -> list[str]:
-    """The `ours-graph` rows (`--graphed`): tokens/s with the step replayed from a CUDA
-    graph, against ours eager and fla's in the same rounds, and the peak where measured
+    """The `ours-graph` rows: tokens/s with the step replayed from a CUDA graph (the
+    trainer's step), against ours eager and fla's in the same rounds, and the peak where measured
     (the graph's pool counted whole)."""
     parts = []
     for r in rows:
@@ -740,7 +742,8 @@ def graphed_notes(rows: list[dict]) -> list[str]:
         parts.append(f"{r['spec']} {r['setting']}: {r['tokens_per_s']:,.0f} ({', '.join(against)})")
     if not parts:
         return []
-    return ["", "Ours with the step captured as a CUDA graph (`--graphed`, `archspec.graphed_step`), tokens/s: "
+    return ["", "Ours with the step replayed from a CUDA graph, as the trainer runs it (`archspec.training."
+            "TrainingStep`; packed documents run eagerly), tokens/s: "
             + "; ".join(parts) + "."]
 
 
@@ -791,8 +794,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--anatomy-at", default=None, metavar="SETTING",
                     help="the setting whose step is profiled (T=2048, T=8192 or packed at the issue's size; default the first)")
     ap.add_argument("--smoke", action="store_true", help="ours only, tiny size, on the CPU")
-    ap.add_argument("--graphed", action="store_true",
-                    help="also time ours with its step captured as a CUDA graph (row ours-graph; not packed)")
+    ap.add_argument("--no-graph", action="store_true",
+                    help="leave out ours with its step captured as a CUDA graph, as the trainer runs it "
+                         "(row ours-graph; never for packed documents)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of specs not run now from an earlier models.json in --out (runs split over calls)")
     args = ap.parse_args(argv)
@@ -856,7 +860,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run_design(SPECS / f"{name}.yaml", size, with_fla=with_fla, rounds=args.rounds, warmup=args.warmup,
                        log=log, on_setting=keep, anatomies=None if args.no_anatomy else record["anatomy"],
-                       anatomy_at=args.anatomy_at, graphed=args.graphed)
+                       anatomy_at=args.anatomy_at, graphed=not args.no_graph)
         except Exception as exc:  # one design failing (out of memory, ...) must not lose the others
             record["failed"][name] = traceback.format_exc()
             log(f"{name} failed: {first_line(exc)}")

@@ -63,6 +63,10 @@ def test_gpu_graphed_step_equals_the_eager_step(name):
         opt_graphed.step()
         opt_eager.zero_grad(set_to_none=True)
         opt_graphed.zero_grad(set_to_none=True)
+    # the pool as the capture measured it, against the allocator's own account of its segments
+    pool = tuple(step.graph.pool())
+    segments = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == pool]
+    assert step.pool_bytes[0] == sum(s["total_size"] for s in segments) > 0
     ids, labels = _batches(1, B, T, vocab, "cuda")[0]
     with pytest.raises(ValueError, match=r"made for batches of \[2, 128\], got ids \[2, 64\]"):
         step(ids[:, :64], labels[:, :64])

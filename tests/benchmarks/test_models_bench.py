@@ -111,7 +111,7 @@ def test_merged_rows_say_which_run_measured_them(bench):
 
 
 def test_graphed_rows_are_listed_against_ours_and_fla(bench):
-    """`--graphed`: each `ours-graph` row's tokens/s against ours eager and fla's of the
+    """Each `ours-graph` row's tokens/s against ours eager and fla's of the
     same setting, a refusal with its first line; nothing when there is none."""
     def row(impl, tps, setting="T=2048", refused=None, peak=None):
         return {"spec": "deltanet", "setting": setting, "impl": impl, "tokens_per_s": tps, "refused": refused,
@@ -120,7 +120,8 @@ def test_graphed_rows_are_listed_against_ours_and_fla(bench):
     assert bench.graphed_notes([row("ours", 100.0), row("fla", 80.0)]) == []
     notes = bench.graphed_notes([row("ours", 100.0), row("ours-graph", 150.0, peak=6.5e9), row("fla", 75.0),
                                  row("ours", 90.0, "T=8192"), row("ours-graph", None, "T=8192", "RuntimeError: capture\nmore")])
-    assert notes[-1] == ("Ours with the step captured as a CUDA graph (`--graphed`, `archspec.graphed_step`), tokens/s: "
+    assert notes[-1] == ("Ours with the step replayed from a CUDA graph, as the trainer runs it (`archspec.training."
+                         "TrainingStep`; packed documents run eagerly), tokens/s: "
                          "deltanet T=2048: 150 (1.50x ours, 2.00x fla, peak 6.50 GB); deltanet T=8192: refused (RuntimeError: capture).")
 
 

@@ -95,9 +95,10 @@ class TrainingStep:
     gradient is exactly zero, so the loss and every gradient are the shorter batch's (up
     to the order of float sums). The graph is captured at the first batch's length or
     `pad_to` (the trainer passes the task's longest training sequence), whichever is
-    longer; a longer batch captures again at its length, dropping the old graph. Packed batches, a batch of other rows, and a model whose step cannot be
-    captured (`CaptureRefused`: it reads on the host) run the eager step; `eager_reason`
-    says why the last step did. `graphed` False always runs the eager step; True makes a
+    longer; a longer batch captures again at its length, dropping the old graph. Packed
+    batches, a batch of other rows, and a model whose step cannot be captured
+    (`CaptureRefused`: it reads on the host) run the eager step; `eager_reason` says why
+    the last step did. `graphed` False always runs the eager step; True makes a
     refusal an error. A replay returns the graph's own loss tensor, which the next replay
     overwrites (clone it to keep it)."""
 

@@ -2,7 +2,9 @@
 
 The training step is `archspec.training`'s (the one `archspec bench` times): AdamW (fused
 on CUDA) with linear warm-up and cosine decay, gradient clipping, bfloat16 autocast over
-float32 weights on CUDA, the loss straight from the hidden rows (no logits), early stop
+float32 weights on CUDA, the forward, loss and backward replayed from a CUDA graph on CUDA
+where the model allows it (`TrainingStep`), the loss straight from the hidden rows (no
+logits), early stop
 once the task's validation metric reaches its target, a rich progress bar on a
 terminal, plain progress lines in a log (`search/progress.py`), silence for search
 trials. Deterministic under `seed` on the CPU: the weights
@@ -250,6 +252,9 @@ def train(
     check and the measured `peak_mem_bytes` and `tokens_per_s` are those of that training,
     and a resume may change it. `time_limit_s` ends the
     optimisation early (then evaluates as usual; `train.time_limited` in metrics.json).
+    On CUDA the step is replayed from a CUDA graph where the model allows it
+    (`archspec.training.TrainingStep`); `train.cuda_graph` in metrics.json says whether the
+    last step was, `train.eager_step` why not.
     With `out_dir`, the weights are saved unless `save_weights=False`; `resume=True`
     continues the unfinished run in `out_dir` from its last validation (the same
     settings are required: the error names any that differ). `progress_label` names the

@@ -138,8 +138,9 @@ def test_the_trainer_records_running_out_of_memory_with_its_peak(monkeypatch, tm
     """An OutOfMemoryError in the third training step: the run is failed, `out of memory`,
     with the peak the allocator reached; the two validations before it were reported."""
     import archspec.search.trainer as trainer
+    import archspec.training as training
 
-    real = trainer.training_loss
+    real = training.training_loss  # what the trainer's step (TrainingStep) calls on the CPU
     calls = {"n": 0}
 
     def failing_loss(*args, **kwargs):
@@ -148,7 +149,7 @@ def test_the_trainer_records_running_out_of_memory_with_its_peak(monkeypatch, tm
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB. GPU 0 has 139 GiB")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "training_loss", failing_loss)
+    monkeypatch.setattr(training, "training_loss", failing_loss)
     monkeypatch.setattr(trainer, "peak_bytes", lambda device: 3 * GIB)
     seen = []
     result = trainer.train(TINY, "s3", task_options={"train_len": 8, "eval_size": 32}, steps=6, eval_every=1, batch_size=4,

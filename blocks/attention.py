@@ -179,9 +179,10 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.cache  # never evicted: a captured training step (graphed_step) reads its mask by address
 def _window_block_mask(length: int, window: int, device: str):
-    """FlexAttention's block mask of a sliding window over one fresh sequence."""
+    """FlexAttention's block mask of a sliding window over one fresh sequence (a few small
+    tensors per length seen)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, q_idx, kv_idx):

@@ -88,6 +88,7 @@ def measure_training_throughput(
     vocab_size: int | None = None,
     seed: int = 0,
     graphed: bool | None = None,
+    step: TrainingStep | None = None,
 ) -> ThroughputReport:
     """Tokens per second of the training step on `[batch, seq_len]` random tokens.
 
@@ -95,7 +96,10 @@ def measure_training_throughput(
     (`graphed` None), always eager (False), or a graph or an error (True). With a graph,
     the peak is the larger of the most allocated at once (the warm-up's eager steps and
     the capture) and what is allocated between replays with the graph's private pool
-    counted whole (`GraphedStep.pool_bytes`: it stays reserved between replays).
+    counted whole (`GraphedStep.pool_bytes`: it stays reserved between replays). A caller
+    that trains the module next passes its own `step` (the trainer does), so the graph
+    captured here is the one its training replays, not captured a second time; `graphed`
+    applies to a step made here.
 
     The module is moved to `device`; its weights are restored and its gradients cleared
     afterwards. Inputs come from a private generator, so measuring does not disturb the
@@ -116,7 +120,8 @@ def measure_training_throughput(
     saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     optimizer = make_optimizer(model, lr=0.0, device=device)
 
-    step = TrainingStep(model, device=device, graphed=graphed)
+    owned = step is None
+    step = TrainingStep(model, device=device, graphed=graphed) if step is None else step
 
     def forward_backward() -> None:
         step(inputs, labels)
@@ -152,7 +157,9 @@ def measure_training_throughput(
     else:
         note = CPU_PEAK_NOTE if device.type == "cpu" else f"not measured on {device.type}: no peak-memory counter there"
     graph_used, eager_reason = step.graphed, step.eager_reason
-    del optimizer, step  # the graph and its memory pool go before the weights come back
+    del optimizer
+    if owned:
+        del step  # the graph and its memory pool go before the weights come back (in place, where it read them)
     model.load_state_dict(saved)
     model.zero_grad(set_to_none=True)
     model.train(was_training)

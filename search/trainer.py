@@ -320,6 +320,9 @@ def train(
     history: list[dict[str, float]] = []
     evals: list[dict[str, Any]] = []
     started = time.perf_counter()
+    # One step for the throughput measurement and the loop: on CUDA one graph, captured once
+    # at the task's longest training sequence (drawn lengths are padded to it).
+    train_step = TrainingStep(stepper, device=device, pad_to=task.train_len)
     try:
         if measure_throughput:
             rows = config.batch_size
@@ -327,7 +330,7 @@ def train(
                 share = data_parallel.rows(config.batch_size)
                 rows = share.stop - share.start
             report = measure_training_throughput(
-                stepper, batch=rows, seq_len=task.train_len, device=device, vocab_size=task.vocab_size
+                stepper, batch=rows, seq_len=task.train_len, device=device, vocab_size=task.vocab_size, step=train_step
             )
             metrics["tokens_per_s"] = (report.tokens_per_s if data_parallel is None
                                        else data_parallel.total(report.tokens_per_s))
@@ -338,7 +341,6 @@ def train(
         deadline = None if time_limit_s is None else started + time_limit_s
         checkpoints.start()
         label = progress_label or f"{built.spec_record.get('name', 'model')} on {task.name}"
-        train_step = TrainingStep(stepper, device=device, pad_to=task.train_len)  # one graph for drawn lengths
         steps_done, stop = _loop(model, task, config, seed, device, quiet, history, evals, deadline, checkpoints, resumed,
                                  label, train_step, data_parallel, on_validation)
         record["train"]["cuda_graph"] = train_step.graphed  # the last step's: replayed, or eager for eager_step

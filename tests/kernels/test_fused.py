@@ -34,7 +34,7 @@ from archspec.kernels import (
     short_conv,
     swiglu_linear,
 )
-from archspec.kernels.linear_ce import IGNORE_INDEX, softmax_ce_grad_
+from archspec.kernels.linear_ce import IGNORE_INDEX, LOGITS_CHUNK_BYTES, MIN_CHUNK_ROWS, chunk_rows_for, softmax_ce_grad_
 from archspec.kernels.short_conv import conv_tails
 
 BACKENDS = ["torch", "triton"]
@@ -75,6 +75,25 @@ def test_linear_cross_entropy_equals_full_logits(backend, dtype, chunk_rows):
     torch.testing.assert_close(loss.double(), ref, **_tol(backend, dtype))
     for g, r in zip(got, want):
         torch.testing.assert_close(g.double(), r, **_tol(backend, dtype))
+
+
+@pytest.mark.parametrize("n_rows, d, vocab, element_bytes", [
+    (16384, 1024, 32000, 2),  # the benchmark's model: 4,096 rows, 250 MiB of bfloat16 logits
+    (16384, 1024, 151936, 2),  # a large vocabulary: the budget allows 883 rows, so 512
+    (16384, 8192, 32000, 2),  # a wide model: the hidden rows are larger than the budget
+    (16384, 1024, 32000, 4),  # float32 logits (CPU): half the rows
+    (16384, 64, 256, 2),  # bytes: every row in one chunk
+    (100, 16, 13, 4),  # fewer rows than any rule asks: all of them
+])
+def test_chunk_rows_keep_the_logits_within_the_budget_or_the_input(n_rows, d, vocab, element_bytes):
+    rows = chunk_rows_for(n_rows, d, vocab, element_bytes)
+    assert rows == n_rows or rows & (rows - 1) == 0  # a power of two unless it is every row
+    logits_bytes = rows * vocab * element_bytes
+    within = max(LOGITS_CHUNK_BYTES, 2 * n_rows * d * element_bytes)  # the budget, or (rounded up) the input's size
+    assert logits_bytes <= within or rows == min(n_rows, MIN_CHUNK_ROWS)
+    # as many rows as those bounds allow: twice as many would break both
+    assert rows == n_rows or 2 * rows * vocab * element_bytes > max(LOGITS_CHUNK_BYTES, n_rows * d * element_bytes)
+    assert rows >= min(n_rows, MIN_CHUNK_ROWS)
 
 
 def test_linear_cross_entropy_with_nothing_scored_is_zero():

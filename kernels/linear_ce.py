@@ -42,8 +42,10 @@ IGNORE_INDEX = -100  # PyTorch's and HuggingFace's convention for unscored posit
 # step, whose FLOPs alone take ~1.65 ms). So a chunk's logits may take up to
 # `LOGITS_CHUNK_BYTES` (4,096 rows at V = 32,000 in bfloat16: ~7% overhead), or as much as
 # the hidden rows [N, d] if that is more (Liger-Kernel's rule), and never fewer rows than
-# MIN_CHUNK_ROWS. The transient logits come on top of the step's activations, which peak
-# just there (256 MiB against ~6 GB at that model's size).
+# MIN_CHUNK_ROWS. Measured on an H100 (16,384 rows, d = 1,024, V = 32,000, bfloat16
+# autocast, float32 weight; forward + backward): 8.99 ms at 1,024 rows, 7.14 ms at 4,096;
+# the head's transient memory 347 -> 721 MiB (about two chunks of logits), against a
+# step's ~6 GB peak at that model's size.
 LOGITS_CHUNK_BYTES = 256 << 20
 MIN_CHUNK_ROWS = 256
 

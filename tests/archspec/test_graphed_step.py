@@ -36,6 +36,9 @@ def _batches(steps: int, B: int, T: int, vocab: int, device: str) -> list[tuple[
     return out
 
 
+OUTSIDE_POOL_SLACK_BYTES = 4 * 2**21  # four small-allocation segments of the caching allocator
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gdn-scalar", "kda-channel", "rwkv7-nh2-b2-channel"])
 def test_gpu_graphed_step_equals_the_eager_step(name):
@@ -63,10 +66,12 @@ def test_gpu_graphed_step_equals_the_eager_step(name):
         opt_graphed.step()
         opt_eager.zero_grad(set_to_none=True)
         opt_graphed.zero_grad(set_to_none=True)
-    # the pool as the capture measured it, against the allocator's own account of its segments
+    # the memory the capture added, against the allocator's own account of the graph's pool:
+    # at least the pool's segments, and at most a few small segments more (a workspace or
+    # small block the capture allocated outside its pool; 2 MiB each, as measured on an H100)
     pool = tuple(step.graph.pool())
-    segments = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == pool]
-    assert step.pool_bytes[0] == sum(s["total_size"] for s in segments) > 0
+    in_pool = sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == pool)
+    assert 0 < in_pool <= step.pool_bytes[0] <= in_pool + OUTSIDE_POOL_SLACK_BYTES
     ids, labels = _batches(1, B, T, vocab, "cuda")[0]
     with pytest.raises(ValueError, match=r"made for batches of \[2, 128\], got ids \[2, 64\]"):
         step(ids[:, :64], labels[:, :64])

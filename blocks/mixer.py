@@ -45,6 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from archspec.kernels import Recompute, decode_step, fan_out_linear, linear_recurrence
+from archspec.kernels.fused import linear_as
 from archspec.kernels.row_linear import HeadNorm, PreNorm, row_linear
 from archspec.kernels.short_conv import stream_step
 
@@ -301,15 +302,35 @@ class Mixer(nn.Module):
         o, final = linear_recurrence(**kwargs, recompute=recipes, backend=self.backend)
         if self.capture:
             self._store_capture(kwargs, osdn_inputs)
-        y = self._read_out(o, None if self.g_proj is None else self.g_proj(x))
+        y = self._read_out(o, *self._out_gate(x, o.shape))
         return y, (MixerState(final, tails, d_final) if return_state else None)
 
-    def _read_out(self, o: Tensor, out_gate: Tensor | None) -> Tensor:
+    def _out_gate(self, x: Tensor, shape: torch.Size) -> tuple[Tensor | None, Recompute | None]:
+        """The output gate's pre-activation `g_proj(x)` (None without one), and its recipe
+        (`kernels.Recompute`, reshaped to `shape`) where the read-out may form it again in
+        its backward: the projection's input (`x`, or a low-rank gate's rank-r stage) is
+        kept by that projection anyway, so keeping the gate too would hold it twice. A
+        replaced or hooked projection keeps its own forward, and its output is kept."""
+        proj = self.g_proj
+        if proj is None:
+            return None, None
+        if type(proj) is nn.Linear and not has_forward_hooks(proj):
+            gate = proj(x)
+            return gate, Recompute(linear_as, (x, proj.weight, proj.bias), dict(dtype=gate.dtype), shape)
+        if type(proj) is LowRankLinear and not any(has_forward_hooks(m) for m in (proj, proj.down, proj.up)) \
+                and type(proj.up) is nn.Linear:
+            rank_r = proj.activate(proj.down(x))  # what `proj.up` keeps for its own backward
+            gate = proj.up(rank_r)
+            return gate, Recompute(linear_as, (rank_r, proj.up.weight, proj.up.bias), dict(dtype=gate.dtype), shape)
+        return proj(x), None
+
+    def _read_out(self, o: Tensor, out_gate: Tensor | None, gate_recompute: Recompute | None = None) -> Tensor:
         """The backbone's output of the recurrence's `o` `[B, T, H, V]`: the output norm
-        (gated by `out_gate` `[B, T, H*V]` for Gated DeltaNet and KDA), then `o_proj`."""
+        (gated by `out_gate` `[B, T, H*V]` for Gated DeltaNet, GLA and KDA, formed again in
+        the backward from `gate_recompute` where given), then `o_proj`."""
         if out_gate is None:
             return self.o_norm.project(o, self.o_proj)
-        return self.o_norm.project(o, out_gate.reshape(o.shape), self.o_proj)
+        return self.o_norm.project(o, out_gate.reshape(o.shape), self.o_proj, gate_recompute)
 
     def step(self, x: Tensor, state: MixerState, *, pre_norm: PreNorm | None = None) -> tuple[Tensor, Tensor]:
         """One token `x` `[B, 1, d_model]` -> `([B, 1, d_model], residual)`, continuing `state`

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from archspec.kernels import add_rms_norm, rms_norm, rms_norm_linear
+from archspec.kernels import Recompute, add_rms_norm, rms_norm, rms_norm_linear
 from archspec.kernels.fused import compute_dtype
 from archspec.kernels.row_linear import PreNorm
 
@@ -72,11 +72,11 @@ class GatedRMSNorm(nn.Module):
         return rms_norm(x, self.norm.weight, gate, eps=self.norm.eps, activation=self.activation,
                         out_dtype=compute_dtype(x), backend=self.fused_backend)
 
-    def project(self, x: Tensor, gate: Tensor, linear: nn.Linear) -> Tensor:
+    def project(self, x: Tensor, gate: Tensor, linear: nn.Linear, gate_recompute: Recompute | None = None) -> Tensor:
         """`linear(self(x, gate).flatten(-2))` for per-head rows `x` `[..., H, D]`: a
         mixer's read-out, the normalised rows not kept for the backward
-        (`kernels.rms_norm_linear`)."""
+        (`kernels.rms_norm_linear`), nor the gate where `gate_recompute` forms it again."""
         if not fusable(linear):
             return linear(self(x, gate).flatten(-2))
         return rms_norm_linear(x, self.norm.weight, linear.weight, gate, eps=self.norm.eps,
-                               activation=self.activation, backend=self.fused_backend)
+                               activation=self.activation, backend=self.fused_backend, gate_recompute=gate_recompute)

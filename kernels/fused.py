@@ -51,3 +51,13 @@ def weight_grad(rows: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
     if rows.is_cuda and dtype == torch.float32 and rows.dtype in _LOW_PRECISION:
         return torch.mm(rows.t(), x, out_dtype=torch.float32)
     return (rows.t() @ x).to(dtype)
+
+
+def linear_as(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, dtype: torch.dtype) -> Tensor:
+    """`F.linear` with every operand in `dtype`, as autocast runs a projection (it casts
+    the input, the weight and the bias alike): a recipe (`kernels.Recompute`) that forms a
+    projection's output again in a backward, where autocast is off, gets the forward's
+    values bit for bit."""
+    with torch.autocast(x.device.type, enabled=False):
+        return torch.nn.functional.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+

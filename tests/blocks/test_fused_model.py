@@ -115,6 +115,43 @@ def test_model_on_triton_pieces_equals_torch(name, packed):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-4, msg=lambda e, p=pname: f"{p}: {e}")
 
 
+@pytest.mark.parametrize("name", ["gdn-scalar", "kda-channel"])
+def test_the_output_gate_is_formed_again_in_the_backward_not_kept(name):
+    """The mixer hands the fused read-out its output gate's recipe (`Mixer._out_gate`: Gated
+    DeltaNet's full projection, KDA's low-rank second stage). On the Triton path (the
+    interpreter) the step then keeps exactly the gate's bytes less (besides the weights,
+    alive anyway) than when the gate is kept
+    (an identity forward hook on `g_proj` makes the mixer keep it), and its loss and every
+    gradient are those of keeping it, bit for bit."""
+    torch.manual_seed(6)
+    model = build_model(model_plan(COMBINATIONS[name], layers=1))
+    model.set_backend("triton")
+    mixer = model.mixers()[0]
+    ids = torch.randint(0, 13, (2, 16), generator=torch.Generator().manual_seed(7))
+    labels = torch.roll(ids, -1, 1)
+    labels[:, -1] = IGNORE_INDEX
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}  # alive anyway: not counted
+    results, kept_bytes = [], []
+    for hooked in (False, True):
+        handle = mixer.g_proj.register_forward_hook(lambda module, args, out: out) if hooked else None
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(ids, labels=labels)
+        results.append([loss, *torch.autograd.grad(loss, list(model.parameters()))])
+        kept_bytes.append(sum(n for ptr, n in storages.items() if ptr not in weights))
+        if handle is not None:
+            handle.remove()
+    gate_bytes = 2 * 16 * mixer.plan.heads * mixer.plan.value_dim * 4  # [B, T, H V] float32
+    assert kept_bytes[1] - kept_bytes[0] == gate_bytes
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", [4, 7])
 @pytest.mark.parametrize("name", ["gdn-scalar", "kda-channel", "rwkv7-nh2-b2-channel"])

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from archspec.kernels import (
+    Recompute,
     add_rms_norm,
     linear_cross_entropy,
     gate_log_decay,
@@ -34,6 +35,7 @@ from archspec.kernels import (
     short_conv,
     swiglu_linear,
 )
+from archspec.kernels.fused import linear_as
 from archspec.kernels.linear_ce import IGNORE_INDEX, LOGITS_CHUNK_BYTES, MIN_CHUNK_ROWS, chunk_rows_for, softmax_ce_grad_
 from archspec.kernels.short_conv import conv_tails
 
@@ -762,6 +764,71 @@ def test_rms_norm_linear_under_autocast_projects_in_bfloat16_and_keeps_the_gradi
     for fused, apart in zip(*outs):
         error = ((fused.float() - apart.float()).norm() / apart.float().norm()).item()
         assert error < 1e-2, f"relative error {error:.2e}"
+
+
+def _projected_gate(dtype: torch.dtype, bias: bool, seed: int = 8):
+    """A gate that is a projection `F.linear(h, Wg, b)` of leaves (under autocast where it is
+    on), shaped like the read-out's rows `[2, 7, 3, 12]`, with its recipe, `linear_as` in
+    the gate's dtype: as a mixer's output gate comes."""
+    gen = torch.Generator().manual_seed(seed)
+    leaf = torch.float64 if dtype == torch.float64 else torch.float32  # autocast's leaves are float32
+    h = torch.randn(2, 7, 10, generator=gen, dtype=leaf, requires_grad=True)
+    Wg = (torch.randn(36, 10, generator=gen, dtype=leaf) / 10**0.5).requires_grad_()
+    b = (0.1 * torch.randn(36, generator=gen, dtype=leaf)).requires_grad_() if bias else None
+    leaves = [h, Wg] + ([b] if bias else [])
+    gate = F.linear(h, Wg, b).reshape(2, 7, 3, 12)
+    assert gate.dtype == dtype
+    return leaves, gate, Recompute(linear_as, (h, Wg, b), dict(dtype=dtype), (2, 7, 3, 12))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rms_norm_linear_forms_a_recipes_gate_again_instead_of_keeping_it(autocast, bias):
+    """With the gate's recipe the fused read-out keeps the projection's inputs, not the
+    gate, and gives the output and every gradient (rows, norm weight, projection, and the
+    gate's own leaves) of keeping it, bit for bit; under bfloat16 autocast too, which
+    checks that `linear_as` forms the projection as autocast did."""
+    x, w, W = _norm_linear_inputs("none", torch.float32)
+    results, saved = [], []
+    for with_recipe in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            leaves, gate, recipe = _projected_gate(torch.bfloat16 if autocast else torch.float32, bias)
+            storages: set[int] = set()
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: storages.add(t.untyped_storage().data_ptr()) or t,
+                                                          lambda t: t):
+                y = rms_norm_linear(x, w, W, gate, activation="silu", backend="triton",
+                                    gate_recompute=recipe if with_recipe else None)
+        saved.append(gate.untyped_storage().data_ptr() in storages)
+        assert torch.equal(recipe.run(), gate)  # outside autocast, as a backward runs it
+        inputs = [x, w, W, *leaves]
+        results.append([y, *_grads(y.float().sum(), inputs)])
+    assert saved == [True, False]
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_rms_norm_linear_refuses_a_recipe_that_forms_something_else():
+    x, w, W = _norm_linear_inputs("none", torch.float32)
+    leaves, gate, _ = _projected_gate(torch.float32, bias=False)
+    wrong_size = Recompute(linear_as, (leaves[0][:, :5], leaves[1]), dict(dtype=torch.float32))
+    y = rms_norm_linear(x, w, W, gate, activation="silu", backend="triton", gate_recompute=wrong_size)
+    with pytest.raises(RuntimeError, match=r"the recompute of the gate gave \(2, 5, 36\) torch.float32, the gate was 504"):
+        y.sum().backward()
+    wrong_dtype = Recompute(linear_as, tuple(leaves), dict(dtype=torch.float64))
+    y = rms_norm_linear(x, w, W, gate, activation="silu", backend="triton", gate_recompute=wrong_dtype)
+    with pytest.raises(RuntimeError, match="the recompute of the gate gave .* torch.float64, the gate was 504 elements of torch.float32"):
+        y.sum().backward()
+    with pytest.raises(ValueError, match="gate_recompute must be a kernels.Recompute, got function"):
+        rms_norm_linear(x, w, W, gate, activation="silu", gate_recompute=lambda: gate)
+    with pytest.raises(ValueError, match="gate_recompute forms a gate again, but no gate was passed"):
+        rms_norm_linear(x, w, W, gate_recompute=Recompute(linear_as, tuple(leaves), dict(dtype=torch.float32)))
+
+
+def test_rms_norm_linear_on_torch_ignores_the_gates_recipe():
+    x, w, W = _norm_linear_inputs("none", torch.float64)
+    _, gate, recipe = _projected_gate(torch.float64, bias=True)
+    want = rms_norm_linear(x, w, W, gate, activation="sigmoid", backend="torch")
+    assert torch.equal(rms_norm_linear(x, w, W, gate, activation="sigmoid", backend="torch", gate_recompute=recipe), want)
 
 
 def test_rms_norm_linear_refuses_bad_shapes():

@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = args.warm_workers if args.warm_workers is not None else 0 if args.smoke else 8
     if workers > 0:
         warm_caches(names, run.size, run, _warm, with_fla=with_fla, workers=workers, fla_shards=args.fla_shards, log=log,
-                    pinned=pinned)
+                    pinned=pinned, covered=picks.covered(out / picks.FILE))
     # Measured once the warm-up's processes are gone: a copy that shares the device with
     # compiling processes reads low, and the floor with it.
     bandwidth = copy_bandwidth(run.size.device)
@@ -501,7 +501,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{name} failed: {first_line(exc)}")
         write_results(out, record)
         if with_fla and run.size.device == "cuda":
-            picks.keep(out, log)  # after every design: a run cut short keeps what it tuned
+            # after every design: a run cut short keeps what it tuned; covered where fla's
+            # model generated at every batch
+            fla_rows = [r for r in record["rows"] if r["spec"] == name and r["impl"] == "fla"]
+            whole = bool(fla_rows) and all(r["refused"] is None for r in fla_rows)
+            picks.keep(out, log, designs=[name] if whole else ())
     write_results(out, record)
     log(f"wrote {out / 'decode.json'} and {out / 'decode.md'}")
     return 1 if record["failed"] else 0

@@ -574,14 +574,15 @@ def fitting_workers(workers: int) -> int:
 
 
 def warm_caches(names: list[str], size: Size, setup: Any, work: Callable[[WarmJob], str], *, with_fla: bool,
-                workers: int, fla_shards: int, log: Callable[[str], None], pinned: dict | None = None) -> None:
+                workers: int, fla_shards: int, log: Callable[[str], None], pinned: dict | None = None,
+                covered: set[str] = frozenset()) -> None:
     """Compile every design's kernels in `workers` spawned processes at once (as many as
     the device's memory holds, `fitting_workers`): ours in one job, fla's in `fla_shards`
     jobs that share out its autotune configs. On a cold H200 the first DeltaNet setting
     of this benchmark took 370 s in one process, fla's autotuning most of it. `work` is a
     module-level function (it is pickled to the workers). With `pinned` (an earlier run's
-    autotune picks, `picks.py`) fla's job is one, compiling the recorded configs."""
-    fla_shards = 1 if pinned else fla_shards
+    autotune picks, `picks.py`), a design they cover (`covered`) has one fla job, which
+    compiles the recorded configs; the others still share theirs out."""
     if fitting_workers(workers) < workers:
         log(f"warm-up: {fitting_workers(workers)} processes, not {workers}: the device's free memory holds no more")
         workers = fitting_workers(workers)
@@ -589,7 +590,8 @@ def warm_caches(names: list[str], size: Size, setup: Any, work: Callable[[WarmJo
     for name in names:
         jobs.append(WarmJob(name, "ours", setup))
         if with_fla and fla_design(load_plan(SPECS / f"{name}.yaml", size)) is not None:
-            jobs += [WarmJob(name, "fla", setup, (j, fla_shards)) for j in range(fla_shards)]
+            shards = 1 if pinned and name in covered else fla_shards
+            jobs += [WarmJob(name, "fla", setup, (j, shards)) for j in range(shards)]
     began = time.perf_counter()
     statuses = common.map_in_workers(_run_warm_job, [(job, work) for job in jobs], workers, fresh_process=True,
                                      label=lambda item: f"warmed {item[0].spec}/{item[0].impl}", log=log, pinned=pinned)
@@ -844,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = args.warm_workers if args.warm_workers is not None else 0 if args.smoke else 8
     if workers > 0:
         warm_caches(names, size, size, _warm, with_fla=with_fla, workers=workers, fla_shards=args.fla_shards, log=log,
-                    pinned=pinned)
+                    pinned=pinned, covered=picks.covered(out / picks.FILE))
     timing_began = time.perf_counter()  # the budget is the timing's own: warming is not counted
     for i, name in enumerate(names):
         spent = time.perf_counter() - timing_began
@@ -866,7 +868,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{name} failed: {first_line(exc)}")
         write_results(out, record)
         if with_fla and size.device == "cuda":
-            picks.keep(out, log)  # after every design: a run cut short keeps what it tuned
+            # after every design: a run cut short keeps what it tuned; the design counts as
+            # covered where fla's model ran a whole step at every setting
+            fla_rows = [r for r in record["rows"] if r["spec"] == name and r["impl"] == "fla"]
+            whole = bool(fla_rows) and all(r["refused"] is None for r in fla_rows)
+            picks.keep(out, log, designs=[name] if whole else ())
     write_results(out, record)
     log(f"wrote {out / 'models.json'} and {out / 'models.md'}")
     return 1 if record["failed"] else 0

@@ -11,14 +11,19 @@ runs at the settings its own autotuning chose, as it would in a warm process; a 
 file lacks is autotuned as usual.
 
 The file (`FILE` in the results folder) holds the machine it was made on and is merged, not
-replaced, by each run, so runs of different designs add up.
+replaced, by each run, so runs of different designs add up. It names the designs whose
+peer model ran to the end of a step when the picks were kept (`covered`): the warm-up
+compiles a covered design's pinned configs in one job, and shares out the configs of a
+design the picks do not cover (its kernels autotune as on a cold machine; one job
+compiling every config of fla's RWKV-7 ran past 220 s on an H100 while the other designs
+waited).
 """
 
 from __future__ import annotations
 
 import gc
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -86,15 +91,26 @@ def load(path: Path) -> Picks | None:
     return data["picks"] if data.get("machine") == machine() else None
 
 
-def record(path: Path) -> int:
-    """Merge this process's picks into `path` (atomically); the number of keys written."""
+def covered(path: Path) -> set[str]:
+    """The designs whose peer model ran a whole step when `path`'s picks (of this machine)
+    were kept: their kernels' keys are all there. None without picks of this machine."""
+    if load(path) is None:
+        return set()
+    return set(json.loads(path.read_text()).get("designs", []))
+
+
+def record(path: Path, designs: Iterable[str] = ()) -> int:
+    """Merge this process's picks into `path` (atomically), and `designs` into the designs
+    they cover; the number of keys written."""
     from archspec.atomic import write_text_atomic
 
     picks = load(path) or {}
+    names = sorted(covered(path) | set(designs))
     for name, entries in current().items():
         known = {json.dumps(key) for key, _ in picks.get(name, [])}
         picks.setdefault(name, []).extend(e for e in entries if json.dumps(e[0]) not in known)
-    write_text_atomic(path, json.dumps({"machine": machine(), "picks": picks}, indent=1, sort_keys=True))
+    write_text_atomic(path, json.dumps({"machine": machine(), "designs": names, "picks": picks}, indent=1,
+                                       sort_keys=True))
     return sum(len(entries) for entries in picks.values())
 
 
@@ -129,10 +145,11 @@ def pin_from(folder: Path, log: Callable[[str], None] = print) -> Picks | None:
     return pinned
 
 
-def keep(folder: Path, log: Callable[[str], None] = print) -> None:
-    """This run's picks, merged into `folder`'s file for the next run. The picks only save
-    the next run time: failing to keep them is logged, never raised into the run."""
+def keep(folder: Path, log: Callable[[str], None] = print, designs: Iterable[str] = ()) -> None:
+    """This run's picks, merged into `folder`'s file for the next run, `designs` among those
+    they cover (`covered`). The picks only save the next run time: failing to keep them is
+    logged, never raised into the run."""
     try:
-        log(f"{record(folder / FILE)} autotune picks in {folder / FILE}")
+        log(f"{record(folder / FILE, designs)} autotune picks in {folder / FILE}")
     except Exception as exc:  # noqa: BLE001
         log(f"autotune picks not kept: {type(exc).__name__}: {exc}")

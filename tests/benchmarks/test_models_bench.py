@@ -204,6 +204,28 @@ def test_warm_up_processes_are_as_many_as_the_device_memory_holds(bench, monkeyp
     assert bench.fitting_workers(15) == 1
 
 
+@pytest.mark.parametrize("pinned", [True, False])
+def test_pinned_picks_warm_a_covered_design_in_one_job_and_share_out_the_others(bench, monkeypatch, pinned):
+    """With an earlier run's picks, fla's model of a design they cover compiles its pinned
+    configs in one job; one they do not cover shares its configs out over `fla_shards`
+    jobs, as on a cold machine (one job compiling every config of fla's RWKV-7 ran past
+    220 s on an H100 while the other designs waited). Without picks every design shares."""
+    jobs = []
+
+    def run_none(fn, items, *args, **kwargs):
+        jobs.extend(job for job, _ in items)
+        return ["ok"] * len(items)
+
+    monkeypatch.setattr(bench.common, "map_in_workers", run_none)
+    bench.warm_caches(["deltanet", "rwkv7"], bench.SMOKE_SIZE, bench.SMOKE_SIZE, bench._warm, with_fla=True, workers=2,
+                      fla_shards=3, log=lambda msg: None, pinned={"a.kernel": []} if pinned else None,
+                      covered={"deltanet"})
+    shares = [(0, 1)] if pinned else [(0, 3), (1, 3), (2, 3)]
+    assert [(j.spec, j.impl, j.shard) for j in jobs] == [
+        ("deltanet", "ours", None), *(("deltanet", "fla", s) for s in shares),
+        ("rwkv7", "ours", None), ("rwkv7", "fla", (0, 3)), ("rwkv7", "fla", (1, 3)), ("rwkv7", "fla", (2, 3))]
+
+
 @pytest.mark.parametrize("error,asked", [(RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces "
                                                        "incorrect results"), 1),
                                          (torch.OutOfMemoryError("CUDA out of memory"), 3)])

@@ -107,3 +107,21 @@ def test_keys_that_are_not_plain_data_are_left_out(picks, tmp_path: Path) -> Non
     messages: list[str] = []
     picks.keep(blocked, log=messages.append)  # a "folder" that is a file: logged, not raised into the run
     assert messages[0].startswith("autotune picks not kept:")
+
+
+def test_the_picks_name_the_designs_they_cover(picks, tmp_path: Path) -> None:
+    """A run names the designs whose peer ran whole steps (`keep(designs=)`); runs add up,
+    and picks of another machine (or a file from before designs were named) cover none."""
+    path = tmp_path / picks.FILE
+    assert picks.covered(path) == set()
+    path.write_text(json.dumps({"machine": picks.machine(), "picks": {}}))
+    assert picks.covered(path) == set()
+    picks.record(path, ["deltanet"])
+    picks.keep(tmp_path, log=lambda msg: None, designs=["kda"])
+    picks.record(path)
+    assert picks.covered(path) == {"deltanet", "kda"}
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "machine": {**data["machine"], "triton": "0.0.0"}}))
+    assert picks.covered(path) == set()
+    picks.record(path, ["gla"])  # another machine's file is replaced, not merged
+    assert picks.covered(path) == {"gla"}

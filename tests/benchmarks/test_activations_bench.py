@@ -56,13 +56,14 @@ def test_sites_the_plan_sizes(record):
             f"T x {heads * head_dim * value_width}"]
         assert site(spec, "embed ", "hidden_states")["bytes_per_token"] == 8  # the token ids, int64
         assert spec["step_activations_gb"] == pytest.approx(spec["bytes_per_token"] * 16_384 / 1e9)
-    # The read-out keeps the output norm's input (and Gated DeltaNet's gate beside its values
-    # twice as wide), not the normalised rows `o_proj` reads: those are formed again.
+    # The read-out keeps the output norm's input (Gated DeltaNet's values twice as wide), not
+    # the normalised rows `o_proj` reads nor Gated DeltaNet's output gate: those are formed
+    # again (the gate from `g_proj`'s input, which that projection keeps anyway).
     read_out = {name: next(r for r in data["specs"][name]["rows"]
                            if r["saved_by"].endswith("rms_norm_linear") and r["dtype"] == "bfloat16")
                 for name in ("deltanet", "gated-deltanet")}
     assert read_out["deltanet"]["bytes_per_token"] == heads * head_dim * bf16
-    assert read_out["gated-deltanet"]["bytes_per_token"] == 2 * 2 * heads * head_dim * bf16
+    assert read_out["gated-deltanet"]["bytes_per_token"] == 2 * heads * head_dim * bf16
     assert not any(r["module"].startswith("blocks.mixer.o_proj ") for s in data["specs"].values() for r in s["rows"])
 
 

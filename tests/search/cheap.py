@@ -29,12 +29,23 @@ def quality(spec) -> float:
     return round(0.3 + 0.15 * t.n_h + 0.1 * beta_max + (0.05 if t.type == "householder" else 0.0), 6)
 
 
+def _hold(log: Path) -> None:
+    """`CHEAP_HOLD` (a file) and `CHEAP_HOLD_AFTER` (n): every call after the first n
+    (by the lines in `CHEAP_LOG`) waits while that file exists, so a test can stop a search
+    with exactly n trials finished, however slow the machine."""
+    hold, after = os.environ.get("CHEAP_HOLD"), int(os.environ.get("CHEAP_HOLD_AFTER", "0"))
+    if hold and len(log.read_text().split()) > after:
+        while Path(hold).exists():
+            time.sleep(0.1)
+
+
 def cheap_train(spec, task, *, steps, seed, device, out_dir=None, **options):
     from archspec.cost import estimate
 
     if os.environ.get("CHEAP_LOG"):
         with open(os.environ["CHEAP_LOG"], "a") as log:
             log.write(f"{out_dir}\n")
+        _hold(Path(os.environ["CHEAP_LOG"]))
     time.sleep(float(os.environ.get("CHEAP_SLEEP", "0")))
     if out_dir is not None:  # leave a trace, as the trainer does
         Path(out_dir).mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,11 @@ off the cubin (`cuobjdump`, shipped with Triton). GPU compile errors (shapes the
 interpreter accepts but the compiler rejects) and register spills show up here, before
 any device time is spent. Usage:
 
-    python -m archspec.kernels.triton.compile_report [--plans deltanet,kda,...,decode,gates] [--dtype bfloat16] [--dump DIR]
+    python -m archspec.kernels.triton.compile_report [--plans deltanet,kda,...,decode,gates,fused,model] [--dtype bfloat16] [--dump DIR]
+
+`fused` and `model` compile a training step of the model specs at the whole-model
+benchmark's widths (the fused pieces; `model` with the recurrence) and count each kernel's
+2-byte scalar global accesses, the sign of a load the compiler could not vectorize.
 
 `--dump DIR` writes each kernel's PTX, TTGIR and SASS there (the one debugging aid).
 """
@@ -55,6 +59,16 @@ def _sass(cubin: bytes) -> str:
         return subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=False).stdout
 
 
+def half_scalar_accesses(ptx: str) -> int:
+    """Global loads and stores of one 2-byte element each (`ld.global.b16`, `st.global.b16`)
+    in a kernel's PTX. A row of half-precision data read this way takes 8x the memory
+    instructions of 16-byte vector accesses, which binds a streaming kernel by issue rather
+    than bandwidth; it happens where the compiler cannot prove that a mask or an offset
+    holds for runs of 8 elements (an integer argument left unspecialized, a width not
+    divisible by 16). A few are legitimate: one element a row (a target's logit)."""
+    return len(re.findall(r"\b(?:ld|st)\.global(?:\.[a-z]+)*\.b16\b", ptx))
+
+
 class _OfflineLauncher:
     def __init__(self, fn, grid):
         self.fn, self.grid = fn, grid
@@ -92,6 +106,7 @@ class _OfflineLauncher:
         usage["SHARED"] = compiled.metadata.shared  # dynamic shared memory, what the launch asks for
         ptx = compiled.asm.get("ptx", "")
         usage["mma"] = ",".join(sorted({m.split(".")[0] + "." + m.split(".")[1] for m in re.findall(r"(?:wgmma|mma)\.\w+\.\w+", ptx)}))
+        usage["half_scalar"] = half_scalar_accesses(ptx)
         if DUMP is not None:
             DUMP.mkdir(parents=True, exist_ok=True)
             (DUMP / f"{fn.__name__}.ptx").write_text(ptx)
@@ -112,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     global DUMP
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plans", default="", help="comma-separated plan names (default: all)")
+    parser.add_argument("--specs", default=",".join(MODEL_SPECS),
+                        help="`fused` and `model`: comma-separated model specs (specs/models)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--dump", type=Path, default=None, help="write each kernel's PTX, TTGIR and SASS here")
     args = parser.parse_args(argv)
@@ -162,6 +179,10 @@ def main(argv: list[str] | None = None) -> None:
         _decoding_kernels(dtype, K, V)
     if not only or "gates" in only:
         _gate_kernels(dtype, K)
+    if not only or "model" in only:
+        _model_kernels(args.specs.split(","), recurrence=True)
+    elif "fused" in only:
+        _model_kernels(args.specs.split(","), recurrence=False)
     if only and "osdn" not in only:
         return
     from .osdn import osdn_write_keys_triton
@@ -226,6 +247,62 @@ def _gate_kernels(dtype: torch.dtype, K: int) -> None:
         form = DecayForm(row["flags"]["FORM"]).name.lower()
         print(f"{'gates':10s} {row['kernel'] + f'[{form}]':26s} regs {row.get('REG', '?'):>4} "
               f"stack {row.get('STACK', '?'):>6} shared {row.get('SHARED', '?'):>7}")
+
+
+# The whole-model benchmark's widths (`benchmarks/models.py`), one layer: the fused pieces
+# compile per width class (divisible by 16 or not), so one layer shows every kernel a step runs.
+MODEL_OVERRIDES = {"model.d_model": 1024, "model.layers": 1, "mixer.heads": 8, "mixer.head_dim": 128,
+                   "model.vocab_size": 32000}
+MODEL_SPECS = ("deltanet", "gated-deltanet", "kda", "gla", "rwkv7")  # every gate form, norm and conv kind
+MODEL_TOKENS = 128
+
+
+def _model_kernels(names: list[str], recurrence: bool) -> None:
+    """Every Triton kernel of a training step (forward, loss, backward under bfloat16
+    autocast, float32 weights) of the model specs `names` at the whole-model
+    benchmark's widths: the fused pieces (norms, SwiGLU, short convs, gates, loss), and
+    with `recurrence` the recurrence's kernels too (`--plans model`; `--plans fused`
+    leaves the recurrence on the torch path, which compiles in a fraction of the time).
+    Each row also counts the kernel's 2-byte scalar global accesses (`half_scalar_accesses`)."""
+    import importlib
+    import pkgutil
+
+    import archspec
+    from archspec.blocks import build_model
+
+    from .. import triton as package
+
+    kernels = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        kernels += [v for v in vars(module).values() if isinstance(v, triton.runtime.jit.JITFunction)
+                    and v.__module__ == module.__name__]
+    offline(kernels)
+    # CPU tensors stand in for CUDA ones here: no kernel runs, each launch compiles for sm_90.
+    from .. import api
+    api._check_backend_device = lambda *args: None
+    specs = Path(__file__).resolve().parents[2] / "specs" / "models"
+    for name in names:
+        torch.manual_seed(0)
+        plan = archspec.lower(archspec.load_spec(specs / f"{name}.yaml", list(MODEL_OVERRIDES.items())))
+        model = build_model(plan)
+        model.set_backend("triton")
+        if not recurrence:
+            for mixer in model.mixers():
+                mixer.backend = "torch"
+        ids = torch.randint(0, plan.vocab_size, (1, MODEL_TOKENS))
+        start = len(REPORT)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids)
+        loss.backward()
+        seen = set()
+        for row in REPORT[start:]:
+            key = (row["kernel"], tuple(sorted((k, str(v)) for k, v in row["flags"].items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            print(f"{name:14s} {row['kernel']:30s} regs {row.get('REG', '?'):>4} stack {row.get('STACK', '?'):>6} "
+                  f"shared {row.get('SHARED', '?'):>7} half-scalar {row['half_scalar']:>4}")
 
 
 if __name__ == "__main__":

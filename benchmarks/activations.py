@@ -245,21 +245,35 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = {"machine": common.machine(), "size": asdict(size), "tokens": [short, long],
                               "specs": {}, "unfit": unfit, "failed": {}}
     out = Path(args.out)
-    if args.merge and (out / "activations.json").exists():
-        keep_earlier(record, json.loads((out / "activations.json").read_text()), names)
+    earlier = json.loads((out / "activations.json").read_text()) if args.merge and (out / "activations.json").exists() else None
     measured = {"commit": record["machine"]["commit"]}
-    for name in names:
-        if name in unfit:
-            continue
-        try:
-            record["specs"][name] = {**per_token(SPECS / f"{name}.yaml", size, short, long), "measured": measured}
-            print(f"{name}: {record['specs'][name]['bytes_per_token']:,.0f} bytes per token", flush=True)
-        except Exception as exc:  # one spec failing must not lose the others
-            record["failed"][name] = traceback.format_exc()
-            print(f"{name} failed: {common.first_line(exc)}", flush=True)
-    record["specs"] = dict(sorted(record["specs"].items()))
-    common.write_results(out, "activations", record, markdown(record))
-    return 1 if record["failed"] else 0
+    counted: dict[str, Any] = {}
+    failed: dict[str, str] = {}
+    for done, name in enumerate(names, start=1):
+        if name not in unfit:
+            try:
+                counted[name] = {**per_token(SPECS / f"{name}.yaml", size, short, long), "measured": measured}
+                print(f"{name}: {counted[name]['bytes_per_token']:,.0f} bytes per token", flush=True)
+            except Exception as exc:  # one spec failing must not lose the others
+                failed[name] = traceback.format_exc()
+                print(f"{name} failed: {common.first_line(exc)}", flush=True)
+        # after every spec (minutes each): a run cut off keeps what it counted
+        current = as_counted(record, earlier, counted, failed, names[:done])
+        common.write_results(out, "activations", current, markdown(current))
+    return 1 if failed else 0
+
+
+def as_counted(record: dict[str, Any], earlier: dict[str, Any] | None, counted: dict[str, Any], failed: dict[str, str],
+               done: list[str]) -> dict[str, Any]:
+    """The results file once the specs `done` are through: those counted now and those that
+    failed, and with `--merge` the earlier file's others (those not reached yet among them,
+    each with its commit, so a run cut off loses nothing the file held)."""
+    current = {**record, "specs": {}, "failed": {}}
+    if earlier is not None:
+        keep_earlier(current, earlier, done)
+    current["specs"] = dict(sorted({**current["specs"], **counted}.items()))
+    current["failed"] = {**current["failed"], **failed}
+    return current
 
 
 if __name__ == "__main__":

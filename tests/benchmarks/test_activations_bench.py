@@ -101,3 +101,20 @@ def test_merge_keeps_the_specs_not_counted_again_with_their_commit(record, tmp_p
     with benchmark_module("activations") as bench:  # another size cannot be merged into these counts
         with pytest.raises(SystemExit, match="another size or token lengths"):
             bench.main(["--size", "smoke", "--tokens", "64,192", "--out", str(tmp_path), "--specs", "deltanet", "--merge"])
+
+
+def test_a_run_cut_off_after_one_spec_keeps_the_earlier_counts(record, tmp_path):
+    """The file is written after every spec: once the first of two specs is through, it holds
+    that spec counted now and the earlier file's count of the second (with its commit),
+    so a run stopped there loses nothing."""
+    data, _ = record
+    earlier = {**data, "machine": {**data["machine"], "commit": "0123abc"}}
+    earlier["specs"] = {name: {k: v for k, v in spec.items() if k != "measured"} for name, spec in data["specs"].items()}
+    with benchmark_module("activations") as bench:
+        now = {**data, "specs": {}, "failed": {}, "unfit": {}}
+        counted = {"deltanet": {**data["specs"]["deltanet"], "measured": {"commit": "4567def"}}}
+        after_one = bench.as_counted(now, earlier, counted, {}, ["deltanet"])
+        fresh = bench.as_counted(now, None, counted, {"gated-deltanet": "Traceback ..."}, ["deltanet", "gated-deltanet"])
+    assert after_one["specs"]["deltanet"]["measured"] == {"commit": "4567def"}
+    assert after_one["specs"]["gated-deltanet"]["measured"] == {"commit": "0123abc"}
+    assert list(fresh["specs"]) == ["deltanet"] and set(fresh["failed"]) == {"gated-deltanet"}

@@ -314,6 +314,54 @@ def write_results(out: Path, name: str, results: dict, table: str) -> None:
     write_text_atomic(out / f"{name}.md", table)
 
 
+def launch_with(table: Any, text: str) -> Any:
+    """`block_t=128,num_warps=8` -> the launch-settings dataclass `table` (one of
+    `kernels/triton/launch.py`'s) with those fields changed; a ValueError names the fields."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(table)}
+    changes = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--launch takes positive integers for {sorted(fields)}, got {item!r}")
+        changes[key] = int(value)
+    return dataclasses.replace(table, **changes)
+
+
+def peer_arguments(parser: Any, what: str, launch_example: str) -> None:
+    """The options of a benchmark of one fused piece against fla's and an earlier `kernels/`
+    (`short_conv.py`, `loss.py`): rounds, the peers, `--launch` settings of `what`, where the
+    results go, and the interpreter's smoke run."""
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each implementation")
+    parser.add_argument("--no-fla", action="store_true", help="ours only")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="a folder holding an earlier copy of kernels/, timed beside the current ones")
+    parser.add_argument("--launch", action="append", default=[],
+                        help=f"{what} also at these settings, e.g. {launch_example} (repeatable)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, ours only: the script runs")
+
+
+def parse_peer_arguments(parser: Any, argv: list[str] | None, parse_launch: Callable[[str], Any]
+                         ) -> tuple[Any, Callable[[Callable[[], Any]], float], str, Any | None]:
+    """`peer_arguments`' options parsed: (the arguments, the timer, the device, the earlier
+    `kernels/` or None). `--smoke` runs the interpreter on the CPU, once, ours only; each
+    `--launch` must parse (`parse_launch`) before anything is timed."""
+    args = parser.parse_args(argv)
+    time_fn, device = median_ms, "cuda"
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+        args.rounds, args.no_fla, device = 1, True, "cpu"
+        time_fn = lambda fn: (fn(), 0.0)[1]  # noqa: E731  (the interpreter has no timer: run each call once)
+    for text in args.launch:
+        try:
+            parse_launch(text)
+        except ValueError as exc:
+            parser.error(str(exc))
+    return args, time_fn, device, None if args.against is None else kernels_before(args.against)
+
+
 def run_notes(record: dict) -> list[str]:
     """The markdown lines under a per-design table: the designs with no form at the
     benchmark's size, those the budget left out and those that failed, each with its

@@ -28,8 +28,6 @@ in one process, `--rounds` rounds. Results: `DIR/loss.{json,md}`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -38,7 +36,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, first_line, kernels_before, machine, median_ms, relative_error, write_results  # noqa: E402  (a script beside its helpers)
+from common import first_line, launch_with, machine, parse_peer_arguments, peer_arguments, relative_error, write_results  # noqa: E402  (a script beside its helpers)
 
 # (rows, d_model, vocabulary): the whole-model benchmark's step (B=8, T=2048)
 SIZE = (16_384, 1_024, 32_000)
@@ -50,14 +48,7 @@ def parse_launch(text: str):
     """`block_v=8192,num_warps=16` -> a `CrossEntropyLaunch` with those fields changed."""
     from archspec.kernels.triton.launch import CROSS_ENTROPY_LAUNCH
 
-    fields = {f.name for f in dataclasses.fields(CROSS_ENTROPY_LAUNCH)}
-    changes = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        if key not in fields or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--launch takes positive integers for {sorted(fields)}, got {item!r}")
-        changes[key] = int(value)
-    return dataclasses.replace(CROSS_ENTROPY_LAUNCH, **changes)
+    return launch_with(CROSS_ENTROPY_LAUNCH, text)
 
 
 def inputs(size: tuple[int, int, int], device: str) -> dict[str, torch.Tensor]:
@@ -209,27 +200,9 @@ def markdown(record: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each implementation")
-    parser.add_argument("--no-fla", action="store_true", help="ours only")
-    parser.add_argument("--against", type=Path, default=None,
-                        help="a folder holding an earlier copy of kernels/, timed beside the current ones")
-    parser.add_argument("--launch", action="append", default=[],
-                        help="our softmax step also at these CrossEntropyLaunch settings, e.g. block_v=8192,num_warps=16 "
-                             "(repeatable)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, ours only: the script runs")
-    args = parser.parse_args(argv)
-    size, time_fn, device = SIZE, median_ms, "cuda"
-    if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
-        size, args.rounds, args.no_fla, device = SMOKE_SIZE, 1, True, "cpu"
-        time_fn = lambda fn: (fn(), 0.0)[1]  # noqa: E731  (the interpreter has no timer: run each call once)
-    for text in args.launch:
-        try:
-            parse_launch(text)
-        except ValueError as exc:
-            parser.error(str(exc))
-    before = None if args.against is None else kernels_before(args.against)
+    peer_arguments(parser, "our softmax step (CrossEntropyLaunch)", "block_v=8192,num_warps=16")
+    args, time_fn, device, before = parse_peer_arguments(parser, argv, parse_launch)
+    size = SMOKE_SIZE if args.smoke else SIZE
     record = {"machine": machine(), "rounds": args.rounds, "against": None if args.against is None else str(args.against),
               "result": run(size, args.rounds, before, not args.no_fla, args.launch, device, time_fn)}
     table = markdown(record)

@@ -30,8 +30,6 @@ faster here was slower: judge a kernel change by that profile.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -40,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, first_line, kernels_before, machine, median_ms, relative_error, write_results  # noqa: E402  (a script beside its helpers)
+from common import first_line, launch_with, machine, parse_peer_arguments, peer_arguments, relative_error, write_results  # noqa: E402  (a script beside its helpers)
 
 COPY_BYTES_PER_S = 4.27e12  # device-to-device copy measured on the H200 (kernel_times.py)
 WIDTH = 4  # the models' conv width (`short_conv: 4` in specs/models)
@@ -70,14 +68,7 @@ def parse_launch(text: str):
     """`block_t=128,num_warps=8` -> a `ShortConvLaunch` with those fields changed."""
     from archspec.kernels.triton.launch import SHORT_CONV_LAUNCH
 
-    fields = {f.name for f in dataclasses.fields(SHORT_CONV_LAUNCH)}
-    changes = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        if key not in fields or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--launch takes positive integers for {sorted(fields)}, got {item!r}")
-        changes[key] = int(value)
-    return dataclasses.replace(SHORT_CONV_LAUNCH, **changes)
+    return launch_with(SHORT_CONV_LAUNCH, text)
 
 
 def at_launch(x: torch.Tensor, w: torch.Tensor, head: int, cu: torch.Tensor | None, dy: torch.Tensor, launch
@@ -186,26 +177,9 @@ def markdown(record: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each implementation")
-    parser.add_argument("--no-fla", action="store_true", help="ours only")
-    parser.add_argument("--against", type=Path, default=None,
-                        help="a folder holding an earlier copy of kernels/, timed beside the current ones")
-    parser.add_argument("--launch", action="append", default=[],
-                        help="our kernels also at these ShortConvLaunch settings, e.g. block_t=128,num_warps=8 (repeatable)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, ours only: the script runs")
-    args = parser.parse_args(argv)
-    settings, time_fn, device = SETTINGS, median_ms, "cuda"
-    if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
-        settings, args.rounds, args.no_fla, device = SMOKE_SETTINGS, 1, True, "cpu"
-        time_fn = lambda fn: (fn(), 0.0)[1]  # noqa: E731  (the interpreter has no timer: run each call once)
-    for text in args.launch:
-        try:
-            parse_launch(text)
-        except ValueError as exc:
-            parser.error(str(exc))
-    before = None if args.against is None else kernels_before(args.against)
+    peer_arguments(parser, "our kernels (ShortConvLaunch)", "block_t=128,num_warps=8")
+    args, time_fn, device, before = parse_peer_arguments(parser, argv, parse_launch)
+    settings = SMOKE_SETTINGS if args.smoke else SETTINGS
     record = {"machine": machine(), "rounds": args.rounds, "against": None if args.against is None else str(args.against),
               "rows": []}
     for setting in settings:

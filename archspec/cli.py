@@ -104,7 +104,7 @@ def run_compile(args: argparse.Namespace) -> int:
         console.print(f"[red]warning: the built module has {built:,} parameters, the cost model says {cost.params:,}[/red]")
     if args.save:
         save_compiled(model, spec, args.save)
-        console.print(f"saved {args.save}")
+        console.print(f"saved {args.save}", soft_wrap=True, markup=False)  # a path is not wrapped where it could not be copied whole
     return 0
 
 

@@ -83,7 +83,7 @@ def run_search_command(args: argparse.Namespace) -> int:
     outcome = run_search(loaded, args.out, resume=args.resume, trials=args.trials, address=args.address, live=args.live)
     run = read_run(outcome.run.path)
     console.print(run_front_table(run))
-    console.print(f"run directory: {outcome.run.path}", markup=False, highlight=False)
+    console.print(f"run directory: {outcome.run.path}", markup=False, highlight=False, soft_wrap=True)
     console.print(dashboard_hint(outcome.run.study_url), markup=False, highlight=False, soft_wrap=True)
     if outcome.exhausted:
         print(f"note: {outcome.stopped_because}", file=sys.stderr)

@@ -167,9 +167,10 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"{name}: {why}", markup=False, highlight=False, soft_wrap=True)
     if result.status != "ok":
         console.print(f"[bold red]{result.status}[/]: {result.reason}")
-    console.print(f"wrote {out / 'metrics.json'}")
+    console.print(f"wrote {out / 'metrics.json'}", soft_wrap=True, markup=False)
     saved = result.record.get("checkpoint")
     if saved:
         which = f"{saved['metric']} = {saved['value']:.4g}" if "metric" in saved else "the last weights"
-        console.print(f"wrote {out / saved['weights']} (step {saved['step']}, {which}); archspec.load('{out}') rebuilds it")
+        console.print(f"wrote {out / saved['weights']} (step {saved['step']}, {which}); archspec.load('{out}') rebuilds it",
+                      soft_wrap=True, markup=False)
     return 0 if result.status == "ok" else 1

@@ -29,7 +29,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/search.md", "docs/tasks.md", "docs/spec-language.md")
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.ray]
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:

@@ -10,6 +10,8 @@ import pytest
 
 from .test_gpu_scripts import benchmark_module
 
+pytestmark = pytest.mark.ray  # starts Ray: runs on one xdist worker (tests/conftest.py)
+
 
 @pytest.mark.slow
 def test_smoke_measures_a_level_and_survives_a_kill(tmp_path):

@@ -10,6 +10,8 @@ import pytest
 
 from .test_gpu_scripts import benchmark_module
 
+pytestmark = pytest.mark.ray  # starts Ray: runs on one xdist worker (tests/conftest.py)
+
 
 def test_efficiency_is_the_speedup_over_one_divided_by_the_count():
     with benchmark_module("search_scaling") as bench:

@@ -22,6 +22,8 @@ from archspec.search.gpu_share import AUTO_STEP, auto_share, share_problem, trai
 from archspec.search.rundir import RunDir
 from archspec.search.space import load_search_spec
 
+pytestmark = pytest.mark.ray  # starts Ray: runs on one xdist worker (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "specs" / "search" / "bases" / "tiny-deltanet.yaml"
 GIB = 1 << 30

@@ -30,6 +30,8 @@ from archspec.search.runner import open_study, resolve_run, write_run
 from archspec.search.space import load_search_spec
 from archspec.search.trial import TrialSetup, execute_trial, report_payload
 
+pytestmark = pytest.mark.ray  # starts Ray: runs on one xdist worker (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "specs" / "search" / "bases" / "tiny-deltanet.yaml"
 PYTHON = sys.executable

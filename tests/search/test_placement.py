@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 
 from archspec.search.placement import TRIAL_ENV, placement_problem, trial_device, visible_devices
+
+pytestmark = pytest.mark.ray  # starts Ray: runs on one xdist worker (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "specs" / "search" / "bases" / "tiny-deltanet.yaml"

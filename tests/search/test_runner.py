@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "specs" / "search" / "bases" / "tiny-deltanet.yaml"
 PYTHON = sys.executable
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.ray]
 
 
 def write_spec(tmp_path: Path, body: str, name: str = "search.yaml") -> Path:
@@ -349,13 +349,26 @@ def test_a_worker_that_outlived_its_search_is_stopped_and_no_other_process():
         worker.wait()
 
 
-def test_ray_dirs_of_killed_searches_are_removed_at_the_next_start(tmp_path, monkeypatch):
+@pytest.fixture
+def short_tmp_path():
+    """A fresh folder of a short path: a Unix socket's path is at most 107 bytes, which
+    pytest's `tmp_path` (longer still under xdist) can exceed."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="rd"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_ray_dirs_of_killed_searches_are_removed_at_the_next_start(short_tmp_path, monkeypatch):
     """A kill -9 skips `ray_session`'s cleanup; the next local search removes what is left,
     but never the dir of a Ray that still answers, nor one that may be starting."""
     import tempfile
 
     from archspec.search.runner import RAY_DIR_PREFIX, remove_stale_ray_dirs
 
+    tmp_path = short_tmp_path
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     def ray_dir(name: str, age_s: float) -> Path:

@@ -39,7 +39,7 @@ def _batch(packed: bool):
 @pytest.mark.parametrize("name", ["gdn-scalar", "kda-channel", "hybrid"])
 def test_checkpointed_step_equals_the_plain_step(name, backend, dtype, packed):
     torch.manual_seed(0)
-    plan = _hybrid_plan() if name == "hybrid" else model_plan(COMBINATIONS[name], layers=3)
+    plan = _hybrid_plan() if name == "hybrid" else model_plan(COMBINATIONS[name], layers=2)
     model = build_model(plan).to(dtype).train()
     model.set_backend(backend)
     ids, labels, cu = _batch(packed)

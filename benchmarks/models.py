@@ -49,8 +49,9 @@ both in the JSON): a half whose host time nears the step's share is bound by the
 
 Results: `DIR/models.json` (machine, torch / triton / fla versions, commit, every row)
 and `DIR/models.md`, written after every setting, so a run cut short by `--budget-s`
-keeps what it finished; `--merge` keeps an earlier file's rows of the specs not run now,
-so a run can be split over several calls (`--specs a,b --merge`). On CUDA ours is also
+keeps what it finished; `--merge` keeps an earlier file's rows of the specs not timed now
+(those not named, and those `--budget-s` skipped), so a run can be split over several
+calls (`--specs a,b --merge`). On CUDA ours is also
 timed with the step captured as a CUDA graph, as the trainer runs it (`archspec.training.
 TrainingStep`, `archspec.graphed_step`: one launch issues the whole forward + loss +
 backward, for a step bound by the host) in the same rounds, row `ours-graph`, listed
@@ -834,10 +835,12 @@ def main(argv: list[str] | None = None) -> int:
                               "skipped": [], "failed": {}, "anatomy": {}, "unfit": unfit}
     out = Path(args.out)
     if args.merge and (out / "models.json").exists():
+        # An earlier spec's rows go when this run starts timing it (`forget`): a spec the
+        # budget skips, or the run never reaches, keeps what was measured before.
         earlier = json.loads((out / "models.json").read_text())
-        record["rows"] = [r for r in earlier.get("rows", []) if r["spec"] not in names]
-        record["failed"] = {k: v for k, v in earlier.get("failed", {}).items() if k not in names}
-        record["anatomy"] = {k: v for k, v in earlier.get("anatomy", {}).items() if k not in names}
+        record["rows"] = earlier.get("rows", [])
+        record["failed"] = earlier.get("failed", {})
+        record["anatomy"] = earlier.get("anatomy", {})
         record["unfit"] = {**{k: v for k, v in earlier.get("unfit", {}).items() if k not in names}, **unfit}
         record["earlier_machines"] = [earlier.get("machine"), *earlier.get("earlier_machines", [])]
     # Each row says which tree it was measured on: `--merge` keeps rows of earlier runs.
@@ -854,6 +857,10 @@ def main(argv: list[str] | None = None) -> int:
             record["skipped"] = names[i:]
             log(f"budget: {spent:.0f} s spent, skipping {', '.join(names[i:])}")
             break
+
+        record["rows"] = [r for r in record["rows"] if r["spec"] != name]  # forget: timed again now
+        record["failed"].pop(name, None)
+        record["anatomy"].pop(name, None)
 
         def keep(rows: list[Row]) -> None:
             record["rows"] += [{**asdict(r), "measured": measured} for r in rows]

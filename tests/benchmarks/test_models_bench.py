@@ -61,6 +61,23 @@ def test_smoke_run_writes_every_setting(bench, tmp_path):
         assert f"| {host} |" in table.split(f"| {spec} | {entry['setting']} | ours | {step:.2f} |")[1].splitlines()[0]
 
 
+def test_a_merged_run_keeps_the_earlier_rows_of_a_spec_its_budget_skips(bench, tmp_path):
+    """`--merge` with `--budget-s`: the spec timed again has this run's rows, the one the
+    budget skipped keeps the earlier run's (once, every named spec's were dropped at the
+    start, so a skipped one vanished from the table)."""
+    quick = ["--smoke", "--out", str(tmp_path), "--rounds", "1", "--warmup", "0", "--no-anatomy", "--warm-workers", "0"]
+    assert bench.main([*quick, "--specs", "deltanet,gla"]) == 0
+    first = json.loads((tmp_path / "models.json").read_text())
+    kept = [r for r in first["rows"] if r["spec"] == "deltanet"]
+    assert bench.main([*quick, "--specs", "gla,deltanet", "--merge", "--budget-s", "1e-6"]) == 0
+    second = json.loads((tmp_path / "models.json").read_text())
+    assert second["skipped"] == ["deltanet"]
+    assert [r for r in second["rows"] if r["spec"] == "deltanet"] == kept
+    gla = [r for r in second["rows"] if r["spec"] == "gla"]
+    assert len(gla) == 3 and not any(r in first["rows"] for r in gla)  # timed again, the earlier ones gone
+    assert "| deltanet | deltanet | T=32 |" in (tmp_path / "models.md").read_text()
+
+
 def test_a_profiled_setting_the_size_lacks_is_refused(bench, tmp_path, capsys):
     assert bench.main(["--smoke", "--out", str(tmp_path), "--specs", "deltanet", "--anatomy-at", "T=2048"]) == 2
     assert "--anatomy-at T=2048: not a setting of this size (T=32, T=64, packed)" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 beside flash-linear-attention's `FusedLinearCrossEntropyLoss`, and our per-chunk softmax
 step alone, also at other launch settings.
 
-    python benchmarks/loss.py [--rounds 5] [--against DIR] [--launch block_v=8192,num_warps=16 ...]
+    python benchmarks/loss.py [--rounds 5] [--against DIR] [--launch block_v=4096,num_warps=8 ...]
                               [--out DIR] [--smoke]
 
 The shapes are the whole-model benchmark's head (`models.py`): 16,384 rows of d_model

@@ -200,7 +200,7 @@ def markdown(record: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    peer_arguments(parser, "our softmax step (CrossEntropyLaunch)", "block_v=8192,num_warps=16")
+    peer_arguments(parser, "our softmax step (CrossEntropyLaunch)", "block_v=4096,num_warps=8")
     args, time_fn, device, before = parse_peer_arguments(parser, argv, parse_launch)
     size = SMOKE_SIZE if args.smoke else SIZE
     record = {"machine": machine(), "rounds": args.rounds, "against": None if args.against is None else str(args.against),

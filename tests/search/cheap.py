@@ -4,7 +4,8 @@ Quality is a known function of the spec (more Householder factors and a [0, 2] b
 range help, as on state tracking), so tests can predict fronts. Behaviours for failure
 tests are switched by the spec itself: `short_conv: 3` (or a `channel` gate) diverges,
 `short_conv: 2` raises, `short_conv: 5` kills the worker process. `CHEAP_SLEEP` (seconds) slows every trial down and `CHEAP_LOG`
-(a file) gets one line per call, for the kill-and-resume test.
+(a file) gets one line per call, for the kill-and-resume test. `CHEAP_MEET` makes calls
+wait for each other (`_meet`), for the tests of trials that share a GPU.
 """
 
 from __future__ import annotations
@@ -39,9 +40,29 @@ def _hold(log: Path) -> None:
             time.sleep(0.1)
 
 
+# How long a call waits at `CHEAP_MEET` for the others: far longer than Ray takes to start
+# a trial on a loaded machine, so only trials that Ray does not run at once time out.
+MEET_TIMEOUT_S = 120.0
+
+
+def _meet() -> None:
+    """`CHEAP_MEET` (a folder) and `CHEAP_MEET_COUNT` (n): each call leaves a file there and
+    waits until n calls have, so no call ends before n are running at once, however slow
+    the machine; RuntimeError after `MEET_TIMEOUT_S` (Ray did not run them together)."""
+    folder = Path(os.environ["CHEAP_MEET"])
+    (folder / f"{os.getpid()}-{time.monotonic_ns()}").touch()
+    deadline = time.monotonic() + MEET_TIMEOUT_S
+    while len(list(folder.iterdir())) < int(os.environ["CHEAP_MEET_COUNT"]):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"cheap_train: the other calls never came to {folder}")
+        time.sleep(0.1)
+
+
 def cheap_train(spec, task, *, steps, seed, device, out_dir=None, **options):
     from archspec.cost import estimate
 
+    if os.environ.get("CHEAP_MEET"):
+        _meet()
     if os.environ.get("CHEAP_LOG"):
         with open(os.environ["CHEAP_LOG"], "a") as log:
             log.write(f"{out_dir}\n")

@@ -237,7 +237,11 @@ def test_trials_with_half_a_gpu_share_one_gpu_at_once(tmp_path, monkeypatch):
     cloudpickle.register_pickle_by_value(cheap)
     real_init = ray.init
     monkeypatch.setattr(ray, "init", lambda **kwargs: real_init(num_gpus=1, **kwargs))
-    monkeypatch.setenv("CHEAP_SLEEP", "5")
+    meet = tmp_path / "meet"  # each trial ends only once both have started (tests/search/cheap.py)
+    meet.mkdir()
+    monkeypatch.setenv("CHEAP_MEET", str(meet))
+    monkeypatch.setenv("CHEAP_MEET_COUNT", "2")
+    monkeypatch.setenv("CHEAP_SLEEP", "2")
     body = BODY.replace("choices: [3, 1]}\n  mixer.short_conv: {choices: [4, 6], when: {mixer.transition.n_h: 3}}",
                         "choices: [3, 1]}").replace("trials: 3", "trials: 2")
     loaded = load_search_spec(write_spec(tmp_path, body, extra="resources: {cpu: 1, gpu: 0.5}\n"))

@@ -45,17 +45,24 @@ def _hold(log: Path) -> None:
 MEET_TIMEOUT_S = 120.0
 
 
+def meet(folder: Path, name: str, expected: int, wait_s: float) -> int:
+    """A rendezvous of trials: leave the file `name` in `folder` and wait until `expected`
+    files are there, at most `wait_s`; returns how many were met (fewer: Ray did not run
+    the trials together)."""
+    folder.mkdir(exist_ok=True)
+    (folder / name).touch()
+    deadline = time.monotonic() + wait_s
+    while (met := len(list(folder.iterdir()))) < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return met
+
+
 def _meet() -> None:
-    """`CHEAP_MEET` (a folder) and `CHEAP_MEET_COUNT` (n): each call leaves a file there and
-    waits until n calls have, so no call ends before n are running at once, however slow
-    the machine; RuntimeError after `MEET_TIMEOUT_S` (Ray did not run them together)."""
-    folder = Path(os.environ["CHEAP_MEET"])
-    (folder / f"{os.getpid()}-{time.monotonic_ns()}").touch()
-    deadline = time.monotonic() + MEET_TIMEOUT_S
-    while len(list(folder.iterdir())) < int(os.environ["CHEAP_MEET_COUNT"]):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"cheap_train: the other calls never came to {folder}")
-        time.sleep(0.1)
+    """`CHEAP_MEET` (a folder) and `CHEAP_MEET_COUNT` (n): no call ends before n calls are
+    running at once, however slow the machine; RuntimeError after `MEET_TIMEOUT_S`."""
+    folder, expected = Path(os.environ["CHEAP_MEET"]), int(os.environ["CHEAP_MEET_COUNT"])
+    if meet(folder, f"{os.getpid()}-{time.monotonic_ns()}", expected, MEET_TIMEOUT_S) < expected:
+        raise RuntimeError(f"cheap_train: the other calls never came to {folder}")
 
 
 def cheap_train(spec, task, *, steps, seed, device, out_dir=None, **options):

@@ -13,28 +13,18 @@ of NCCL_NVLS_ENABLE == "0" and of the GPU ids in CUDA_VISIBLE_DEVICES).
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import yaml
 
-from tests.search.cheap import CheapResult, quality
+from tests.search.cheap import CheapResult, meet, quality
 
 WAIT_S = 40.0
 
 
 def _rendezvous(run: Path, number: str) -> int:
     expected = int(yaml.safe_load((run / "search.yaml").read_text())["budget"]["trials"])
-    folder = run / "rendezvous"
-    folder.mkdir(exist_ok=True)
-    (folder / number).touch()
-    deadline = time.time() + WAIT_S
-    while time.time() < deadline:
-        met = len(list(folder.iterdir()))
-        if met >= expected:
-            return met
-        time.sleep(0.05)
-    return len(list(folder.iterdir()))
+    return meet(run / "rendezvous", number, expected, WAIT_S)
 
 
 def probe_train(spec, task, *, steps, seed, device, out_dir=None, data_parallel=None, **options):

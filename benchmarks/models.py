@@ -49,8 +49,9 @@ both in the JSON): a half whose host time nears the step's share is bound by the
 
 Results: `DIR/models.json` (machine, torch / triton / fla versions, commit, every row)
 and `DIR/models.md`, written after every setting, so a run cut short by `--budget-s`
-keeps what it finished; `--merge` keeps an earlier file's rows of the specs not timed now
-(those not named, and those `--budget-s` skipped), so a run can be split over several
+keeps what it finished; `--merge` keeps an earlier file's rows of what was not timed now
+(specs not named, those `--budget-s` skipped, the settings a run cut short did not reach;
+the table's notes say which run measured which), so a run can be split over several
 calls (`--specs a,b --merge`). On CUDA ours is also
 timed with the step captured as a CUDA graph, as the trainer runs it (`archspec.training.
 TrainingStep`, `archspec.graphed_step`: one launch issues the whole forward + loss +
@@ -754,15 +755,23 @@ def measured_notes(rows: list[dict]) -> list[str]:
     """Which machine, commit (and kernel sources, `kernels_sha1`) each spec's rows were
     measured at, where a merged file holds rows of several runs. Ours and fla's of one row
     always share a run; rows of different machines compare only through their ratios."""
-    runs: dict[tuple, list[str]] = {}
+    runs: dict[tuple, dict[str, list[str]]] = {}  # run -> spec -> its settings measured there
     for r in rows:
         m = r.get("measured") or {}
         key = (m.get("device"), m.get("commit"), m.get("kernels_sha1"), m.get("date"))
-        if r["spec"] not in runs.setdefault(key, []):
-            runs[key].append(r["spec"])
+        settings = runs.setdefault(key, {}).setdefault(r["spec"], [])
+        if r.get("setting") not in settings:
+            settings.append(r.get("setting"))
     if len(runs) < 2:
         return []
-    parts = [f"{', '.join(specs)}: {device or 'device ?'}, commit {c or '?'}, kernels {k or '?'}, {d or '?'}"
+    spans = {spec: sum(spec in specs for specs in runs.values()) for specs in runs.values() for spec in specs}
+
+    def label(spec: str, settings: list[str]) -> str:
+        # a spec whose settings come from different runs (a run cut short) names them
+        return spec if spans[spec] == 1 else f"{spec} ({', '.join(map(str, settings))})"
+
+    parts = [f"{', '.join(label(s, st) for s, st in specs.items())}: {device or 'device ?'}, commit {c or '?'}, "
+             f"kernels {k or '?'}, {d or '?'}"
              for (device, c, k, d), specs in sorted(runs.items(), key=lambda kv: str(kv[0][3]))]
     note = "Measured in several runs (`--merge`): " + "; ".join(parts) + "."
     if len({device for device, *_ in runs}) > 1:
@@ -801,7 +810,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave out ours with its step captured as a CUDA graph, as the trainer runs it "
                          "(row ours-graph; never for packed documents)")
     ap.add_argument("--merge", action="store_true",
-                    help="keep the rows of specs not run now from an earlier models.json in --out (runs split over calls)")
+                    help="keep the rows not timed now (specs, settings) from an earlier models.json in --out "
+                         "(runs split over calls)")
     args = ap.parse_args(argv)
 
     size = SMOKE_SIZE if args.smoke else ISSUE_SIZE
@@ -858,11 +868,14 @@ def main(argv: list[str] | None = None) -> int:
             log(f"budget: {spent:.0f} s spent, skipping {', '.join(names[i:])}")
             break
 
-        record["rows"] = [r for r in record["rows"] if r["spec"] != name]  # forget: timed again now
         record["failed"].pop(name, None)
         record["anatomy"].pop(name, None)
 
         def keep(rows: list[Row]) -> None:
+            # A setting's earlier rows go when its new ones come, so a run cut short in the
+            # middle of a design keeps the earlier rows of the settings it did not reach.
+            again = {(r.spec, r.setting) for r in rows}
+            record["rows"] = [r for r in record["rows"] if (r["spec"], r["setting"]) not in again]
             record["rows"] += [{**asdict(r), "measured": measured} for r in rows]
             write_results(out, record)
 

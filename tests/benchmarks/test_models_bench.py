@@ -78,6 +78,30 @@ def test_a_merged_run_keeps_the_earlier_rows_of_a_spec_its_budget_skips(bench, t
     assert "| deltanet | deltanet | T=32 |" in (tmp_path / "models.md").read_text()
 
 
+def test_a_merged_run_cut_short_keeps_the_earlier_rows_of_the_settings_it_did_not_reach(bench, tmp_path, monkeypatch):
+    """A design that fails after its first setting (out of memory, a killed call) under
+    `--merge`: that setting has this run's rows, the two it did not reach the earlier run's."""
+    quick = ["--smoke", "--out", str(tmp_path), "--rounds", "1", "--warmup", "0", "--no-anatomy", "--warm-workers", "0"]
+    assert bench.main([*quick, "--specs", "deltanet"]) == 0
+    first = json.loads((tmp_path / "models.json").read_text())["rows"]
+    timed = bench.run_design
+
+    def cut_after_the_first_setting(*args, on_setting, **kwargs):
+        def keep_one(rows):
+            on_setting(rows)
+            raise RuntimeError("cut short")
+        return timed(*args, on_setting=keep_one, **kwargs)
+
+    monkeypatch.setattr(bench, "run_design", cut_after_the_first_setting)
+    assert bench.main([*quick, "--specs", "deltanet", "--merge"]) == 1  # the failure is reported
+    record = json.loads((tmp_path / "models.json").read_text())
+    assert "cut short" in record["failed"]["deltanet"]
+    by_setting = {r["setting"]: r for r in record["rows"]}
+    assert len(record["rows"]) == 3 and set(by_setting) == {"T=32", "T=64", "packed"}
+    assert by_setting["T=32"] not in first  # timed again
+    assert [by_setting["T=64"], by_setting["packed"]] == [r for r in first if r["setting"] != "T=32"]
+
+
 def test_a_profiled_setting_the_size_lacks_is_refused(bench, tmp_path, capsys):
     assert bench.main(["--smoke", "--out", str(tmp_path), "--specs", "deltanet", "--anatomy-at", "T=2048"]) == 2
     assert "--anatomy-at T=2048: not a setting of this size (T=32, T=64, packed)" in capsys.readouterr().err
@@ -114,14 +138,19 @@ def test_a_kernel_name_is_put_in_its_part_of_the_model(name, part):
 
 
 def test_merged_rows_say_which_run_measured_them(bench):
-    def row(spec, commit, device="H200"):
-        return {"spec": spec, "measured": {"commit": commit, "kernels_sha1": commit[:3], "date": "2026-12-0" + commit[-1],
+    def row(spec, commit, device="H200", setting="T=2048"):
+        return {"spec": spec, "setting": setting, "measured": {"commit": commit, "kernels_sha1": commit[:3], "date": "2026-12-0" + commit[-1],
                                            "device": device}}
 
     assert bench.measured_notes([row("kda", "aaa1"), row("kda", "aaa1"), row("gla", "aaa1")]) == []  # one run: nothing to say
     notes = bench.measured_notes([row("kda", "aaa1"), row("gla", "bbb2"), row("rwkv7", "bbb2")])
     assert notes[-1] == ("Measured in several runs (`--merge`): kda: H200, commit aaa1, kernels aaa, 2026-12-01; "
                          "gla, rwkv7: H200, commit bbb2, kernels bbb, 2026-12-02.")
+    # A spec whose settings come from two runs (a run cut short) names the settings of each.
+    split = bench.measured_notes([row("kda", "aaa1", setting="T=2048"), row("kda", "aaa1", setting="T=8192"),
+                                  row("kda", "bbb2", setting="packed"), row("gla", "bbb2")])
+    assert split[-1] == ("Measured in several runs (`--merge`): kda (T=2048, T=8192): H200, commit aaa1, kernels aaa, "
+                         "2026-12-01; kda (packed), gla: H200, commit bbb2, kernels bbb, 2026-12-02.")
     mixed = bench.measured_notes([row("kda", "aaa1"), row("gla", "bbb2", device="H100")])
     assert mixed[-1].startswith("Measured in several runs (`--merge`): kda: H200, commit aaa1")
     assert "gla: H100, commit bbb2" in mixed[-1] and mixed[-1].endswith("by their ratios to fla's only.")

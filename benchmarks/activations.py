@@ -44,6 +44,8 @@ import torch  # noqa: E402
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook  # noqa: E402
 
 import common  # noqa: E402
+from archspec.kernels.interpreter import patch_language_once_per_launch  # noqa: E402
+from archspec.kernels.kinds import triton_interpreter_on  # noqa: E402
 from models import ISSUE_SIZE, SMOKE_SIZE, SPECS, Size, load_plan, unfit_at  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep an earlier results file's specs that are not counted now (each spec records its commit)")
     args = ap.parse_args(argv)
     size = ISSUE_SIZE if args.size == "issue" else SMOKE_SIZE
+    if triton_interpreter_on():
+        patch_language_once_per_launch()  # the kernels' helper calls skip repeated patching
     short, long = (int(t) for t in args.tokens.split(","))
     if not 0 < short < long:
         print(f"--tokens: two lengths, the shorter first, got {args.tokens!r}", file=sys.stderr)

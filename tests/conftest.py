@@ -15,49 +15,10 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
-def _patch_the_language_once_per_launch() -> None:
-    """Triton's interpreter (3.7) patches `triton.language` at every launch and again at
-    every call of a `@triton.jit` function inside the kernel, Triton's own `tl.sum`,
-    `tl.zeros`, `tl.max` included (`InterpretedFunction.__call__`), scanning every member
-    of four modules each time (13,227 scans in the memory test's DeltaProduct-3 case, 195
-    here; 14.9 -> 12.6 s). Those calls change nothing after the first: the launch
-    has patched `triton.language` until it ends, and a helper's patch is never undone (so
-    `triton.language.core`, which the standard library's helpers see, stays patched). A
-    helper call whose language modules are patched in one of those two ways skips it;
-    every other call patches as before."""
-    import inspect
-
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    patch = interpreter._patch_lang
-    launched: set[int] = set()  # modules the running launch patched (undone when it ends)
-    for_good: set[int] = set()  # modules a helper patched (never undone)
-
-    def patch_once(fn):
-        wanted = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
-        if launched:  # a helper: called only inside a launch
-            if wanted <= launched | for_good:
-                return interpreter._LangPatchScope()  # nothing to undo
-            scope = patch(fn)
-            for_good.update(wanted - launched)
-            return scope
-        scope = patch(fn)
-        launched.update(wanted)
-        restore = scope.restore
-
-        def restore_and_forget() -> None:
-            launched.clear()
-            restore()
-
-        scope.restore = restore_and_forget
-        return scope
-
-    interpreter._patch_lang = patch_once
-
-
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_the_language_once_per_launch()
+    from archspec.kernels.interpreter import patch_language_once_per_launch
+
+    patch_language_once_per_launch()
 
 
 @pytest.fixture(autouse=True)

@@ -427,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="processes that compile every design first (default 8 on CUDA, 0 with --smoke; 0: none)")
     ap.add_argument("--fla-shards", type=int, default=3, help="warm-up jobs that share one fla model's autotune configs")
     ap.add_argument("--retune", action="store_true",
-                    help="let fla autotune afresh, not from the picks an earlier run left in --out (fla_autotune.json)")
+                    help="let fla autotune afresh, not from the picks an earlier run left in --out (fla_autotune.json; "
+                         "a fresh --out starts from the committed ones)")
     ap.add_argument("--smoke", action="store_true", help="ours only, tiny size, on the CPU")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of specs not run now from an earlier decode.json in --out (runs split over calls)")

@@ -800,7 +800,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="processes that compile every design first (default 8 on CUDA, 0 with --smoke; 0: none)")
     ap.add_argument("--fla-shards", type=int, default=3, help="warm-up jobs that share one fla model's autotune configs")
     ap.add_argument("--retune", action="store_true",
-                    help=f"let fla autotune afresh, not from the picks an earlier run left in --out ({picks.FILE})")
+                    help=f"let fla autotune afresh, not from the picks an earlier run left in --out ({picks.FILE}; "
+                         "a fresh --out starts from the committed ones)")
     ap.add_argument("--no-anatomy", action="store_true",
                     help="profile no step (by default one step of each model at the first setting is profiled)")
     ap.add_argument("--anatomy-at", default=None, metavar="SETTING",

@@ -11,7 +11,9 @@ runs at the settings its own autotuning chose, as it would in a warm process; a 
 file lacks is autotuned as usual.
 
 The file (`FILE` in the results folder) holds the machine it was made on and is merged, not
-replaced, by each run, so runs of different designs add up. It names the designs whose
+replaced, by each run, so runs of different designs add up; a results folder without one
+(`--out` somewhere new) starts from a copy of the committed file (`COMMITTED`) where that
+holds this machine's picks. It names the designs whose
 peer model ran to the end of a step when the picks were kept (`covered`): the warm-up
 compiles a covered design's pinned configs in one job, and shares out the configs of a
 design the picks do not cover (its kernels autotune as on a cold machine; one job
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 FILE = "fla_autotune.json"
+COMMITTED = Path(__file__).resolve().parent / "results"  # the picks kept in the repository
 Picks = dict[str, list[list[Any]]]  # autotuner name -> [[key, config], ...]
 
 
@@ -134,9 +137,18 @@ def pin(picks: Picks) -> int:
     return pinned
 
 
-def pin_from(folder: Path, log: Callable[[str], None] = print) -> Picks | None:
+def pin_from(folder: Path, log: Callable[[str], None] = print, committed: Path = COMMITTED) -> Picks | None:
     """The picks an earlier run left in `folder`, pinned in this process when they were
-    made on this machine (else None: the peer autotunes afresh)."""
+    made on this machine (else None: the peer autotunes afresh). A folder without picks of
+    this machine (a fresh `--out`) starts from the committed ones where those are this
+    machine's: its file becomes a copy of theirs, which this run's picks then join (fla's
+    RWKV-7 alone took 515 s to autotune afresh on an H100)."""
+    from archspec.atomic import write_text_atomic
+
+    if load(folder / FILE) is None and folder.resolve() != committed.resolve() and load(committed / FILE) is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(folder / FILE, (committed / FILE).read_text())
+        log(f"{folder / FILE}: a copy of the committed picks ({committed / FILE})")
     pinned = load(folder / FILE)
     if pinned is None:
         log(f"fla autotunes afresh: no picks of this machine in {folder / FILE}")

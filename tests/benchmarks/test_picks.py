@@ -68,7 +68,7 @@ def test_a_run_records_its_picks_and_the_next_pins_them(picks, monkeypatch, tmp_
         raise AssertionError("a pinned key was timed")
 
     monkeypatch.setattr(Autotuner, "_bench", no_timing)
-    pinned = picks.pin_from(tmp_path, log=lambda msg: None)
+    pinned = picks.pin_from(tmp_path, log=lambda msg: None, committed=tmp_path)
     assert pinned is not None
     assert torch.equal(_launch(), torch.full((N,), 32.0))
     assert _fill_block.best_config.kwargs == {"BLOCK": 32}
@@ -78,7 +78,29 @@ def test_picks_of_another_machine_are_not_used(picks, tmp_path: Path) -> None:
     other = {**picks.machine(), "triton": "0.0.0"}
     (tmp_path / picks.FILE).write_text(json.dumps({"machine": other, "picks": {"x": [[[1], {}]]}}))
     assert picks.load(tmp_path / picks.FILE) is None
-    assert picks.pin_from(tmp_path, log=lambda msg: None) is None
+    assert picks.pin_from(tmp_path, log=lambda msg: None, committed=tmp_path / "nothing") is None
+
+
+def test_a_fresh_results_folder_starts_from_the_committed_picks(picks, tmp_path: Path) -> None:
+    """`--out` somewhere new: the committed picks of this machine are copied there and
+    pinned (this run's then join them there); another machine's committed picks are not."""
+    committed, fresh = tmp_path / "results", tmp_path / "out" / "models"
+    committed.mkdir()
+    pick = {"kwargs": {"BLOCK": 32}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
+    theirs = {"machine": picks.machine(), "designs": ["kda"],
+              "picks": {f"{__name__}._fill_block": [[[N, "torch.float32"], pick]]}}
+    (committed / picks.FILE).write_text(json.dumps(theirs))
+    messages: list[str] = []
+    pinned = picks.pin_from(fresh, log=messages.append, committed=committed)
+    assert pinned == theirs["picks"] and json.loads((fresh / picks.FILE).read_text()) == theirs
+    assert picks.covered(fresh / picks.FILE) == {"kda"}
+    assert "a copy of the committed picks" in messages[0]
+    assert torch.equal(_launch(), torch.full((N,), 32.0))  # pinned: the committed pick runs
+
+    other = tmp_path / "other"
+    (committed / picks.FILE).write_text(json.dumps({**theirs, "machine": {**theirs["machine"], "triton": "0.0.0"}}))
+    assert picks.pin_from(other, log=lambda msg: None, committed=committed) is None
+    assert not (other / picks.FILE).exists()
 
 
 def test_recording_merges_with_the_file(picks, tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported: the
 import torch  # noqa: E402
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook  # noqa: E402
 
+import archspec.kernels  # noqa: E402
 import common  # noqa: E402
 from archspec.kernels.interpreter import patch_language_once_per_launch  # noqa: E402
 from archspec.kernels.kinds import triton_interpreter_on  # noqa: E402
@@ -53,7 +54,10 @@ STEP_TOKENS = ISSUE_SIZE.tokens  # the whole-model benchmark's tokens a step
 # The two lengths whose difference is counted: whole chunks of every kernel, and no
 # width of the model, so that a shape's token dimension can be told from the others.
 SHORT, LONG = 192, 320
-OWN_CODE = (str(ROOT / "blocks"), str(ROOT / "kernels"), str(ROOT / "archspec"))
+# The tree whose code runs (the installed archspec's, which may not be this script's own
+# checkout): the saving calls are named by their place in it.
+CODE_ROOT = Path(archspec.kernels.__file__).resolve().parents[1]
+OWN_CODE = (str(CODE_ROOT / "blocks"), str(CODE_ROOT / "kernels"), str(CODE_ROOT / "archspec"))
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ def saving_function() -> str:
     while frame is not None:
         path = frame.f_code.co_filename
         if path.startswith(OWN_CODE):
-            return f"{os.path.relpath(path, ROOT)}:{frame.f_code.co_name}"
+            return f"{os.path.relpath(path, CODE_ROOT)}:{frame.f_code.co_name}"
         frame = frame.f_back
     return "torch"
 

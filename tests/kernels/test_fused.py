@@ -7,7 +7,8 @@ gradient.
   ungated norm keeps for its backward (its output), and its gradients where a weight is
   zero.
 - Short conv + SiLU (+ per-head L2 norm): against a loop over each sequence on its own,
-  with carried tails and packed documents.
+  with carried tails and packed documents; under bfloat16 autocast, its output and input
+  gradient against float64 within one rounding to bfloat16 (also on CUDA).
 - SwiGLU's down projection: against `(g * sigmoid(g) * u) @ W^T` written out in float64.
 - The read-out (output norm, then `o_proj`): against the formula and the product in float64.
 
@@ -38,6 +39,8 @@ from archspec.kernels import (
 from archspec.kernels.fused import linear_as
 from archspec.kernels.linear_ce import IGNORE_INDEX, LOGITS_CHUNK_BYTES, MIN_CHUNK_ROWS, chunk_rows_for, softmax_ce_grad_
 from archspec.kernels.short_conv import conv_tails
+
+from .half_rounding import bf16_products
 
 BACKENDS = ["torch", "triton"]
 # (backend, dtype) pairs of the CPU tests: the float32 one checks the kernels' casts.
@@ -658,6 +661,46 @@ def test_gpu_short_conv_kernel_equals_torch(dtype, packed, with_tail, head_dim, 
     for a, b in zip(*results):
         # The weight's gradient sums over B*T tokens: compare relative to its size.
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2 * max(1.0, b.float().abs().max().item() / 10), rtol=3e-2)
+
+
+def _short_conv_rounds_once(device: str, B: int, T: int, C: int, head_dim: int, activation: bool) -> None:
+    """The fused short conv under bfloat16 autocast, as a model runs it (bfloat16 `x` and
+    `dy`, the float32 weight), against float64 on those very inputs: its output and `dx`
+    are the exact values rounded once to bfloat16 (relative error within 5% of that
+    rounding's own), its weight gradient exact to float32 accumulation (1e-5)."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(B, T, C, device=device, generator=gen).bfloat16().requires_grad_()
+    w = (0.5 * torch.randn(C, 4, device=device, generator=gen)).requires_grad_()
+    dy = torch.randn(B, T, C, device=device, generator=gen).bfloat16()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y = short_conv(x, w, activation=activation, head_dim=head_dim, backend="triton")
+    got = [y, *_grads(y, [x, w], dy)]
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y64 = short_conv(x64, w64, activation=activation, head_dim=head_dim, backend="torch")
+    exact = [y64, *_grads(y64, [x64, w64], dy.double())]
+
+    def error(a: torch.Tensor, ref: torch.Tensor) -> float:
+        return ((a.double() - ref).norm() / ref.norm()).item()
+
+    for name, a, ref in zip(("y", "dx"), got[:2], exact[:2]):
+        assert a.dtype == torch.bfloat16
+        once = error(ref.bfloat16(), ref)  # the exact value rounded to bfloat16
+        assert error(a, ref) <= 1.05 * once, f"{name}: {error(a, ref):.3e} off float64, one rounding is {once:.3e}"
+    assert got[2].dtype == torch.float32 and error(got[2], exact[2]) < 1e-5
+
+
+@pytest.mark.parametrize("head_dim,activation", [(0, True), (16, True), (0, False)])
+def test_short_conv_in_autocast_rounds_once(head_dim, activation):
+    """On the interpreter, with its float32 -> bfloat16 casts rounded to nearest as the
+    GPU's are (`half_rounding`; the interpreter's own truncate)."""
+    with bf16_products():
+        _short_conv_rounds_once("cpu", 2, 48, 64, head_dim, activation)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,activation", [(0, True), (128, True), (32, True), (0, False)])
+def test_gpu_short_conv_in_autocast_rounds_once(head_dim, activation):
+    _short_conv_rounds_once("cuda", 4, 2048, 1024, head_dim, activation)
 
 
 @pytest.mark.gpu

@@ -4,6 +4,8 @@ and the model on the fused Triton pieces against the model on plain torch.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,6 +154,12 @@ def test_the_output_gate_is_formed_again_in_the_backward_not_kept(name):
         assert torch.equal(a, b)
 
 
+# The autocast comparison's limits (the test's docstring says where they come from): per
+# parameter, and for the geometric mean of fused/plain over the parameters.
+WORST_TIMES_PLAIN, WORST_FLOOR = 4, 0.02
+TYPICAL_TIMES_PLAIN = 1.25
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", [4, 7])
 @pytest.mark.parametrize("name", ["gdn-scalar", "kda-channel", "rwkv7-nh2-b2-channel"])
@@ -159,23 +167,34 @@ def test_gpu_model_in_autocast_fused_pieces_equal_torch(name, seed):
     """bf16 autocast with float32 weights on CUDA: the fused pieces against plain torch.
 
     Both autocast runs are compared with the same model in float32 without autocast (torch
-    path): per parameter, the fused run's gradient error (relative Frobenius) must be at
-    most twice plain torch's, plus 1e-2. Two bfloat16 computations differ by their own
-    roundings: on the H200 the embedding's gradient of gdn-scalar was 3.3e-2 apart between
-    the two, which says nothing about which is off; a wrong kernel is off by O(1).
+    path), by each parameter's gradient error (relative Frobenius). Two bfloat16
+    computations differ by their own roundings, and a model at initialisation magnifies
+    them: in rwkv7-nh2-b2-channel the gradient reaching layer 0's convs is 13-18% off
+    float32 in both runs and 21% apart between them (CPU, seed 14), from forward outputs
+    0.4% off. The two runs' errors are then nearly independent draws of one size, and the
+    worst of 49 parameters' ratios is an extreme value: with only the short conv fused
+    (which rounds once, `test_short_conv_in_autocast_rounds_once`), fused/plain reached
+    2.6x on the CPU (seed 14) and 2.9x on the H100 (seed 7, conv.q.conv.weight 3.27e-1
+    against 1.11e-1), while the geometric mean over all parameters stayed at 0.68-1.03 over
+    five seeds. So two checks: per parameter the fused error is at most 4x plain's + 0.02,
+    which a wrong kernel or wiring (off by O(1)) exceeds, and the geometric mean of
+    fused/plain over the parameters is at most 1.25, which a fused path worse across the
+    board exceeds. (On the H200 the embedding's gradient of gdn-scalar was 3.3e-2 apart
+    between the two runs, which says nothing about which is off.) The fused pieces' own
+    rounding is tested kernel by kernel (`tests/kernels/test_fused.py`).
 
     The recurrence runs on the torch path in both autocast runs. That path turns autocast
     off and computes in float32 (`kernels/chunked.py`), while the Triton kernel takes
     bfloat16 operands, so with it the comparison would weigh the kernel's own bfloat16
     rounding, amplified by the model, against none: on the CPU under
     `half_rounding.bf16_products` (which reproduces the H200's errors), the Triton
-    recurrence alone put rwkv7-nh2-b2-channel's gradients 1.1-1.9 times this limit (its
-    outputs and gradients 1e-2 to 3e-2 off float64 at the model's inputs) while the fused
-    pieces alone stayed within 0.46-0.99 of it; on the H200 kda-channel (seed 4) and the
-    rwkv7 case (seeds 4 and 7) failed with the Triton recurrence, and with its operands in
-    float32 passed for seed 4 (the rwkv7 case with seed 7 still failed, at 1.5 times the
-    limit). The recurrence's bfloat16 error is tested against float64 kernel by kernel
-    (`tests/kernels/test_triton.py` on CUDA, `benchmarks/gpu_check.py`).
+    recurrence alone put rwkv7-nh2-b2-channel's gradients 1.1-1.9 times the limit this
+    test had then (2x plain + 1e-2; its outputs and gradients 1e-2 to 3e-2 off float64 at
+    the model's inputs) while the fused pieces alone stayed within 0.46-0.99 of it; on the
+    H200 kda-channel (seed 4) and the rwkv7 case (seeds 4 and 7) failed it with the Triton
+    recurrence, and with its operands in float32 passed for seed 4. The recurrence's
+    bfloat16 error is tested against float64 kernel by kernel (`tests/kernels/test_triton.py`
+    on CUDA, `benchmarks/gpu_check.py`).
 
     The gate's decay parameters (`A_log` and its bias) are the exception: their gradient
     sums `dL/dg` over every token of the batch, and those terms cancel to a few percent of
@@ -218,10 +237,14 @@ def test_gpu_model_in_autocast_fused_pieces_equal_torch(name, seed):
         if id(p) in decay_params:
             continue
         fused, plain = error("triton", i), error("torch", i)
-        rows.append((fused / (2 * plain + 1e-2), pname, fused, plain))
+        rows.append((fused / (WORST_TIMES_PLAIN * plain + WORST_FLOOR), pname, fused, plain))
     rows.sort(reverse=True)
     worst = "; ".join(f"{pname} {fused:.2e} (plain {plain:.2e})" for _, pname, fused, plain in rows[:5])
-    assert rows[0][0] <= 1, f"gradients off float32 by more than twice plain torch's + 1e-2: {worst}"
+    limit = f"{WORST_TIMES_PLAIN}x plain torch's + {WORST_FLOOR}"
+    assert rows[0][0] <= 1, f"gradients off float32 by more than {limit}: {worst}"
+    logs = [math.log(max(fused, 1e-12) / max(plain, 1e-12)) for _, _, fused, plain in rows]
+    typical = math.exp(sum(logs) / len(logs))
+    assert typical <= TYPICAL_TIMES_PLAIN, f"fused gradients {typical:.2f}x plain's error (geometric mean); {worst}"
     assert len(rows) == len(named) - len(decay_params) and len(seen) == len(gates) == 2
 
 

@@ -70,6 +70,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -764,7 +765,7 @@ def measured_notes(rows: list[dict]) -> list[str]:
             settings.append(r.get("setting"))
     if len(runs) < 2:
         return []
-    spans = {spec: sum(spec in specs for specs in runs.values()) for specs in runs.values() for spec in specs}
+    spans = Counter(spec for specs in runs.values() for spec in specs)  # how many runs measured each spec
 
     def label(spec: str, settings: list[str]) -> str:
         # a spec whose settings come from different runs (a run cut short) names them

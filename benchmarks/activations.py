@@ -45,7 +45,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 import archspec.kernels  # noqa: E402
 import common  # noqa: E402
-from archspec.kernels.interpreter import patch_language_once_per_launch  # noqa: E402
+from archspec.triton_interpreter import patch_language_once_per_launch  # noqa: E402
 from archspec.kernels.kinds import triton_interpreter_on  # noqa: E402
 from models import ISSUE_SIZE, SMOKE_SIZE, SPECS, Size, load_plan, unfit_at  # noqa: E402
 

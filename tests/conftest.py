@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from archspec.kernels.interpreter import patch_language_once_per_launch
+    from archspec.triton_interpreter import patch_language_once_per_launch
 
     patch_language_once_per_launch()
 

@@ -5,6 +5,7 @@ and the model on the fused Triton pieces against the model on plain torch.
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -155,15 +156,58 @@ def test_the_output_gate_is_formed_again_in_the_backward_not_kept(name):
 
 
 # The autocast comparison's limits (the test's docstring says where they come from): per
-# parameter, and for the geometric mean of fused/plain over the parameters.
+# parameter in every seed, and for the median over the seeds of each seed's geometric mean
+# of fused/plain over the parameters.
 WORST_TIMES_PLAIN, WORST_FLOOR = 4, 0.02
 TYPICAL_TIMES_PLAIN = 1.25
+AUTOCAST_SEEDS = (3, 4, 5, 6, 7)
+
+
+def _autocast_gradient_errors(name: str, seed: int) -> tuple[list[tuple[float, str, float, float]], float]:
+    """One seed of `test_gpu_model_in_autocast_fused_pieces_equal_torch`: (rows of (fused
+    error over its limit, name, fused error, plain error), worst first; the geometric mean
+    of fused/plain over the rows)."""
+    torch.manual_seed(seed)
+    plan = model_plan(COMBINATIONS[name], layers=2, d_model=256, vocab_size=1000)
+    model = build_model(plan).cuda()
+    gates = [m.gate for m in model.mixers()]
+    decay_params = {id(p) for g in gates for p in g.parameters(recurse=False)}  # A_log (mamba2) and the bias
+    seen: list[torch.Tensor] = []
+    for gate in gates:
+        gate.register_forward_hook(lambda module, args, g: seen.append(g))
+    ids = torch.randint(0, 1000, (2, 512), device="cuda")
+    labels = torch.roll(ids, -1, 1)
+    results = {}
+    for run, backend, autocast in (("float32", "torch", False), ("torch", "torch", True), ("triton", "triton", True)):
+        model.set_backend(backend)
+        for mixer in model.mixers():
+            mixer.backend = "torch"  # the recurrence in float32 in every run (the test's docstring says why)
+        seen.clear()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(ids, labels=labels)
+        results[run] = [loss, *torch.autograd.grad(loss, [*model.parameters(), *seen])]
+    torch.testing.assert_close(results["triton"][0], results["float32"][0], atol=2e-2, rtol=2e-2)
+
+    def error(run: str, i: int) -> float:
+        a, ref = results[run][i].double(), results["float32"][i].double()
+        return ((a - ref).norm() / ref.norm().clamp(min=1e-12)).item()
+
+    named = [*model.named_parameters(), *((f"dL/dg of layer {i}", g) for i, g in enumerate(seen))]
+    rows = []
+    for i, (pname, p) in enumerate(named, start=1):
+        if id(p) in decay_params:
+            continue
+        fused, plain = error("triton", i), error("torch", i)
+        rows.append((fused / (WORST_TIMES_PLAIN * plain + WORST_FLOOR), pname, fused, plain))
+    assert len(rows) == len(named) - len(decay_params) and len(seen) == len(gates) == 2
+    rows.sort(reverse=True)
+    logs = [math.log(max(fused, 1e-12) / max(plain, 1e-12)) for _, _, fused, plain in rows]
+    return rows, math.exp(sum(logs) / len(logs))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seed", [4, 7])
 @pytest.mark.parametrize("name", ["gdn-scalar", "kda-channel", "rwkv7-nh2-b2-channel"])
-def test_gpu_model_in_autocast_fused_pieces_equal_torch(name, seed):
+def test_gpu_model_in_autocast_fused_pieces_equal_torch(name):
     """bf16 autocast with float32 weights on CUDA: the fused pieces against plain torch.
 
     Both autocast runs are compared with the same model in float32 without autocast (torch
@@ -171,17 +215,24 @@ def test_gpu_model_in_autocast_fused_pieces_equal_torch(name, seed):
     computations differ by their own roundings, and a model at initialisation magnifies
     them: in rwkv7-nh2-b2-channel the gradient reaching layer 0's convs is 13-18% off
     float32 in both runs and 21% apart between them (CPU, seed 14), from forward outputs
-    0.4% off. The two runs' errors are then nearly independent draws of one size, and the
-    worst of 49 parameters' ratios is an extreme value: with only the short conv fused
-    (which rounds once, `test_short_conv_in_autocast_rounds_once`), fused/plain reached
-    2.6x on the CPU (seed 14) and 2.9x on the H100 (seed 7, conv.q.conv.weight 3.27e-1
-    against 1.11e-1), while the geometric mean over all parameters stayed at 0.68-1.03 over
-    five seeds. So two checks: per parameter the fused error is at most 4x plain's + 0.02,
-    which a wrong kernel or wiring (off by O(1)) exceeds, and the geometric mean of
-    fused/plain over the parameters is at most 1.25, which a fused path worse across the
-    board exceeds. (On the H200 the embedding's gradient of gdn-scalar was 3.3e-2 apart
-    between the two runs, which says nothing about which is off.) The fused pieces' own
-    rounding is tested kernel by kernel (`tests/kernels/test_fused.py`).
+    0.4% off. The two runs' errors are then nearly independent draws of one size, and both
+    the worst of 49 parameters' ratios and the ratios' geometric mean are draws too,
+    correlated across parameters (one perturbation of the forward reaches them all). On
+    the H100, rwkv7-nh2-b2-channel over seeds 0-11: the geometric mean of fused/plain was
+    0.84-1.07 in eleven seeds and 1.50 in seed 7 (its conv.q.conv.weight of layer 1
+    3.27e-1 against 1.11e-1); with the short conv put back on torch and every other piece
+    fused it was 0.99-1.02, so the fused conv is the difference, and it is the more
+    accurate conv (it rounds once, `test_short_conv_in_autocast_rounds_once`), typically
+    lowering the model's gradient error. Worst fused/(4 plain + 0.02) over those seeds:
+    0.25-0.70. So two checks over five seeds: per parameter, in every seed, the fused error
+    is at most 4x plain's + 0.02, which a wrong kernel or wiring (off by O(1)) exceeds
+    (on the CPU a 30% error in the conv's dx put proj.q's weight at 0.66 against plain's
+    0.085, a dropped dw at 1.0 against 0.05); and the median over the seeds of the
+    geometric mean of fused/plain is at most 1.25, which a fused path worse across the
+    board exceeds while one seed's outlier does not. (On the H200 the embedding's gradient
+    of gdn-scalar was 3.3e-2 apart between the two runs, which says nothing about which is
+    off.) The fused pieces' own rounding is tested kernel by kernel
+    (`tests/kernels/test_fused.py`).
 
     The recurrence runs on the torch path in both autocast runs. That path turns autocast
     off and computes in float32 (`kernels/chunked.py`), while the Triton kernel takes
@@ -204,48 +255,17 @@ def test_gpu_model_in_autocast_fused_pieces_equal_torch(name, seed):
     same criterion is applied to what the recurrence hands the gate, `dL/dg` per token and
     channel (a forward hook on the gate takes it, which also makes the mixer keep `g`
     instead of its recipe: `test_recompute` shows the two give equal gradients); the gate's
-    own backward from `dL/dg` is `test_gpu_log_decay_kernel_equals_torch`'s. Two seeds; a
-    failure lists the parameters nearest their limit, fused against plain errors."""
-    torch.manual_seed(seed)
-    plan = model_plan(COMBINATIONS[name], layers=2, d_model=256, vocab_size=1000)
-    model = build_model(plan).cuda()
-    gates = [m.gate for m in model.mixers()]
-    decay_params = {id(p) for g in gates for p in g.parameters(recurse=False)}  # A_log (mamba2) and the bias
-    seen: list[torch.Tensor] = []
-    for gate in gates:
-        gate.register_forward_hook(lambda module, args, g: seen.append(g))
-    ids = torch.randint(0, 1000, (2, 512), device="cuda")
-    labels = torch.roll(ids, -1, 1)
-    results = {}
-    for run, backend, autocast in (("float32", "torch", False), ("torch", "torch", True), ("triton", "triton", True)):
-        model.set_backend(backend)
-        for mixer in model.mixers():
-            mixer.backend = "torch"  # the recurrence in float32 in every run (the docstring says why)
-        seen.clear()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(ids, labels=labels)
-        results[run] = [loss, *torch.autograd.grad(loss, [*model.parameters(), *seen])]
-    torch.testing.assert_close(results["triton"][0], results["float32"][0], atol=2e-2, rtol=2e-2)
-
-    def error(run: str, i: int) -> float:
-        a, ref = results[run][i].double(), results["float32"][i].double()
-        return ((a - ref).norm() / ref.norm().clamp(min=1e-12)).item()
-
-    named = [*model.named_parameters(), *((f"dL/dg of layer {i}", g) for i, g in enumerate(seen))]
-    rows = []  # (error over its limit, name, fused error, plain error)
-    for i, (pname, p) in enumerate(named, start=1):
-        if id(p) in decay_params:
-            continue
-        fused, plain = error("triton", i), error("torch", i)
-        rows.append((fused / (WORST_TIMES_PLAIN * plain + WORST_FLOOR), pname, fused, plain))
-    rows.sort(reverse=True)
-    worst = "; ".join(f"{pname} {fused:.2e} (plain {plain:.2e})" for _, pname, fused, plain in rows[:5])
+    own backward from `dL/dg` is `test_gpu_log_decay_kernel_equals_torch`'s. A failure
+    lists the parameters nearest their limit, fused against plain errors."""
     limit = f"{WORST_TIMES_PLAIN}x plain torch's + {WORST_FLOOR}"
-    assert rows[0][0] <= 1, f"gradients off float32 by more than {limit}: {worst}"
-    logs = [math.log(max(fused, 1e-12) / max(plain, 1e-12)) for _, _, fused, plain in rows]
-    typical = math.exp(sum(logs) / len(logs))
-    assert typical <= TYPICAL_TIMES_PLAIN, f"fused gradients {typical:.2f}x plain's error (geometric mean); {worst}"
-    assert len(rows) == len(named) - len(decay_params) and len(seen) == len(gates) == 2
+    typical_by_seed = {}
+    for seed in AUTOCAST_SEEDS:
+        rows, typical_by_seed[seed] = _autocast_gradient_errors(name, seed)
+        worst = "; ".join(f"{pname} {fused:.2e} (plain {plain:.2e})" for _, pname, fused, plain in rows[:5])
+        assert rows[0][0] <= 1, f"seed {seed}: gradients off float32 by more than {limit}: {worst}"
+    median = statistics.median(typical_by_seed.values())
+    by_seed = ", ".join(f"seed {seed} {typical:.2f}" for seed, typical in typical_by_seed.items())
+    assert median <= TYPICAL_TIMES_PLAIN, f"fused gradients {median:.2f}x plain's error (median over seeds of the geometric mean; {by_seed})"
 
 
 def test_hooked_convs_and_gates_keep_their_outputs_on_the_triton_path():

@@ -327,7 +327,7 @@ def run_design(spec: Path, run: Decode, *, with_fla: bool, rounds: int, bandwidt
             except Exception as exc:  # the profiler is a view, not the measurement: keep the row
                 mine.anatomy = {"error": first_line(exc)}
         rows += by_impl.values()
-        if with_fla and "fla" not in by_impl:
+        if refusal is not None and "fla" not in by_impl:
             rows.append(Row(design or spec.stem, spec.stem, "fla", batch, run.prompt, run.new_tokens, refused=refusal))
         for row in by_impl.values():
             log(f"  B={batch:<3} {row.impl:4}: " + (f"refused: {row.refused.splitlines()[0]}" if row.refused else

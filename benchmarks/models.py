@@ -425,13 +425,15 @@ def beside_fla(plan, mine, build_theirs: Callable[[int], Any], *, with_fla: bool
                log: Callable[[str], None]) -> tuple[list, str | None]:
     """`[mine]` or `[mine, fla's]` (anything with `.params`), and why fla's is missing:
     no fla model of this design, fla refused (its error), or a parameter count more than
-    `PARAM_TOLERANCE` from ours (not comparable). Both counts are logged."""
-    if not with_fla:
-        return [mine], None
+    `PARAM_TOLERANCE` from ours (not comparable). Both counts are logged. Without
+    `with_fla` fla is not asked, yet a design fla has no model of still says so: that
+    is a fact of the design, not of this run, and a merged run keeps it."""
     if plan.hybrid:
         return [mine], "a hybrid stack: fla's attention layers have no field-by-field counterpart of ours"
     if fla_design(plan) is None:
         return [mine], "flash-linear-attention has no model of this design"
+    if not with_fla:
+        return [mine], None
     try:
         their = build_theirs(mine.params)
     except Exception as exc:  # an import error, a kernel that will not run here: recorded, ours shown alone
@@ -641,7 +643,7 @@ def run_design(spec: Path, size: Size, *, with_fla: bool, rounds: int, warmup: i
                    for t in timed}
         time_side_by_side(timed, batch, rounds, warmup, size.device, by_impl)
         measured = list(by_impl.values())
-        if with_fla and "fla" not in by_impl:
+        if refusal is not None and "fla" not in by_impl:
             measured.append(Row(design or spec.stem, spec.stem, setting, "fla", B, T, docs, refused=refusal))
         rows += measured
         if anatomies is not None and setting == anatomy_at:  # after the timing, never in it; before the rows are handed on

@@ -26,7 +26,11 @@ def test_smoke_run_writes_every_batch(bench, tmp_path):
     assert bench.main([*quick, "--specs", "osdn-apf", "--merge"]) == 0  # a run split over two calls
     record = json.loads((tmp_path / "decode.json").read_text())
     assert record["machine"]["torch"] == torch.__version__ and record["bandwidth_gb_s"] > 0
-    rows = record["rows"]
+    # fla is not asked (--smoke), yet the design it has no model of says so at every batch.
+    refused = [r for r in record["rows"] if r["impl"] == "fla"]
+    assert {(r["spec"], r["batch"]) for r in refused} == {("osdn-apf", 1), ("osdn-apf", 3)}
+    assert all(r["refused"] == "flash-linear-attention has no model of this design" for r in refused)
+    rows = [r for r in record["rows"] if r["impl"] != "fla"]
     assert {(r["spec"], r["batch"]) for r in rows} == {(s, b) for s in ("gated-deltanet", "osdn-apf") for b in (1, 3)}
     timed = [r for r in rows if r["refused"] is None]
     # A shared CPU can make a one-token call slower than an eight-token one; such a row says
@@ -39,7 +43,8 @@ def test_smoke_run_writes_every_batch(bench, tmp_path):
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * 7 * 1e3 / (7 * r["ms_per_token"]))
         assert min(r["whole_ms_all"]) - min(r["first_ms_all"]) == pytest.approx(7 * r["ms_per_token"], abs=2e-3)
     table = (tmp_path / "decode.md").read_text()
-    assert all(f"| {r['design']} | {r['spec']} | {r['batch']} | {r['tokens_per_s']:,.0f} |" in table for r in timed)
+    assert all(f"| {r['design']} | {r['spec']} | {r['batch']} | {r['tokens_per_s']:,.0f} " in table for r in timed)
+    assert "| osdn-apf | osdn-apf | 1 | " in table and "(fla: flash-linear-attention has no model of this design)" in table
     assert bench.main([*quick, "--specs", "nonesuch"]) == 2
     assert bench.main([*quick, "--new-tokens", "1"]) == 2
 

@@ -232,9 +232,9 @@ def test_gpu_model_in_autocast_fused_pieces_equal_torch(name):
     board exceeds while one seed's outlier does not. On the CPU with the GPU's nearest
     bfloat16 rounding (`half_rounding.bf16_products`, autocast on the CPU) over these five
     seeds: worst per parameter 0.21-0.36 of its limit, geometric means 0.74-1.02 (medians:
-    gdn-scalar 0.92, kda-channel 0.87, rwkv7-nh2-b2-channel 0.80). (On the H200 the embedding's gradient
-    of gdn-scalar was 3.3e-2 apart between the two runs, which says nothing about which is
-    off.) The fused pieces' own rounding is tested kernel by kernel
+    gdn-scalar 0.92, kda-channel 0.87, rwkv7-nh2-b2-channel 0.80). (On the H200 the
+    embedding's gradient of gdn-scalar was 3.3e-2 apart between the two runs, which says
+    nothing about which is off.) The fused pieces' own rounding is tested kernel by kernel
     (`tests/kernels/test_fused.py`).
 
     The recurrence runs on the torch path in both autocast runs. That path turns autocast
@@ -268,7 +268,8 @@ def test_gpu_model_in_autocast_fused_pieces_equal_torch(name):
         assert rows[0][0] <= 1, f"seed {seed}: gradients off float32 by more than {limit}: {worst}"
     median = statistics.median(typical_by_seed.values())
     by_seed = ", ".join(f"seed {seed} {typical:.2f}" for seed, typical in typical_by_seed.items())
-    assert median <= TYPICAL_TIMES_PLAIN, f"fused gradients {median:.2f}x plain's error (median over seeds of the geometric mean; {by_seed})"
+    assert median <= TYPICAL_TIMES_PLAIN, \
+        f"fused gradients {median:.2f}x plain's error (median over seeds of the geometric mean; {by_seed})"
 
 
 def test_hooked_convs_and_gates_keep_their_outputs_on_the_triton_path():
